@@ -1,0 +1,154 @@
+"""Typed refusals of the checkpoint protocol.
+
+Every refusal the plugin makes is one of these classes. Each carries a stable
+``code`` and HTTP ``status`` from PROTOCOL.md's error table; one FastAPI
+exception handler (``install_error_handler``) renders them as
+``{"error": {"code": ..., "detail": ...}}``. Never raise a bare exception for
+bad input: pick the class whose docstring says when it is raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "CheckpointError",
+    "Unauthorized",
+    "StaleCheckpoint",
+    "CheckpointConflict",
+    "InvalidPhase",
+    "DeadlineExceeded",
+    "StaleAttempt",
+    "RestartInScope",
+    "ExportFailed",
+    "CheckpointParked",
+    "RolloutIdRequired",
+    "InvalidCheckpointState",
+    "ERRORS_BY_CODE",
+    "error_body",
+    "install_error_handler",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every protocol refusal; ``code`` and ``status`` are part of the wire contract."""
+
+    code: ClassVar[str] = "checkpoint_error"
+    status: ClassVar[int] = 409
+
+    def __init__(self, detail: str, **data: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        # Structured facts about the refusal (an episode key, a path...), for callers and logs.
+        self.data = data
+
+    def to_body(self) -> dict[str, Any]:
+        return error_body(self.code, self.detail)
+
+
+class Unauthorized(CheckpointError):
+    """The bearer token is missing or does not match the configured token."""
+
+    code = "unauthorized"
+    status = 401
+
+
+class StaleCheckpoint(CheckpointError):
+    """The checkpoint id was already resumed (the last 64 resumed ids are remembered)."""
+
+    code = "stale_checkpoint"
+
+
+class CheckpointConflict(CheckpointError):
+    """Another checkpoint id is active, or a retried commit/restore names a different directory or scope."""
+
+    code = "checkpoint_conflict"
+
+
+class InvalidPhase(CheckpointError):
+    """The operation is not valid in the participant's current phase."""
+
+    code = "invalid_phase"
+
+
+class DeadlineExceeded(CheckpointError):
+    """The call's ``deadline_ts`` passed before (or on arrival, before) the work finished."""
+
+    code = "deadline_exceeded"
+
+
+class StaleAttempt(CheckpointError):
+    """A data or control request names an attempt that was retired."""
+
+    code = "stale_attempt"
+
+
+class RestartInScope(CheckpointError):
+    """A commit scope names an episode this participant reported as a restart."""
+
+    code = "restart_in_scope"
+
+
+class ExportFailed(CheckpointError):
+    """This checkpoint's export failed; every later commit of the same id gets this too."""
+
+    code = "export_failed"
+
+
+class CheckpointParked(CheckpointError):
+    """Admission is closed and the request cannot wait for resume."""
+
+    code = "checkpoint_parked"
+
+
+class RolloutIdRequired(CheckpointError):
+    """Agent work arrived without a rollout id, so it cannot be attributed to an episode."""
+
+    code = "rollout_id_required"
+    status = 400
+
+
+class InvalidCheckpointState(CheckpointError):
+    """A checkpoint on disk (or one being written) cannot be trusted or cannot be made.
+
+    Raised for a manifest that is not JSON, not an object, missing fields or of
+    another schema version; a records file outside the participant directory or
+    missing; a digest or count mismatch; a truncated or invalid record (naming
+    its episode where known); a value that is not JSON; a directory that cannot
+    hold state; a directory that already holds another checkpoint's manifest.
+    """
+
+    code = "invalid_checkpoint_state"
+    status = 422
+
+
+ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
+    cls.code: cls
+    for cls in (
+        Unauthorized,
+        StaleCheckpoint,
+        CheckpointConflict,
+        InvalidPhase,
+        DeadlineExceeded,
+        StaleAttempt,
+        RestartInScope,
+        ExportFailed,
+        CheckpointParked,
+        RolloutIdRequired,
+        InvalidCheckpointState,
+    )
+}
+
+
+def error_body(code: str, detail: str) -> dict[str, Any]:
+    return {"error": {"code": code, "detail": detail}}
+
+
+def install_error_handler(app: Any) -> None:
+    """Render every ``CheckpointError`` raised by a route as its JSON body and status."""
+    from fastapi.responses import ORJSONResponse
+
+    async def _handle(_request: Any, exc: CheckpointError) -> ORJSONResponse:
+        return ORJSONResponse(exc.to_body(), status_code=exc.status)
+
+    app.add_exception_handler(CheckpointError, _handle)

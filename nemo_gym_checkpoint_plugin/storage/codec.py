@@ -1,0 +1,123 @@
+"""Faithful JSON lines for checkpoint records.
+
+A record must come back exactly: key order, NaN and infinities, and integers
+beyond 64 bits. orjson is used first (it is the fast path and keeps key order);
+it cannot encode integers beyond 64 bits and it silently writes NaN and the
+infinities as ``null``, so only where that can have happened (orjson raised, or
+its output contains ``null``) is the record checked and, if needed, encoded by
+the standard library instead, which writes ``NaN``/``Infinity``/``-Infinity``
+and exact big integers. Decoding mirrors it: orjson first, the standard library
+for the lines orjson refuses.
+
+Values that are not JSON (a ``datetime``, a ``set``, a dataclass, bytes) are
+refused rather than coerced, so what is restored is what was exported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import orjson
+
+__all__ = ["NotJSON", "encode_line", "decode_line"]
+
+# Send orjson's non-JSON conveniences to ``default`` (which refuses them).
+_OPTIONS = (
+    orjson.OPT_APPEND_NEWLINE
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
+
+class NotJSON(TypeError):
+    """The record holds a value JSON cannot represent faithfully."""
+
+
+def _refuse(value: Any) -> Any:
+    raise NotJSON(f"{type(value).__name__} is not a JSON value: {value!r:.80}")
+
+
+def _needs_fallback(value: Any) -> bool:
+    """True when orjson would have changed the value: a NaN or infinity somewhere."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is float:
+            if not math.isfinite(item):
+                return True
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+    return False
+
+
+def _check_plain(value: Any) -> None:
+    """Refuse what the standard library would coerce or cannot encode (walked only on the slow path)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is dict:
+            for key in item:
+                if type(key) is not str:
+                    raise NotJSON(f"object key {key!r:.80} is not a string")
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+        elif item is None or kind in (str, int, float, bool):
+            continue
+        else:
+            _refuse(item)
+
+
+def _stdlib_line(value: Any) -> bytes:
+    _check_plain(value)
+    text = json.dumps(value, ensure_ascii=False, allow_nan=True, separators=(",", ":"))
+    try:
+        return text.encode("utf-8") + b"\n"
+    except UnicodeEncodeError as exc:
+        raise NotJSON(f"a string holds {exc.object[exc.start:exc.end]!r}, which is not valid Unicode") from None
+
+
+def encode_line(value: Any) -> bytes:
+    """One JSON line (newline included) that ``decode_line`` turns back into an equal value.
+
+    Raises ``NotJSON`` naming the offending value when the record is not plain JSON.
+    """
+    try:
+        line = orjson.dumps(value, default=_refuse, option=_OPTIONS)
+    except orjson.JSONEncodeError as exc:
+        if isinstance(exc.__cause__, NotJSON):
+            raise exc.__cause__ from None
+        # Integers beyond 64 bits (and nothing else) are what the standard library adds.
+        return _stdlib_line(value)
+    if b"null" in line and _needs_fallback(value):
+        return _stdlib_line(value)
+    return line
+
+
+# orjson reads an integer beyond 64 bits as a float, silently. Such a token has at least 19
+# digits in a row, which no float orjson or the standard library writes has (17 significant
+# digits at most), so a line without a run of 19 digits is safe for orjson. Digits map to "0"
+# and everything else to " ", and a C-level substring search finds the run.
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
+
+
+def decode_line(line: bytes) -> Any:
+    """Decode one record line written by ``encode_line``; raises ``ValueError`` when it is not JSON."""
+    if _LONG_RUN in line.translate(_DIGITS_ONLY):
+        # Maybe an integer beyond 64 bits (or just a long digit string): read it exactly.
+        return json.loads(line)
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        # NaN and Infinity tokens: only the standard library reads them.
+        return json.loads(line)
+
+

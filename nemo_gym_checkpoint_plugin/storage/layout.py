@@ -1,0 +1,45 @@
+"""Names and paths of the on-disk checkpoint layout (PROTOCOL.md, "Storage layout").
+
+``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
+``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import InvalidCheckpointState
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MANIFEST_NAME",
+    "MANIFEST_FIELDS",
+    "SAFE_COMPONENT",
+    "RECORDS_FILE",
+    "records_name",
+    "participant_dir",
+    "check_component",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FIELDS = ("schema_version", "kind", "instance", "checkpoint_id", "records_file", "records_sha256",
+                   "record_count")
+SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+RECORDS_FILE = re.compile(r"^records(-[0-9a-f]{64})?\.jsonl$")
+
+
+def check_component(what: str, value: object) -> str:
+    """A ``kind`` or ``instance`` must be one safe path component."""
+    if not isinstance(value, str) or not SAFE_COMPONENT.fullmatch(value):
+        raise InvalidCheckpointState(f"{what} {value!r} is not a safe path component ({SAFE_COMPONENT.pattern})")
+    return value
+
+
+def records_name(sha256_hex: str) -> str:
+    return f"records-{sha256_hex}.jsonl"
+
+
+def participant_dir(checkpoint_dir: str | Path, kind: str, instance: str) -> Path:
+    return Path(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)

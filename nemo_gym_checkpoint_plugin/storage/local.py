@@ -1,0 +1,52 @@
+"""The built-in storage backend: a local or shared POSIX filesystem.
+
+Registered by the plugin manager as a core plugin (``trylast``), so a plugin that
+answers ``storage_backend`` for the same name first replaces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from ..markers import hookimpl
+from .layout import participant_dir
+from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
+from .writer import CheckpointWriter
+
+__all__ = ["LocalStorage", "LocalStoragePlugin"]
+
+
+class LocalStorage:
+    """Storage backend ``local``: the layout of PROTOCOL.md on a filesystem path."""
+
+    name = "local"
+
+    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
+        return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id)
+
+    def read(
+        self,
+        checkpoint_dir: str | Path,
+        kind: str,
+        instance: str,
+        *,
+        scope: Collection[str] | None = None,
+        validate: Callable[[dict[str, Any]], None] | None = None,
+    ) -> RestoredCheckpoint:
+        return read_checkpoint(checkpoint_dir, kind, instance, scope=scope, validate=validate)
+
+    def read_manifest(self, checkpoint_dir: str | Path, kind: str, instance: str) -> dict[str, Any]:
+        return load_manifest(participant_dir(checkpoint_dir, kind, instance), kind=kind, instance=instance)
+
+
+class LocalStoragePlugin:
+    """Core plugin answering ``storage_backend("local")``."""
+
+    def __init__(self) -> None:
+        self._backend = LocalStorage()
+
+    @hookimpl(trylast=True)
+    def storage_backend(self, name: str) -> LocalStorage | None:
+        return self._backend if name == LocalStorage.name else None

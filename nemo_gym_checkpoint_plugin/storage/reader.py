@@ -1,0 +1,179 @@
+"""Read and verify one participant's checkpoint in a single streaming pass.
+
+The manifest is checked first (JSON object, every field, schema version, safe
+names, a records file inside the participant directory). The records file is
+then read line by line: each line is hashed, counted, decoded and validated,
+and only records in scope are kept. The digest and the count are compared at
+the end, before anything is returned, so a caller never sees records from a
+file that does not verify. The whole file is never held in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from ..errors import InvalidCheckpointState
+from .codec import decode_line
+from .layout import MANIFEST_FIELDS, MANIFEST_NAME, RECORDS_FILE, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir
+
+__all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkpoint", "iter_verified_lines"]
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
+_CHUNK = 1 << 20
+
+
+@dataclass
+class RestoredCheckpoint:
+    manifest: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    total: int = 0
+
+
+def capture_key_of(episode_id: Any) -> str:
+    """Validate a record's ``{"rollout_id", "attempt"}`` and return its capture key.
+
+    A plain check (not Gym's pydantic model) because it runs once per record on restore.
+    """
+    if not isinstance(episode_id, Mapping) or set(episode_id) != {"rollout_id", "attempt"}:
+        raise ValueError("episode_id must be an object with exactly rollout_id and attempt")
+    rollout_id, attempt = episode_id["rollout_id"], episode_id["attempt"]
+    if not isinstance(rollout_id, str) or not SAFE_COMPONENT.fullmatch(rollout_id) or _RESERVED_SUFFIX.search(
+        rollout_id
+    ):
+        raise ValueError(f"rollout_id {rollout_id!r} is not a valid rollout id")
+    if type(attempt) is not int or attempt < 0:
+        raise ValueError(f"attempt {attempt!r} is not a non-negative integer")
+    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+def _bad(directory: Path, why: str, **data: Any) -> InvalidCheckpointState:
+    return InvalidCheckpointState(f"{directory}: {why}", directory=str(directory), **data)
+
+
+def load_manifest(directory: Path, *, kind: str | None = None, instance: str | None = None) -> dict[str, Any]:
+    """Read and check ``manifest.json`` of a participant directory."""
+    path = directory / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise _bad(directory, "no manifest.json: the checkpoint was never published (incomplete write?)") from None
+    except OSError as exc:
+        raise _bad(directory, f"manifest.json cannot be read: {exc.strerror}") from None
+    try:
+        manifest = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise _bad(directory, "manifest.json is not JSON") from None
+    if not isinstance(manifest, dict):
+        raise _bad(directory, f"manifest.json is not a JSON object (got {type(manifest).__name__})")
+    missing = [name for name in MANIFEST_FIELDS if name not in manifest]
+    if missing:
+        raise _bad(directory, f"manifest.json is missing {', '.join(missing)}")
+    if manifest["schema_version"] != SCHEMA_VERSION or type(manifest["schema_version"]) is not int:
+        raise _bad(directory, f"manifest schema_version {manifest['schema_version']!r} is not {SCHEMA_VERSION}")
+    for name in ("kind", "instance", "checkpoint_id"):
+        if not isinstance(manifest[name], str) or not SAFE_COMPONENT.fullmatch(manifest[name]):
+            raise _bad(directory, f"manifest {name} {manifest[name]!r} is not a safe name")
+    if kind is not None and manifest["kind"] != kind:
+        raise _bad(directory, f"manifest kind {manifest['kind']!r} does not match the directory's {kind!r}")
+    if instance is not None and manifest["instance"] != instance:
+        raise _bad(directory, f"manifest instance {manifest['instance']!r} does not match {instance!r}")
+    if not isinstance(manifest["records_file"], str) or not RECORDS_FILE.fullmatch(manifest["records_file"]):
+        raise _bad(directory, f"records_file {manifest['records_file']!r} is not a records file name in this directory")
+    if not isinstance(manifest["records_sha256"], str) or not _SHA256_HEX.fullmatch(manifest["records_sha256"]):
+        raise _bad(directory, "records_sha256 is not a sha256 hex digest")
+    count = manifest["record_count"]
+    if type(count) is not int or count < 0:
+        raise _bad(directory, f"record_count {count!r} is not a non-negative integer")
+    return manifest
+
+
+def _open_records(directory: Path, name: str) -> BinaryIO:
+    """Open the records file, refusing one that resolves outside the participant directory."""
+    path = directory / name
+    real_dir = os.path.realpath(directory)
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != real_dir:
+        raise _bad(directory, f"records file {name} resolves outside the participant directory")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise _bad(directory, f"records file {name} is missing") from None
+    except OSError as exc:
+        raise _bad(directory, f"records file {name} cannot be opened: {exc.strerror}") from None
+    handle = os.fdopen(fd, "rb", buffering=_CHUNK)
+    if not os.path.isfile(real):
+        handle.close()
+        raise _bad(directory, f"records file {name} is not a regular file")
+    return handle
+
+
+def iter_verified_lines(directory: Path, manifest: Mapping[str, Any]) -> Iterator[bytes]:
+    """Yield each line of the records file; after the last one, check count and digest.
+
+    Raises ``InvalidCheckpointState`` for a truncated last line, a count or a digest that
+    does not match. A consumer must exhaust the iterator before trusting what it read.
+    """
+    sha = hashlib.sha256()
+    count = 0
+    with _open_records(directory, manifest["records_file"]) as handle:
+        for line in handle:
+            sha.update(line)
+            if not line.endswith(b"\n"):
+                raise _bad(directory, f"records file ends in a truncated line (after {count} records)")
+            count += 1
+            yield line
+    if count != manifest["record_count"]:
+        raise _bad(directory, f"records file holds {count} records, manifest says {manifest['record_count']}")
+    if sha.hexdigest() != manifest["records_sha256"]:
+        raise _bad(directory, "records file digest does not match the manifest (corrupted or replaced)")
+
+
+def read_checkpoint(
+    checkpoint_dir: str | Path,
+    kind: str,
+    instance: str,
+    *,
+    scope: Collection[str] | None = None,
+    validate: Callable[[dict[str, Any]], None] | None = None,
+) -> RestoredCheckpoint:
+    """Read, verify and validate one participant's checkpoint, keeping the records in ``scope``.
+
+    ``scope`` is a collection of capture keys (``None``: every record). ``validate`` is
+    called on each kept record and may raise ``ValueError`` to refuse it; the refusal is
+    reported as ``invalid_checkpoint_state`` naming the episode.
+    """
+    directory = participant_dir(checkpoint_dir, kind, instance)
+    manifest = load_manifest(directory, kind=kind, instance=instance)
+    wanted = None if scope is None else frozenset(scope)
+    result = RestoredCheckpoint(manifest=manifest)
+    for line in iter_verified_lines(directory, manifest):
+        number = result.total
+        result.total += 1
+        try:
+            record = decode_line(line)
+        except ValueError:
+            raise _bad(directory, f"record {number} is not JSON") from None
+        if not isinstance(record, dict):
+            raise _bad(directory, f"record {number} is not a JSON object")
+        try:
+            key = capture_key_of(record.get("episode_id"))
+        except ValueError as exc:
+            raise _bad(directory, f"record {number} has no valid episode_id: {exc}") from None
+        if wanted is not None and key not in wanted:
+            continue
+        if validate is not None:
+            try:
+                validate(record)
+            except ValueError as exc:
+                raise _bad(directory, f"record of episode {key} fails validation: {exc}", episode=key) from None
+        result.records.append(record)
+    return result
