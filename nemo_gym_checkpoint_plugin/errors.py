@@ -146,9 +146,10 @@ def error_body(code: str, detail: str) -> dict[str, Any]:
 
 def install_error_handler(app: Any) -> None:
     """Render every ``CheckpointError`` raised by a route as its JSON body and status."""
-    from fastapi.responses import ORJSONResponse
+    import orjson
+    from starlette.responses import Response
 
-    async def _handle(_request: Any, exc: CheckpointError) -> ORJSONResponse:
-        return ORJSONResponse(exc.to_body(), status_code=exc.status)
+    async def _handle(_request: Any, exc: CheckpointError) -> Response:
+        return Response(orjson.dumps(exc.to_body()), status_code=exc.status, media_type="application/json")
 
     app.add_exception_handler(CheckpointError, _handle)

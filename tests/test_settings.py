@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, SettingsError, load_settings
+
+
+def test_absent_block_is_disabled() -> None:
+    settings, token = load_settings({"policy_model": {}}, environ={})
+    assert settings.enabled is False
+    assert token is None
+    assert settings.lease_grace_seconds == 600
+    assert settings.storage.backend == "local"
+
+
+def test_token_from_environment_variable() -> None:
+    config = {"checkpoint": {"enabled": True, "control_auth_token_env": "MY_TOKEN"}}
+    settings, token = load_settings(config, environ={"MY_TOKEN": "s3cret"})
+    assert settings.enabled and token == "s3cret"
+    assert "s3cret" not in repr(settings)
+
+
+def test_reads_gym_omegaconf_dict() -> None:
+    block = {"enabled": True, "control_auth_token_env": "T", "lease_grace_seconds": 5}
+    config = OmegaConf.create({"checkpoint": block})
+    settings, token = load_settings(config, environ={"T": "x"})
+    assert settings.lease_grace_seconds == 5 and token == "x"
+
+
+@pytest.mark.parametrize(
+    ("block", "environ", "names"),
+    [
+        ({"enabled": True}, {}, "checkpoint.control_auth_token_env"),
+        ({"enabled": True, "control_auth_token_env": "T"}, {}, "'T'"),
+        ({"enabled": True, "control_auth_token_env": "T"}, {"T": ""}, "'T'"),
+    ],
+)
+def test_enabled_without_token_fails_naming_the_key(block: dict, environ: dict, names: str) -> None:
+    with pytest.raises(SettingsError, match=names):
+        load_settings({"checkpoint": block}, environ=environ)
+
+
+def test_disabled_needs_no_token() -> None:
+    settings, token = load_settings({"checkpoint": {"enabled": False}}, environ={})
+    assert not settings.enabled and token is None
+
+
+def test_plain_token_works_but_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="nemo_gym_checkpoint_plugin.settings"):
+        _, token = load_settings({"checkpoint": {"enabled": True, "control_auth_token": "plain"}}, environ={})
+    assert token == "plain"
+    assert "control_auth_token_env" in caplog.text and "unauthenticated" in caplog.text
+
+
+def test_env_token_preferred_over_plain() -> None:
+    block = {"enabled": True, "control_auth_token": "plain", "control_auth_token_env": "T"}
+    assert load_settings({"checkpoint": block}, environ={"T": "env"})[1] == "env"
+
+
+@pytest.mark.parametrize(
+    ("block", "key"),
+    [
+        ({"enabled": True, "control_auth_token": "x", "lease_grace": 3}, "checkpoint.lease_grace"),
+        ({"lease_grace_seconds": 0}, "checkpoint.lease_grace_seconds"),
+        ({"lease_grace_seconds": -1}, "checkpoint.lease_grace_seconds"),
+        ({"lease_grace_seconds": float("inf")}, "checkpoint.lease_grace_seconds"),
+        ({"storage": {"backend": "local", "path": "/x"}}, "checkpoint.storage.path"),
+        ({"enabled": "perhaps"}, "checkpoint.enabled"),
+    ],
+)
+def test_bad_block_is_refused_naming_the_key(block: dict, key: str) -> None:
+    with pytest.raises(SettingsError, match=key.replace(".", r"\.")):
+        load_settings({"checkpoint": block}, environ={})
+
+
+def test_block_must_be_a_mapping() -> None:
+    with pytest.raises(SettingsError, match="mapping"):
+        load_settings({"checkpoint": True}, environ={})
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is an implementation detail
+        CheckpointSettings().enabled = True  # type: ignore[misc]
