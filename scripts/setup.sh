@@ -36,6 +36,8 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 13
   PIP_FLAGS+=(--ignore-requires-python)
 fi
 echo "setup: installing nemo-gym 0.7.0 and the plugin (first run: a few minutes, ~1.4 GB)"
-"$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -e '.[test]'
+# Some machines' pip config names local find-links folders that do not exist: drop that noise only.
+"$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" -e '.[test]' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 want_stamp > "$STAMP"
 echo "setup: done"
