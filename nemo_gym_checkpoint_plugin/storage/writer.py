@@ -193,10 +193,14 @@ class CheckpointWriter:
                 try:
                     os.link(tmp, self.directory / MANIFEST_NAME)
                 except FileExistsError:
-                    existing = self._existing_manifest()
+                    # Another writer published first: keep its records file, drop ours if it differs.
+                    try:
+                        existing = self._existing_manifest()
+                    finally:
+                        published = load_manifest(self.directory)["records_file"]
+                        if published != records_file.name:
+                            records_file.unlink(missing_ok=True)
                     assert existing is not None
-                    if existing["records_file"] != records_file.name:
-                        records_file.unlink(missing_ok=True)
                     self._published = existing
                     return existing
                 self._published = manifest
