@@ -284,3 +284,27 @@ def test_unsafe_names_are_refused(tmp_path: Path, kind: str, instance: str) -> N
 def test_bad_checkpoint_id_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidCheckpointState, match="checkpoint id"):
         write(tmp_path, [record("a")], checkpoint_id="../up")
+
+
+def test_racing_writers_of_different_checkpoints_one_wins_one_is_refused(tmp_path: Path) -> None:
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, object] = {}
+
+    def run(checkpoint_id: str) -> None:
+        writer = CheckpointWriter(tmp_path, "model", "policy_model", checkpoint_id)
+        barrier.wait()
+        try:
+            outcomes[checkpoint_id] = writer.write([record(f"{checkpoint_id}-{n}") for n in range(300)])
+        except InvalidCheckpointState as exc:
+            outcomes[checkpoint_id] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    published = load_manifest(pdir(tmp_path))
+    winner, loser = (("one", "two") if published["checkpoint_id"] == "one" else ("two", "one"))
+    assert outcomes[winner] == published
+    assert isinstance(outcomes[loser], InvalidCheckpointState)
+    assert [p.name for p in pdir(tmp_path).glob("records-*.jsonl")] == [published["records_file"]]
