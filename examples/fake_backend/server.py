@@ -1,0 +1,345 @@
+"""A deterministic OpenAI-compatible fake inference backend that can hold calls.
+
+Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` and
+``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
+messages, so a rollout replayed after a crash gets the same answers:
+
+- no ``tool`` message yet and the request offers tools: one call of the first tool
+  (``finish_reason: "tool_calls"``), with arguments filled from its JSON schema
+  (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
+  ``example_single_tool_call`` its reward 1.0;
+- otherwise: a final text answer (``finish_reason: "stop"``).
+
+A **conversation** is named by the text of its first ``user`` message (tests put the
+rollout id in it); its **step** is the number of ``assistant`` messages already in the
+request (0 for the first call of a turn, 1 after one tool round trip...).
+
+Control routes (for tests; never part of a real backend):
+
+- ``POST /_fake/hold {"match": "", "count": 1, "step": null}``: hold the next ``count``
+  calls whose conversation contains ``match`` (and, when ``step`` is given, at that
+  step). A held call answers only once released; while held it shows in stats.
+- ``POST /_fake/release {"match": null}``: release every held call whose conversation
+  contains ``match`` (all when null) and drop the hold rules made with that ``match``
+  (all when null).
+  Replies ``{"released": n, "rules_dropped": m}``.
+- ``GET /_fake/stats``: ``held`` (count of calls waiting now), ``held_calls``, ``rules``,
+  ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
+  (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
+  conversation/step that arrived more than once).
+- ``POST /_fake/reset``: drop counters, rules, and release every held call.
+
+A held call whose client disconnects (its caller was killed) is dropped from ``held``
+and counted in ``abandoned_total``, so a test can wait for a crash to be noticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+DEFAULT_MODEL = "fake-model"
+FINAL_ANSWER = "It is cold in San Francisco today."
+# How often a held call checks whether its client went away: bounds how stale `held` can be after a crash.
+_DISCONNECT_POLL_SECONDS = 0.1
+
+
+@dataclass
+class HoldRule:
+    """Hold the next ``remaining`` calls whose conversation contains ``match`` (at ``step`` when set)."""
+
+    rule_id: int
+    match: str
+    step: int | None
+    remaining: int
+
+    def applies(self, conversation: str, step: int) -> bool:
+        return self.remaining > 0 and self.match in conversation and (self.step is None or self.step == step)
+
+
+@dataclass
+class HeldCall:
+    call_id: int
+    conversation: str
+    step: int
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeBackendState:
+    """Counters, hold rules and held calls; all mutated on the event loop, never across threads."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.held: dict[int, HeldCall] = {}
+        self.reset()
+
+    def reset(self) -> int:
+        """Forget every counter and rule; release (and forget) every held call. Returns how many were released."""
+        released = self.release(None)
+        self.calls: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.completed: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.calls_total = 0
+        self.completed_total = 0
+        self.abandoned_total = 0
+        self.rules: list[HoldRule] = []
+        return released
+
+    def add_rule(self, match: str, count: int, step: int | None) -> HoldRule:
+        rule = HoldRule(rule_id=next(self._ids), match=match, step=step, remaining=count)
+        self.rules.append(rule)
+        return rule
+
+    def release(self, match: str | None) -> int:
+        """Release every held call whose conversation contains ``match`` (all when None)."""
+        chosen = [call for call in self.held.values() if match is None or match in call.conversation]
+        for call in chosen:
+            call.released.set()
+            self.held.pop(call.call_id, None)
+        return len(chosen)
+
+    def drop_rules(self, match: str | None) -> int:
+        """Drop the hold rules made with exactly ``match`` (all when None)."""
+        kept = [rule for rule in self.rules if match is not None and rule.match != match]
+        dropped = len(self.rules) - len(kept)
+        self.rules = kept
+        return dropped
+
+    def arrive(self, conversation: str, step: int) -> HeldCall | None:
+        """Count one call; return the hold it must wait on, if a rule claims it."""
+        self.calls[conversation][step] += 1
+        self.calls_total += 1
+        for rule in self.rules:
+            if rule.applies(conversation, step):
+                rule.remaining -= 1
+                call = HeldCall(call_id=next(self._ids), conversation=conversation, step=step)
+                self.held[call.call_id] = call
+                return call
+        return None
+
+    def answered(self, conversation: str, step: int) -> None:
+        self.completed[conversation][step] += 1
+        self.completed_total += 1
+
+    def abandoned(self, call: HeldCall) -> None:
+        if self.held.pop(call.call_id, None) is not None:
+            self.abandoned_total += 1
+
+    def stats(self) -> dict[str, Any]:
+        def table(counts: dict[str, dict[int, int]]) -> dict[str, dict[str, int]]:
+            return {conv: {str(step): n for step, n in sorted(steps.items())} for conv, steps in counts.items()}
+
+        return {
+            "held": len(self.held),
+            "held_calls": [{"conversation": c.conversation, "step": c.step} for c in self.held.values()],
+            "rules": [
+                {"rule_id": r.rule_id, "match": r.match, "step": r.step, "remaining": r.remaining}
+                for r in self.rules
+                if r.remaining > 0
+            ],
+            "calls_total": self.calls_total,
+            "completed_total": self.completed_total,
+            "abandoned_total": self.abandoned_total,
+            "calls": table(self.calls),
+            "completed": table(self.completed),
+            "repeated": [
+                {"conversation": conv, "step": step, "count": n}
+                for conv, steps in self.calls.items()
+                for step, n in sorted(steps.items())
+                if n > 1
+            ],
+        }
+
+
+def _text(content: Any) -> str:
+    """The text of a chat message's content, whether a string or a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+def conversation_of(messages: list[dict[str, Any]]) -> tuple[str, int]:
+    """``(conversation, step)`` of a chat request: first user text, count of assistant messages."""
+    users = [m for m in messages if m.get("role") == "user"]
+    conversation = _text(users[0].get("content")) if users else ""
+    step = sum(1 for m in messages if m.get("role") == "assistant")
+    return conversation, step
+
+
+def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
+    properties = schema.get("properties") or {}
+    arguments: dict[str, Any] = {}
+    for name in schema.get("required") or list(properties):
+        kind = (properties.get(name) or {}).get("type")
+        if name == "city":
+            arguments[name] = "San Francisco"
+        elif kind in ("integer", "number"):
+            arguments[name] = 1
+        elif kind == "boolean":
+            arguments[name] = True
+        else:
+            arguments[name] = "x"
+    return arguments
+
+
+def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[str, Any]:
+    """The deterministic chat completion for a request (see the module docstring)."""
+    messages = body.get("messages") or []
+    tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
+    has_tool_result = any(m.get("role") == "tool" for m in messages)
+    if tools and not has_tool_result:
+        function = tools[0]["function"]
+        # Stable across processes (unlike hash()), so a replayed step gets the same call id.
+        call_id = "call_" + hashlib.sha256(f"{step}:{conversation}".encode()).hexdigest()[:16]
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {
+                        "name": function["name"],
+                        "arguments": json.dumps(_arguments_for(function.get("parameters") or {})),
+                    },
+                }
+            ],
+        }
+        finish_reason = "tool_calls"
+    else:
+        message = {"role": "assistant", "content": FINAL_ANSWER}
+        finish_reason = "stop"
+    prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
+    completion_tokens = 8
+    return {
+        "id": f"chatcmpl-fake-{step}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or DEFAULT_MODEL,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
+    """Wait until released; False when the client went away first (the call is then abandoned)."""
+    while True:
+        try:
+            await asyncio.wait_for(call.released.wait(), timeout=_DISCONNECT_POLL_SECONDS)
+            return True
+        except TimeoutError:
+            if await request.is_disconnected():
+                state.abandoned(call)
+                return False
+
+
+def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL) -> FastAPI:
+    """The backend's ASGI app; ``state`` is exposed as ``app.state.fake`` for in-process tests."""
+    state = state or FakeBackendState()
+    app = FastAPI(title="fake inference backend")
+    app.state.fake = state
+
+    @app.get("/")
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fake"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> JSONResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _bad_request("body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return _bad_request("body must be an object with a messages list")
+        if body.get("stream"):
+            return _bad_request("streaming is not supported by the fake backend")
+        conversation, step = conversation_of(body["messages"])
+        call = state.arrive(conversation, step)
+        if call is not None and not await _wait_released(request, state, call):
+            return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
+        state.answered(conversation, step)
+        return JSONResponse(completion_for(body, conversation, step))
+
+    @app.post("/_fake/hold")
+    async def hold(request: Request) -> JSONResponse:
+        body = await _control_body(request)
+        if body is None:
+            return _bad_request("body must be a JSON object")
+        match, count, step = body.get("match", ""), body.get("count", 1), body.get("step")
+        if not isinstance(match, str) or not isinstance(count, int) or count < 1:
+            return _bad_request("hold takes match (string) and count (int >= 1)")
+        if step is not None and not isinstance(step, int):
+            return _bad_request("step must be an int or null")
+        rule = state.add_rule(match, count, step)
+        return JSONResponse({"rule_id": rule.rule_id})
+
+    @app.post("/_fake/release")
+    async def release(request: Request) -> JSONResponse:
+        body = await _control_body(request)
+        if body is None:
+            return _bad_request("body must be a JSON object")
+        match = body.get("match")
+        if match is not None and not isinstance(match, str):
+            return _bad_request("match must be a string or null")
+        rules_dropped = state.drop_rules(match)
+        return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
+
+    @app.get("/_fake/stats")
+    async def stats() -> dict[str, Any]:
+        return state.stats()
+
+    @app.post("/_fake/reset")
+    async def reset() -> dict[str, int]:
+        return {"released": state.reset()}
+
+    return app
+
+
+async def _control_body(request: Request) -> dict[str, Any] | None:
+    """The JSON object of a control call (empty body: ``{}``); None when it is not an object."""
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _bad_request(detail: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": detail, "type": "BadRequestError", "code": 400}}, status_code=400)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    args = parser.parse_args(argv)
+    uvicorn.run(create_app(model=args.model), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

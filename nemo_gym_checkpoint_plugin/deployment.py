@@ -1,0 +1,491 @@
+"""Launch a real NeMo Gym deployment from the wheel's own servers, on 127.0.0.1, without Ray.
+
+One ``Deployment`` owns six processes: the fake inference backend
+(``examples/fake_backend/server.py``) and four Gym servers from the nemo-gym wheel,
+wired the way the DESIGN's "Facts found by running nemo-gym 0.7.0" say works:
+
+========================== ============================= ===============
+top-level name (``name``)  implementation                port
+========================== ============================= ===============
+``fake_backend``           OpenAI-compatible fake        ``port_base``
+``policy_model``           ``responses_api_models/vllm_model``  ``+1``
+``simple_agent``           ``responses_api_agents/simple_agent`` ``+2``
+``example_single_tool_call`` ``resources_servers/...``   ``+3``
+``single_agent_turn``      ``environment_servers/...``   ``+4``
+(head server, not started) reserved in the config        ``+5``
+========================== ============================= ===============
+
+The Gym config is built by Gym's own ``GlobalConfigDictParser`` (CLI and dotenv
+skipped, ``offline`` so it neither probes ports nor touches this process's
+environment) from the servers' shipped YAML plus overrides. Each Gym server starts as
+Gym's ``RunHelper`` starts it, minus the per-server venv: cwd = its directory,
+``python <entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and
+``NEMO_GYM_CONFIG_PATH`` (its top-level name) in the environment. An entrypoint ending
+in ``.py`` is a path (relative to the server directory, or absolute); anything else is
+a module run with ``python -m`` (cwd first on ``sys.path``, as for ``python app.py``).
+``single_agent_turn`` defaults to ``nemo_gym_checkpoint_plugin.ray_off`` because its
+class leaves ``ray_enabled`` unset, which starts Ray. Override any of them with
+``entrypoints={name: ...}``; the override is written into the config's ``entrypoint:``.
+
+Process groups: with ``own_process_groups=True`` (tests) each child leads its own
+group, and ``stop``/``kill`` signal whole groups, so nothing a server spawned survives.
+With ``False`` (``make serve``) children stay in the caller's group, so a SIGKILL of
+that group takes every server down with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "AGENT",
+    "BACKEND",
+    "DEFAULT_CHECKPOINT_BLOCK",
+    "ENVIRONMENT",
+    "GYM_SERVERS",
+    "HOST",
+    "MODEL",
+    "PORT_SPAN",
+    "RESOURCES",
+    "TOKEN_ENV",
+    "Deployment",
+    "DeploymentAborted",
+    "DeploymentError",
+    "ProcessSpec",
+    "build_gym_config",
+    "fake_backend_script",
+    "rollout_body",
+]
+
+HOST = "127.0.0.1"
+BACKEND = "fake_backend"
+MODEL = "policy_model"
+AGENT = "simple_agent"
+RESOURCES = "example_single_tool_call"
+ENVIRONMENT = "single_agent_turn"
+GYM_SERVERS = (MODEL, AGENT, RESOURCES, ENVIRONMENT)
+_PORT_OFFSETS = {BACKEND: 0, MODEL: 1, AGENT: 2, RESOURCES: 3, ENVIRONMENT: 4}
+_HEAD_SERVER_OFFSET = 5
+PORT_SPAN = 6
+TOKEN_ENV = "NG_CHECKPOINT_TOKEN"
+DEFAULT_CHECKPOINT_BLOCK: Mapping[str, Any] = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
+FAKE_MODEL_NAME = "fake-model"
+
+# Each shipped YAML supplies its server's defaults; the overrides below only bind names, ports and the backend.
+_SHIPPED_CONFIGS = (
+    "responses_api_models/vllm_model/configs/vllm_model.yaml",
+    "responses_api_agents/simple_agent/configs/simple_agent.yaml",
+    "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
+)
+_DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin.ray_off"}
+# The wait between readiness probes of servers not up yet; the loop itself is bounded by a deadline.
+_PROBE_INTERVAL_SECONDS = 0.05
+
+
+class DeploymentError(RuntimeError):
+    """A server could not be started: a port is taken, a process exited early, or readiness timed out."""
+
+
+class DeploymentAborted(DeploymentError):
+    """``start`` was asked to give up (the caller's abort event was set) before every server was ready."""
+
+
+def fake_backend_script() -> Path:
+    """``examples/fake_backend/server.py`` of this repository (the package is installed editable)."""
+    script = Path(__file__).resolve().parent.parent / "examples" / "fake_backend" / "server.py"
+    if not script.is_file():
+        raise DeploymentError(f"fake backend not found at {script}: run from a checkout of nemo-gym-checkpoint")
+    return script
+
+
+def _server_ref(server_type: str, name: str) -> dict[str, str]:
+    return {"type": server_type, "name": name}
+
+
+def build_gym_config(
+    port_base: int,
+    work_dir: Path,
+    *,
+    checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
+    entrypoints: Mapping[str, str] | None = None,
+) -> Any:
+    """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
+
+    ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
+    ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
+    """
+    from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from omegaconf import OmegaConf
+
+    def port(name: str) -> dict[str, Any]:
+        return {"host": HOST, "port": port_base + _PORT_OFFSETS[name]}
+
+    chosen = {**_DEFAULT_ENTRYPOINTS, **(entrypoints or {})}
+    unknown = set(chosen) - set(GYM_SERVERS)
+    if unknown:
+        raise ValueError(f"entrypoints name unknown servers {sorted(unknown)}; known: {list(GYM_SERVERS)}")
+    resources_ref = _server_ref("resources_servers", RESOURCES)
+    initial: dict[str, Any] = {
+        "config_paths": list(_SHIPPED_CONFIGS),
+        "policy_base_url": f"http://{HOST}:{port_base + _PORT_OFFSETS[BACKEND]}/v1",
+        "policy_api_key": "fake-key",
+        "policy_model_name": FAKE_MODEL_NAME,
+        MODEL: {
+            "responses_api_models": {
+                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False}
+            }
+        },
+        AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
+        RESOURCES: {
+            "resources_servers": {
+                "example_single_tool_call": {
+                    **port(RESOURCES),
+                    "entrypoint": "app.py",
+                    "domain": "agent",
+                    "verified": False,
+                    "description": "Basic single-step tool calling",
+                }
+            }
+        },
+        ENVIRONMENT: {
+            "environment_servers": {
+                "single_agent_turn": {
+                    **port(ENVIRONMENT),
+                    "resources_server": resources_ref,
+                    "agent_server": _server_ref("responses_api_agents", AGENT),
+                    "resources_tool_transports": ["direct_http"],
+                    "default_episode_timeout_seconds": 3600,
+                    "cleanup_timeout_seconds": 30,
+                }
+            }
+        },
+        "head_server": {"host": HOST, "port": port_base + _HEAD_SERVER_OFFSET},
+        "results_dir": str(work_dir / "results"),
+        "cache_dir": str(work_dir / "cache"),
+    }
+    if checkpoint is not None:
+        initial["checkpoint"] = dict(checkpoint)
+    config = GlobalConfigDictParser().parse(
+        GlobalConfigDictParserConfig(
+            initial_global_config_dict=OmegaConf.create(initial),
+            skip_load_from_cli=True,
+            skip_load_from_dotenv=True,
+            offline=True,
+        )
+    )
+    for name, entrypoint in chosen.items():
+        (server_type,) = config[name].keys()
+        (implementation,) = config[name][server_type].keys()
+        config[name][server_type][implementation]["entrypoint"] = entrypoint
+    return config
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """How to start one server process and how to tell it is ready."""
+
+    name: str
+    argv: tuple[str, ...]
+    cwd: Path
+    env: Mapping[str, str]
+    url: str
+    ready_path: str
+
+
+def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
+    from nemo_gym import _resolve_under_cwd_or_install
+
+    specs = []
+    for name in GYM_SERVERS:
+        (server_type,) = config[name].keys()
+        (implementation,) = config[name][server_type].keys()
+        inner = config[name][server_type][implementation]
+        # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
+        server_dir = _resolve_under_cwd_or_install(
+            Path(server_type, implementation),
+            validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
+        )
+        entrypoint = str(inner["entrypoint"])
+        run = (entrypoint,) if entrypoint.endswith(".py") else ("-m", entrypoint)
+        specs.append(
+            ProcessSpec(
+                name=name,
+                argv=(sys.executable, *run),
+                cwd=server_dir,
+                env={
+                    "NEMO_GYM_CONFIG_DICT": config_yaml,
+                    "NEMO_GYM_CONFIG_PATH": name,
+                    # As Gym's run_command does: `import app` and sibling modules resolve from the server dir.
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(server_dir), os.environ.get("PYTHONPATH")) if p),
+                },
+                url=f"http://{inner['host']}:{inner['port']}",
+                ready_path="/readyz",
+            )
+        )
+    return specs
+
+
+def _backend_spec(port: int) -> ProcessSpec:
+    script = fake_backend_script()
+    return ProcessSpec(
+        name=BACKEND,
+        argv=(sys.executable, str(script), "--host", HOST, "--port", str(port), "--model", FAKE_MODEL_NAME),
+        cwd=script.parent,
+        env={},
+        url=f"http://{HOST}:{port}",
+        ready_path="/v1/models",
+    )
+
+
+def rollout_body(
+    rollout_id: str,
+    *,
+    attempt: int = 0,
+    prompt: str | None = None,
+    taskset: str = RESOURCES,
+    task_id: str | None = None,
+) -> dict[str, Any]:
+    """The ``/run`` body Gym's rollout collection sends ``single_agent_turn`` for one episode attempt.
+
+    The user message names the rollout, so the fake backend counts each rollout as its own conversation.
+    """
+    user = prompt if prompt is not None else f"what's it like in sf? (rollout {rollout_id})"
+    weather_tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": ""}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    return {
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "task": {
+            "task_id": {"taskset": taskset, "task_id": task_id or rollout_id},
+            "task_input": {
+                "responses_create_params": {
+                    "input": [
+                        {"role": "developer", "content": "You are a helpful personal assistant."},
+                        {"role": "user", "content": user},
+                    ],
+                    "tools": [weather_tool],
+                }
+            },
+        },
+    }
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # The servers bind with SO_REUSEADDR too, so a port in TIME_WAIT after a crash counts as free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+# Readiness probes go straight to 127.0.0.1, never through a proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _responds(url: str, timeout: float) -> bool:
+    try:
+        with _DIRECT.open(url, timeout=timeout) as reply:
+            return 200 <= reply.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class Deployment:
+    """The six processes of one deployment; ``start``, ``stop``, ``kill``, then ``start`` again on the same ports.
+
+    ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
+    both to this process's stderr (so this process's stdout stays its own).
+    ``extra_env`` is added to every child's environment (e.g. the control token).
+    """
+
+    def __init__(
+        self,
+        port_base: int,
+        work_dir: Path,
+        *,
+        checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
+        entrypoints: Mapping[str, str] | None = None,
+        own_process_groups: bool = True,
+        log_dir: Path | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        from omegaconf import OmegaConf
+
+        self.port_base = port_base
+        self.work_dir = Path(work_dir)
+        self.own_process_groups = own_process_groups
+        self.log_dir = log_dir
+        self.extra_env = dict(extra_env or {})
+        self.config = build_gym_config(port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints)
+        self.config_yaml: str = OmegaConf.to_yaml(self.config)
+        self.specs = [_backend_spec(port_base + _PORT_OFFSETS[BACKEND]), *_gym_specs(self.config, self.config_yaml)]
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def urls(self) -> dict[str, str]:
+        """``{name: base url}`` of every server, the fake backend included."""
+        return {spec.name: spec.url for spec in self.specs}
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        return dict(self._procs)
+
+    @property
+    def process_groups(self) -> dict[str, int]:
+        """``{name: pgid}`` of the running children (all equal to the caller's when groups are shared)."""
+        return {name: os.getpgid(proc.pid) for name, proc in self._procs.items() if proc.poll() is None}
+
+    def write_config(self, path: Path) -> Path:
+        """Write the Gym YAML the servers run with (what they get in ``NEMO_GYM_CONFIG_DICT``)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.config_yaml)
+        return path
+
+    def log_path(self, name: str) -> Path | None:
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
+    def start(self, timeout: float = 120.0, abort: threading.Event | None = None) -> None:
+        """Start every process and return once each answers its readiness probe.
+
+        Raises ``DeploymentError`` (every child stopped first) if a port is taken, a child
+        exits, or ``timeout`` passes; ``DeploymentAborted`` when ``abort`` is set meanwhile.
+        """
+        if self._procs:
+            raise DeploymentError("deployment already started; stop() or kill() it first")
+        taken = [spec.url for spec in self.specs if not _port_is_free(int(spec.url.rsplit(":", 1)[1]))]
+        if taken:
+            raise DeploymentError(f"ports already in use: {taken}")
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for spec in self.specs:
+                self._procs[spec.name] = self._spawn(spec)
+            self._wait_ready(time.monotonic() + timeout, abort)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            **self.extra_env,
+            **spec.env,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "PYTHONUNBUFFERED": "1",
+            # Servers call each other on 127.0.0.1; a proxy from the environment must never see that traffic.
+            "NO_PROXY": ",".join(p for p in (os.environ.get("NO_PROXY"), HOST, "localhost") if p),
+            "no_proxy": ",".join(p for p in (os.environ.get("no_proxy"), HOST, "localhost") if p),
+        }
+        log_path = self.log_path(spec.name)
+        # The child keeps its own copy of the descriptor; ours is closed as soon as it is spawned.
+        log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+        try:
+            return subprocess.Popen(
+                spec.argv,
+                cwd=spec.cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log if log is not None else sys.stderr.fileno(),
+                stderr=subprocess.STDOUT if log is not None else sys.stderr.fileno(),
+                start_new_session=self.own_process_groups,
+            )
+        finally:
+            if log is not None:
+                log.close()
+
+    def _wait_ready(self, deadline: float, abort: threading.Event | None) -> None:
+        pending = list(self.specs)
+        while pending:
+            if abort is not None and abort.is_set():
+                raise DeploymentAborted("start aborted before every server was ready")
+            for spec in list(pending):
+                code = self._procs[spec.name].poll()
+                if code is not None:
+                    raise DeploymentError(
+                        f"{spec.name} exited with status {code} before it was ready{self._tail(spec)}"
+                    )
+                if _responds(spec.url + spec.ready_path, timeout=1.0):
+                    pending.remove(spec)
+            if pending and time.monotonic() >= deadline:
+                names = [spec.name for spec in pending]
+                raise DeploymentError(f"servers not ready before the deadline: {names}")
+            if pending:
+                time.sleep(_PROBE_INTERVAL_SECONDS)  # wait-ok: interval between probes of a bounded readiness poll
+
+    def _tail(self, spec: ProcessSpec, lines: int = 30) -> str:
+        path = self.log_path(spec.name)
+        if path is None or not path.exists():
+            return ""
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        return "; last log lines:\n" + "\n".join(tail)
+
+    def _signal(self, proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        try:
+            if self.own_process_groups:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every child (its whole group when groups are owned); SIGKILL whatever outlives ``grace``."""
+        procs = list(self._procs.values())
+        for proc in procs:
+            if proc.poll() is None:
+                self._signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every child (its whole group when groups are owned) and reap it. Safe to call twice."""
+        procs = list(self._procs.values())
+        for proc in procs:
+            # Also after the leader exited: anything it left in its group goes with it.
+            self._signal(proc, signal.SIGKILL)
+        for proc in procs:
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+                pass
+        self._procs.clear()
+
+    def dead(self) -> dict[str, int]:
+        """``{name: exit status}`` of children that exited while the deployment should be running."""
+        return {name: code for name, proc in self._procs.items() if (code := proc.poll()) is not None}
+
+    def __enter__(self) -> Deployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
