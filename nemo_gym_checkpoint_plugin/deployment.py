@@ -66,6 +66,7 @@ __all__ = [
     "ProcessSpec",
     "build_gym_config",
     "fake_backend_script",
+    "port_is_free",
     "rollout_body",
 ]
 
@@ -291,7 +292,8 @@ def rollout_body(
     }
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """True when ``port`` on 127.0.0.1 can be bound now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         # The servers bind with SO_REUSEADDR too, so a port in TIME_WAIT after a crash counts as free.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -376,7 +378,7 @@ class Deployment:
         """
         if self._procs:
             raise DeploymentError("deployment already started; stop() or kill() it first")
-        taken = [spec.url for spec in self.specs if not _port_is_free(int(spec.url.rsplit(":", 1)[1]))]
+        taken = [spec.url for spec in self.specs if not port_is_free(int(spec.url.rsplit(":", 1)[1]))]
         if taken:
             raise DeploymentError(f"ports already in use: {taken}")
         if self.log_dir is not None:

@@ -1,0 +1,127 @@
+"""``make serve``: run the demo Gym deployment in the foreground until SIGTERM or Ctrl-C.
+
+``python -m nemo_gym_checkpoint_plugin.serve`` starts the fake inference backend and the
+four Gym servers of ``deployment.py`` on 127.0.0.1, ports from ``PORT_BASE`` (default
+18000, six consecutive ports). The control token comes from ``NG_CHECKPOINT_TOKEN``; when
+unset, one is generated with ``secrets``, exported to every server and written to
+``<work dir>/token`` (mode 0600) so a controller can read it. The work dir is
+``NG_SERVE_DIR`` (default ``<tmp>/nemo-gym-checkpoint-serve-<PORT_BASE>``) and holds the
+Gym YAML the servers run with (``gym_config.yaml``).
+
+Once every server answers, stdout gets exactly one JSON line and nothing else::
+
+    {"servers": {"<name>": "<url>", ...}, "token_env": "NG_CHECKPOINT_TOKEN", "config": "<yaml path>"}
+
+Everything else (the servers' logs included) goes to stderr.
+
+Stopping: ``make serve`` is usually stopped by a SIGTERM to its whole process group, so
+this process gets SIGTERM twice (directly and forwarded by make) and the servers, which
+stay in this process's group, get it too. The first SIGTERM/SIGINT starts a bounded stop
+(SIGTERM each child, SIGKILL what outlives 5 s); later ones are only noted. Exit status:
+0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+
+from .deployment import PORT_SPAN, TOKEN_ENV, Deployment, DeploymentAborted, DeploymentError
+
+__all__ = ["main"]
+
+DEFAULT_PORT_BASE = 18000
+# How often the foreground loop checks that every server is still alive.
+_WATCH_SECONDS = 0.5
+
+
+def _port_base() -> int:
+    """``PORT_BASE`` from the environment; ``ValueError`` naming the variable when it is unusable."""
+    raw = os.environ.get("PORT_BASE") or str(DEFAULT_PORT_BASE)
+    try:
+        base = int(raw)
+    except ValueError:
+        raise ValueError(f"PORT_BASE must be an integer, got {raw!r}") from None
+    if not 1024 <= base <= 65535 - PORT_SPAN:
+        raise ValueError(f"PORT_BASE must be between 1024 and {65535 - PORT_SPAN}, got {base}")
+    return base
+
+
+def _ensure_token(work_dir: Path) -> None:
+    if os.environ.get(TOKEN_ENV):
+        return
+    token = secrets.token_urlsafe(32)
+    # Children copy os.environ, so this is how every server gets the token.
+    os.environ[TOKEN_ENV] = token
+    token_path = work_dir / "token"
+    token_path.unlink(missing_ok=True)
+    fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    print(f"serve: {TOKEN_ENV} was unset; generated a token, written to {token_path}", file=sys.stderr)
+
+
+def main() -> int:
+    try:
+        port_base = _port_base()
+    except ValueError as bad:
+        print(f"serve: {bad}", file=sys.stderr)
+        return 2
+    default_dir = Path(tempfile.gettempdir()) / f"nemo-gym-checkpoint-serve-{port_base}"
+    work_dir = Path(os.environ.get("NG_SERVE_DIR") or default_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        # Only set a flag: the handler may run while a child is being spawned or reaped, and a second
+        # signal (make forwards the group's SIGTERM) must never interrupt the stop already under way.
+        if stop.is_set():
+            print(f"serve: {signal.Signals(signum).name} again; already stopping", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    real_stdout = sys.stdout
+    # Gym's config parser and the servers may print; stdout carries only the one JSON line.
+    with contextlib.redirect_stdout(sys.stderr):
+        _ensure_token(work_dir)
+        try:
+            deployment = Deployment(port_base, work_dir, own_process_groups=False, log_dir=None)
+            config_path = deployment.write_config(work_dir / "gym_config.yaml")
+            deployment.start(abort=stop)
+        except DeploymentAborted:
+            print("serve: stopped before every server was ready", file=sys.stderr)
+            return 0
+        except DeploymentError as failed:
+            print(f"serve: {failed}", file=sys.stderr)
+            return 1
+
+    line = {"servers": deployment.urls, "token_env": TOKEN_ENV, "config": str(config_path)}
+    print(json.dumps(line), file=real_stdout, flush=True)
+
+    status = 0
+    try:
+        while not stop.wait(_WATCH_SECONDS):
+            dead = deployment.dead()
+            if dead:
+                print(f"serve: servers exited unexpectedly: {dead}; stopping the rest", file=sys.stderr)
+                status = 1
+                break
+    finally:
+        deployment.stop()
+    print("serve: every server stopped", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

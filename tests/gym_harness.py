@@ -1,0 +1,257 @@
+"""Process-level harness: a real Gym deployment from the nemo-gym wheel, plus the fake backend's controls.
+
+Load the fixtures in a test module by importing their functions (``from gym_harness import
+gym_deployment_fixture  # noqa: F401``), or for the whole suite with ``pytest_plugins =
+["gym_harness"]`` in the root conftest. The fixtures are:
+
+- ``gym_deployment`` (module scope): one started ``GymHarness`` shared by a module's
+  tests; every process group is stopped at teardown. Use distinct rollout ids per test.
+- ``gym_deployment_factory`` (function scope): ``factory(**deployment_kwargs)`` starts a
+  fresh ``GymHarness`` on its own free ports (for crash tests, other entrypoints...);
+  every one it made is stopped at teardown.
+
+Each server leads its own process group (``own_process_groups=True``), so ``crash()``
+SIGKILLs whole groups and ``restart()`` starts fresh processes with the same config
+and ports. Waiting is always on a condition with a deadline (``wait_until``,
+``FakeBackend.wait_for``), never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from nemo_gym_checkpoint_plugin.deployment import (
+    BACKEND,
+    ENVIRONMENT,
+    PORT_SPAN,
+    TOKEN_ENV,
+    Deployment,
+    port_is_free,
+    rollout_body,
+)
+
+__all__ = [
+    "FakeBackend",
+    "GymHarness",
+    "children_of",
+    "free_port_base",
+    "gym_deployment_factory_fixture",
+    "gym_deployment_fixture",
+    "pid_alive",
+    "processes_in_groups",
+    "send_rollout",
+    "send_wave",
+    "wait_until",
+    "wait_until_async",
+]
+
+T = TypeVar("T")
+_POLL_SECONDS = 0.05
+HARNESS_TOKEN = "gym-harness-token"
+
+
+def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
+    """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
+    rng = random.Random()
+    for _ in range(tries):
+        # Below the kernel's ephemeral range (32768+), so outgoing connections never take a server's port.
+        base = rng.randrange(20000, 32000 - span)
+        if all(port_is_free(base + offset) for offset in range(span)):
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")
+
+
+def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll ``predicate`` until it returns something truthy; ``AssertionError`` naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(_POLL_SECONDS)  # wait-ok: poll interval of a bounded wait on a condition
+
+
+async def wait_until_async(predicate: Callable[[], Awaitable[T]], timeout: float, what: str) -> T:
+    """``wait_until`` for an async predicate, yielding to the event loop between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(_POLL_SECONDS)  # wait-ok: poll interval of a bounded wait on a condition
+
+
+def processes_in_groups(pgids: Iterable[int]) -> list[int]:
+    """Pids of every live (non-zombie) process whose process group is one of ``pgids``, from /proc."""
+    wanted = set(pgids)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) in wanted:
+            found.append(int(entry.name))
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _client(timeout: float) -> httpx.AsyncClient:
+    # trust_env=False: traffic goes to 127.0.0.1 directly, never through a proxy from the environment.
+    return httpx.AsyncClient(timeout=timeout, trust_env=False)
+
+
+class FakeBackend:
+    """Async client of the fake backend's control routes (``/_fake/...``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        async with _client(10.0) as client:
+            reply = await client.request(method, self.url + path, json=body)
+            reply.raise_for_status()
+            return reply.json()
+
+    async def hold(self, match: str = "", count: int = 1, step: int | None = None) -> int:
+        """Hold the next ``count`` calls whose conversation contains ``match`` (at ``step`` when given)."""
+        return (await self._call("POST", "/_fake/hold", {"match": match, "count": count, "step": step}))["rule_id"]
+
+    async def release(self, match: str | None = None) -> dict[str, int]:
+        return await self._call("POST", "/_fake/release", {"match": match})
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._call("GET", "/_fake/stats")
+
+    async def reset(self) -> None:
+        await self._call("POST", "/_fake/reset")
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        """Poll stats until ``predicate(stats)``; returns those stats."""
+
+        async def check() -> dict[str, Any] | None:
+            stats = await self.stats()
+            return stats if predicate(stats) else None
+
+        return await wait_until_async(check, timeout, what)
+
+
+async def send_rollout(env_url: str, rollout_id: str, *, timeout: float = 120.0, **body: Any) -> dict[str, Any]:
+    """POST one episode to ``single_agent_turn``'s ``/run`` as Gym's rollout collection does; its JSON reply."""
+    async with _client(timeout) as client:
+        reply = await client.post(env_url + "/run", json=rollout_body(rollout_id, **body))
+        reply.raise_for_status()
+        return reply.json()
+
+
+async def send_wave(env_url: str, rollout_ids: Iterable[str], *, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Send every rollout at once over one connection pool; replies in the order of ``rollout_ids``."""
+    async with _client(timeout) as client:
+
+        async def one(rollout_id: str) -> dict[str, Any]:
+            reply = await client.post(env_url + "/run", json=rollout_body(rollout_id))
+            reply.raise_for_status()
+            return reply.json()
+
+        return list(await asyncio.gather(*(one(r) for r in rollout_ids)))
+
+
+class GymHarness:
+    """A started ``Deployment`` with its fake backend client and crash helpers."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.fake = FakeBackend(deployment.urls[BACKEND])
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return self.deployment.urls
+
+    @property
+    def env_url(self) -> str:
+        return self.deployment.urls[ENVIRONMENT]
+
+    def crash(self) -> dict[str, int]:
+        """SIGKILL every process group; returns the ``{name: pgid}`` that were killed."""
+        groups = self.deployment.process_groups
+        self.deployment.kill()
+        return groups
+
+    def restart(self, timeout: float = 120.0) -> None:
+        """Start fresh processes with the same config and ports (after ``crash`` or ``stop``)."""
+        self.deployment.start(timeout=timeout)
+
+    def stop(self) -> None:
+        self.deployment.stop()
+
+
+def _new_deployment(tmp_dir: Path, **kwargs: Any) -> Deployment:
+    kwargs.setdefault("log_dir", tmp_dir / "logs")
+    kwargs.setdefault("extra_env", {TOKEN_ENV: HARNESS_TOKEN})
+    return Deployment(free_port_base(), tmp_dir, own_process_groups=True, **kwargs)
+
+
+@pytest.fixture(scope="module", name="gym_deployment")
+def gym_deployment_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GymHarness]:
+    deployment = _new_deployment(tmp_path_factory.mktemp("gym-deployment"))
+    deployment.start()
+    try:
+        yield GymHarness(deployment)
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(name="gym_deployment_factory")
+def gym_deployment_factory_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., GymHarness]]:
+    made: list[Deployment] = []
+
+    def factory(**kwargs: Any) -> GymHarness:
+        deployment = _new_deployment(tmp_path_factory.mktemp("gym-deployment"), **kwargs)
+        made.append(deployment)
+        deployment.start()
+        return GymHarness(deployment)
+
+    try:
+        yield factory
+    finally:
+        for deployment in made:
+            deployment.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+

@@ -1,0 +1,199 @@
+"""A real Gym deployment from the nemo-gym wheel (no Ray, 127.0.0.1 only), its fake backend, and ``make serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gym_harness import (
+    GymHarness,
+    children_of,
+    free_port_base,
+    gym_deployment_factory_fixture,  # noqa: F401 - provides the gym_deployment_factory fixture
+    gym_deployment_fixture,  # noqa: F401 - provides the gym_deployment fixture
+    pid_alive,
+    processes_in_groups,
+    send_rollout,
+    send_wave,
+    wait_until,
+)
+
+from nemo_gym_checkpoint_plugin.deployment import (
+    AGENT,
+    BACKEND,
+    ENVIRONMENT,
+    GYM_SERVERS,
+    MODEL,
+    RESOURCES,
+    TOKEN_ENV,
+    port_is_free,
+)
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _assert_rewarded(reply: dict, rollout_id: str) -> None:
+    assert reply["failure"] is None, reply["failure"]
+    assert reply["episode_id"] == {"rollout_id": rollout_id, "attempt": 0}
+    assert reply["result"]["reward"] == 1.0
+    tool_calls = [item for item in reply["result"]["response"]["output"] if item["type"] == "function_call"]
+    assert [call["name"] for call in tool_calls] == ["get_weather"]
+
+
+async def test_a_wave_of_rollouts_finishes_with_reward_one(gym_deployment: GymHarness) -> None:
+    ids = [f"wave-{i}" for i in range(12)]
+    replies = await send_wave(gym_deployment.env_url, ids)
+    for rollout_id, reply in zip(ids, replies, strict=True):
+        _assert_rewarded(reply, rollout_id)
+    stats = await gym_deployment.fake.stats()
+    for rollout_id in ids:
+        (conversation,) = [c for c in stats["calls"] if f"(rollout {rollout_id})" in c]
+        # One tool call, then one final answer: each step exactly once.
+        assert stats["calls"][conversation] == {"0": 1, "1": 1}
+        assert stats["completed"][conversation] == {"0": 1, "1": 1}
+
+
+def test_servers_run_without_ray_and_with_the_checkpoint_block(gym_deployment: GymHarness) -> None:
+    deployment = gym_deployment.deployment
+    assert set(deployment.urls) == {BACKEND, *GYM_SERVERS}
+    assert all(url.startswith("http://127.0.0.1:") for url in deployment.urls.values())
+    # The top-level block passes through Gym's parser and every server started with it in its config.
+    assert deployment.config["checkpoint"]["enabled"] is True
+    assert deployment.config["checkpoint"]["control_auth_token_env"] == TOKEN_ENV
+    assert "checkpoint:" in deployment.config_yaml
+    env_server = deployment.config[ENVIRONMENT]["environment_servers"]["single_agent_turn"]
+    assert env_server["entrypoint"] == "nemo_gym_checkpoint_plugin.ray_off"
+    # Ray would show as helper processes (gcs_server, raylet...) under a server: each is alone.
+    for name, proc in deployment.processes.items():
+        assert children_of(proc.pid) == [], f"{name} has child processes"
+        assert processes_in_groups([proc.pid]) == [proc.pid], f"{name}'s group holds other processes"
+
+
+async def test_a_held_backend_call_keeps_rollouts_in_flight_until_released(gym_deployment: GymHarness) -> None:
+    fake = gym_deployment.fake
+    ids = [f"held-{i}" for i in range(4)]
+    # Hold the second model call (after the tool round trip) of each of these rollouts.
+    await fake.hold(match="(rollout held-", count=len(ids), step=1)
+    wave = asyncio.create_task(send_wave(gym_deployment.env_url, ids))
+    try:
+        stats = await fake.wait_for(lambda s: s["held"] == len(ids), timeout=60, what="4 held calls")
+        assert not wave.done()
+        held = sorted(call["conversation"] for call in stats["held_calls"])
+        assert held == sorted(f"what's it like in sf? (rollout {r})" for r in ids)
+        assert {call["step"] for call in stats["held_calls"]} == {1}
+        for conversation in held:
+            assert stats["completed"][conversation] == {"0": 1}
+    finally:
+        released = await fake.release(match="(rollout held-")
+    assert released["released"] == len(ids)
+    replies = await asyncio.wait_for(wave, timeout=60)
+    for rollout_id, reply in zip(ids, replies, strict=True):
+        _assert_rewarded(reply, rollout_id)
+    stats = await fake.stats()
+    assert stats["held"] == 0
+    assert not [r for r in stats["repeated"] if "(rollout held-" in r["conversation"]]
+
+
+async def test_sigkill_of_every_group_leaves_nothing_and_a_fresh_start_serves(gym_deployment_factory) -> None:
+    harness: GymHarness = gym_deployment_factory()
+    await harness.fake.hold(match="(rollout doomed)", count=1, step=1)
+    in_flight = asyncio.create_task(send_rollout(harness.env_url, "doomed"))
+    await harness.fake.wait_for(lambda s: s["held"] == 1, timeout=60, what="the doomed rollout's held call")
+    pids = [proc.pid for proc in harness.deployment.processes.values()]
+
+    groups = harness.crash()
+
+    assert sorted(groups) == sorted([BACKEND, *GYM_SERVERS])
+    assert processes_in_groups(groups.values()) == []
+    assert not [pid for pid in pids if pid_alive(pid)]
+    with pytest.raises(httpx.TransportError):
+        await asyncio.wait_for(in_flight, timeout=30)
+    ports = [int(url.rsplit(":", 1)[1]) for url in harness.urls.values()]
+    assert all(port_is_free(port) for port in ports)
+
+    harness.restart()
+
+    assert [int(url.rsplit(":", 1)[1]) for url in harness.urls.values()] == ports
+    assert not set(pids) & {proc.pid for proc in harness.deployment.processes.values()}
+    replies = await send_wave(harness.env_url, ["after-crash-0", "after-crash-1"])
+    _assert_rewarded(replies[0], "after-crash-0")
+    _assert_rewarded(replies[1], "after-crash-1")
+    assert (await harness.fake.stats())["calls_total"] == 4  # a fresh backend: only the new wave's calls
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    """The first line of ``proc``'s stdout, waiting at most ``timeout``."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buffered = b""
+    try:
+        while b"\n" not in buffered:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or proc.poll() is not None:
+                raise AssertionError(f"serve printed no line (status {proc.poll()}); got {buffered!r}")
+            if selector.select(timeout=remaining):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise AssertionError(f"serve closed stdout after {buffered!r}")
+                buffered += chunk
+    finally:
+        selector.close()
+    line, _, rest = buffered.partition(b"\n")
+    assert rest == b"", f"serve printed more than one line: {rest!r}"
+    return line
+
+
+async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(tmp_path: Path) -> None:
+    port_base = free_port_base()
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env.update(PORT_BASE=str(port_base), NG_SERVE_DIR=str(tmp_path / "serve"))
+    with open(tmp_path / "serve.stderr", "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nemo_gym_checkpoint_plugin.serve"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    pgid = proc.pid
+    try:
+        line = json.loads(_read_line(proc, timeout=120))
+        names = (BACKEND, MODEL, AGENT, RESOURCES, ENVIRONMENT)
+        assert line["servers"] == {name: f"http://127.0.0.1:{port_base + i}" for i, name in enumerate(names)}
+        assert line["token_env"] == TOKEN_ENV
+        config_text = Path(line["config"]).read_text()
+        assert "checkpoint:" in config_text and "control_auth_token_env: NG_CHECKPOINT_TOKEN" in config_text
+        token_file = tmp_path / "serve" / "token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        assert token_file.read_text().strip() not in json.dumps(line)
+        # Every server stays in serve's own process group: serve plus five children.
+        assert len(processes_in_groups([pgid])) == 6
+
+        _assert_rewarded(await send_rollout(line["servers"][ENVIRONMENT], "served"), "served")
+
+        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGTERM)  # what make forwards on top of the group's signal
+        assert proc.wait(timeout=20) == 0
+        wait_until(lambda: not processes_in_groups([pgid]), timeout=10, what="serve's children to be gone")
+        assert all(port_is_free(port_base + i) for i in range(len(names)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(pgid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
