@@ -19,10 +19,13 @@ and ports. Waiting is always on a condition with a deadline (``wait_until``,
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import httpx
@@ -34,6 +37,7 @@ from nemo_gym_checkpoint_plugin.deployment import (
     PORT_SPAN,
     TOKEN_ENV,
     Deployment,
+    fake_backend_script,
     port_is_free,
     rollout_body,
 )
@@ -45,6 +49,7 @@ __all__ = [
     "free_port_base",
     "gym_deployment_factory_fixture",
     "gym_deployment_fixture",
+    "load_fake_backend",
     "pid_alive",
     "processes_in_groups",
     "send_rollout",
@@ -56,6 +61,20 @@ __all__ = [
 T = TypeVar("T")
 _POLL_SECONDS = 0.05
 HARNESS_TOKEN = "gym-harness-token"
+
+
+def load_fake_backend() -> ModuleType:
+    """``examples/fake_backend/server.py`` as a module (``examples`` is not an installed package)."""
+    name = "fake_backend_server"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, fake_backend_script())
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before running it: dataclasses resolve their module through sys.modules.
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:

@@ -1,0 +1,164 @@
+"""The fake inference backend: deterministic OpenAI chat answers, held calls, per-step counters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from gym_harness import free_port_base, load_fake_backend, wait_until_async
+
+from nemo_gym_checkpoint_plugin.deployment import fake_backend_script
+
+fake_backend = load_fake_backend()
+FINAL_ANSWER = fake_backend.FINAL_ANSWER
+create_app = fake_backend.create_app
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+def first_turn(user: str) -> dict:
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "system", "content": "be helpful"}, {"role": "user", "content": user}],
+        "tools": TOOLS,
+    }
+
+
+def after_tool(user: str, call_id: str) -> dict:
+    body = first_turn(user)
+    body["messages"] += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "cold"},
+    ]
+    return body
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://fake") as c:
+        yield c
+
+
+async def test_models_lists_the_configured_model(client: httpx.AsyncClient) -> None:
+    reply = await client.get("/v1/models")
+    assert [m["id"] for m in reply.json()["data"]] == ["fake-model"]
+
+
+async def test_a_tool_call_first_then_the_final_answer_once_a_tool_message_is_present(client) -> None:
+    first = (await client.post("/v1/chat/completions", json=first_turn("sf?"))).json()
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "San Francisco"}
+
+    second = (await client.post("/v1/chat/completions", json=after_tool("sf?", call["id"]))).json()
+    assert second["choices"][0]["finish_reason"] == "stop"
+    assert second["choices"][0]["message"] == {"role": "assistant", "content": FINAL_ANSWER}
+
+
+async def test_answers_are_deterministic_and_a_repeated_step_is_reported(client: httpx.AsyncClient) -> None:
+    one = (await client.post("/v1/chat/completions", json=first_turn("rollout A"))).json()
+    two = (await client.post("/v1/chat/completions", json=first_turn("rollout A"))).json()
+    assert one["choices"] == two["choices"]
+    await client.post("/v1/chat/completions", json=first_turn("rollout B"))
+    stats = (await client.get("/_fake/stats")).json()
+    assert stats["calls"] == {"rollout A": {"0": 2}, "rollout B": {"0": 1}}
+    assert stats["repeated"] == [{"conversation": "rollout A", "step": 0, "count": 2}]
+    assert stats["calls_total"] == stats["completed_total"] == 3
+
+
+async def test_a_held_call_waits_until_released_and_the_rule_is_used_up(client: httpx.AsyncClient) -> None:
+    await client.post("/_fake/hold", json={"match": "slow", "count": 1, "step": 0})
+    held = asyncio.create_task(client.post("/v1/chat/completions", json=first_turn("a slow rollout")))
+
+    async def held_now() -> dict | None:
+        stats = (await client.get("/_fake/stats")).json()
+        return stats if stats["held"] == 1 else None
+
+    stats = await wait_until_async(held_now, timeout=10, what="one held call")
+    assert stats["held_calls"] == [{"conversation": "a slow rollout", "step": 0}]
+    assert stats["completed"] == {}
+    assert not held.done()
+    # Another conversation is not held, and the used-up rule does not hold the next matching call.
+    assert (await client.post("/v1/chat/completions", json=first_turn("a fast rollout"))).status_code == 200
+
+    assert (await client.post("/_fake/release", json={})).json() == {"released": 1, "rules_dropped": 1}
+    assert (await asyncio.wait_for(held, timeout=10)).status_code == 200
+    again = await asyncio.wait_for(client.post("/v1/chat/completions", json=first_turn("a slow rollout")), 10)
+    assert again.status_code == 200
+    assert (await client.get("/_fake/stats")).json()["held"] == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b"not json"),
+        ("/v1/chat/completions", b'{"messages": "nope"}'),
+        ("/_fake/hold", b'{"count": 0}'),
+        ("/_fake/hold", b'{"match": 3}'),
+        ("/_fake/hold", b"[1]"),
+        ("/_fake/release", b'{"match": 1}'),
+    ],
+)
+async def test_bad_input_is_a_400_never_a_500(client: httpx.AsyncClient, path: str, body: bytes) -> None:
+    reply = await client.post(path, content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+
+
+@pytest.mark.slow
+async def test_a_held_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -> None:
+    port = free_port_base(span=1)
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "fake.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(fake_backend_script()), "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as control:
+
+            async def stats_when(predicate) -> dict | None:
+                try:
+                    stats = (await control.get("/_fake/stats")).json()
+                except httpx.TransportError:
+                    return None
+                return stats if predicate(stats) else None
+
+            await wait_until_async(lambda: stats_when(lambda s: True), timeout=30, what="the backend to serve")
+            await control.post("/_fake/hold", json={"match": "gone", "count": 1})
+            async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as caller:
+                call = asyncio.create_task(caller.post("/v1/chat/completions", json=first_turn("gone soon")))
+                await wait_until_async(lambda: stats_when(lambda s: s["held"] == 1), timeout=10, what="a held call")
+                call.cancel()  # closes the connection, as a killed caller would
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            stats = await wait_until_async(
+                lambda: stats_when(lambda s: s["abandoned_total"] == 1), timeout=10, what="the call to be abandoned"
+            )
+            assert stats["held"] == 0
+            assert stats["completed_total"] == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
