@@ -1,31 +1,15 @@
 """Launch a real NeMo Gym deployment from the wheel's own servers, on 127.0.0.1, without Ray.
 
 One ``Deployment`` owns six processes: the fake inference backend
-(``examples/fake_backend/server.py``) and four Gym servers from the nemo-gym wheel,
-wired the way the DESIGN's "Facts found by running nemo-gym 0.7.0" say works:
-
-========================== ============================= ===============
-top-level name (``name``)  implementation                port
-========================== ============================= ===============
-``fake_backend``           OpenAI-compatible fake        ``port_base``
-``policy_model``           ``responses_api_models/vllm_model``  ``+1``
-``simple_agent``           ``responses_api_agents/simple_agent`` ``+2``
-``example_single_tool_call`` ``resources_servers/...``   ``+3``
-``single_agent_turn``      ``environment_servers/...``   ``+4``
-(head server, not started) reserved in the config        ``+5``
-========================== ============================= ===============
-
-The Gym config is built by Gym's own ``GlobalConfigDictParser`` (CLI and dotenv
-skipped, ``offline`` so it neither probes ports nor touches this process's
-environment) from the servers' shipped YAML plus overrides. Each Gym server starts as
-Gym's ``RunHelper`` starts it, minus the per-server venv: cwd = its directory,
-``python <entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and
-``NEMO_GYM_CONFIG_PATH`` (its top-level name) in the environment. An entrypoint ending
-in ``.py`` is a path (relative to the server directory, or absolute); anything else is
-a module run with ``python -m`` (cwd first on ``sys.path``, as for ``python app.py``).
-``single_agent_turn`` defaults to ``nemo_gym_checkpoint_plugin.ray_off`` because its
-class leaves ``ray_enabled`` unset, which starts Ray. Override any of them with
-``entrypoints={name: ...}``; the override is written into the config's ``entrypoint:``.
+(``examples/fake_backend/server.py``) and the four Gym servers of ``gym_config`` (names,
+ports and the config itself are built there). Each Gym server starts as Gym's
+``RunHelper`` starts it, minus the per-server venv: cwd = its directory, ``python
+<entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and ``NEMO_GYM_CONFIG_PATH``
+(its top-level name) in the environment, the server directory on ``PYTHONPATH``. An
+entrypoint ending in ``.py`` is a path (relative to the server directory, or
+absolute); anything else is a module run with ``python -m`` (cwd first on
+``sys.path``, as for ``python app.py``). Override any with ``entrypoints={name: ...}``;
+the override is written into the config's ``entrypoint:`` so the YAML tells the truth.
 
 Process groups: with ``own_process_groups=True`` (tests) each child leads its own
 group, and ``stop``/``kill`` signal whole groups, so nothing a server spawned survives.
@@ -49,7 +33,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .gym_config import (
+    AGENT,
+    BACKEND,
+    DEFAULT_CHECKPOINT_BLOCK,
+    ENVIRONMENT,
+    FAKE_MODEL_NAME,
+    GYM_SERVERS,
+    HOST,
+    MODEL,
+    PORT_OFFSETS,
+    PORT_SPAN,
+    RESOURCES,
+    TOKEN_ENV,
+    build_gym_config,
+    rollout_body,
+    server_location,
+)
+
 __all__ = [
+    # Re-exported from gym_config so callers need one import.
     "AGENT",
     "BACKEND",
     "DEFAULT_CHECKPOINT_BLOCK",
@@ -60,37 +63,17 @@ __all__ = [
     "PORT_SPAN",
     "RESOURCES",
     "TOKEN_ENV",
+    "build_gym_config",
+    "rollout_body",
+    # Process management.
     "Deployment",
     "DeploymentAborted",
     "DeploymentError",
     "ProcessSpec",
-    "build_gym_config",
     "fake_backend_script",
     "port_is_free",
-    "rollout_body",
 ]
 
-HOST = "127.0.0.1"
-BACKEND = "fake_backend"
-MODEL = "policy_model"
-AGENT = "simple_agent"
-RESOURCES = "example_single_tool_call"
-ENVIRONMENT = "single_agent_turn"
-GYM_SERVERS = (MODEL, AGENT, RESOURCES, ENVIRONMENT)
-_PORT_OFFSETS = {BACKEND: 0, MODEL: 1, AGENT: 2, RESOURCES: 3, ENVIRONMENT: 4}
-_HEAD_SERVER_OFFSET = 5
-PORT_SPAN = 6
-TOKEN_ENV = "NG_CHECKPOINT_TOKEN"
-DEFAULT_CHECKPOINT_BLOCK: Mapping[str, Any] = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
-FAKE_MODEL_NAME = "fake-model"
-
-# Each shipped YAML supplies its server's defaults; the overrides below only bind names, ports and the backend.
-_SHIPPED_CONFIGS = (
-    "responses_api_models/vllm_model/configs/vllm_model.yaml",
-    "responses_api_agents/simple_agent/configs/simple_agent.yaml",
-    "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
-)
-_DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin.ray_off"}
 # The wait between readiness probes of servers not up yet; the loop itself is bounded by a deadline.
 _PROBE_INTERVAL_SECONDS = 0.05
 
@@ -111,88 +94,6 @@ def fake_backend_script() -> Path:
     return script
 
 
-def _server_ref(server_type: str, name: str) -> dict[str, str]:
-    return {"type": server_type, "name": name}
-
-
-def build_gym_config(
-    port_base: int,
-    work_dir: Path,
-    *,
-    checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
-    entrypoints: Mapping[str, str] | None = None,
-) -> Any:
-    """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
-
-    ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
-    ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
-    """
-    from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
-    from omegaconf import OmegaConf
-
-    def port(name: str) -> dict[str, Any]:
-        return {"host": HOST, "port": port_base + _PORT_OFFSETS[name]}
-
-    chosen = {**_DEFAULT_ENTRYPOINTS, **(entrypoints or {})}
-    unknown = set(chosen) - set(GYM_SERVERS)
-    if unknown:
-        raise ValueError(f"entrypoints name unknown servers {sorted(unknown)}; known: {list(GYM_SERVERS)}")
-    resources_ref = _server_ref("resources_servers", RESOURCES)
-    initial: dict[str, Any] = {
-        "config_paths": list(_SHIPPED_CONFIGS),
-        "policy_base_url": f"http://{HOST}:{port_base + _PORT_OFFSETS[BACKEND]}/v1",
-        "policy_api_key": "fake-key",
-        "policy_model_name": FAKE_MODEL_NAME,
-        MODEL: {
-            "responses_api_models": {
-                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False}
-            }
-        },
-        AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
-        RESOURCES: {
-            "resources_servers": {
-                "example_single_tool_call": {
-                    **port(RESOURCES),
-                    "entrypoint": "app.py",
-                    "domain": "agent",
-                    "verified": False,
-                    "description": "Basic single-step tool calling",
-                }
-            }
-        },
-        ENVIRONMENT: {
-            "environment_servers": {
-                "single_agent_turn": {
-                    **port(ENVIRONMENT),
-                    "resources_server": resources_ref,
-                    "agent_server": _server_ref("responses_api_agents", AGENT),
-                    "resources_tool_transports": ["direct_http"],
-                    "default_episode_timeout_seconds": 3600,
-                    "cleanup_timeout_seconds": 30,
-                }
-            }
-        },
-        "head_server": {"host": HOST, "port": port_base + _HEAD_SERVER_OFFSET},
-        "results_dir": str(work_dir / "results"),
-        "cache_dir": str(work_dir / "cache"),
-    }
-    if checkpoint is not None:
-        initial["checkpoint"] = dict(checkpoint)
-    config = GlobalConfigDictParser().parse(
-        GlobalConfigDictParserConfig(
-            initial_global_config_dict=OmegaConf.create(initial),
-            skip_load_from_cli=True,
-            skip_load_from_dotenv=True,
-            offline=True,
-        )
-    )
-    for name, entrypoint in chosen.items():
-        (server_type,) = config[name].keys()
-        (implementation,) = config[name][server_type].keys()
-        config[name][server_type][implementation]["entrypoint"] = entrypoint
-    return config
-
-
 @dataclass(frozen=True)
 class ProcessSpec:
     """How to start one server process and how to tell it is ready."""
@@ -210,9 +111,7 @@ def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
 
     specs = []
     for name in GYM_SERVERS:
-        (server_type,) = config[name].keys()
-        (implementation,) = config[name][server_type].keys()
-        inner = config[name][server_type][implementation]
+        server_type, implementation, inner = server_location(config, name)
         # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
         server_dir = _resolve_under_cwd_or_install(
             Path(server_type, implementation),
@@ -248,48 +147,6 @@ def _backend_spec(port: int) -> ProcessSpec:
         url=f"http://{HOST}:{port}",
         ready_path="/v1/models",
     )
-
-
-def rollout_body(
-    rollout_id: str,
-    *,
-    attempt: int = 0,
-    prompt: str | None = None,
-    taskset: str = RESOURCES,
-    task_id: str | None = None,
-) -> dict[str, Any]:
-    """The ``/run`` body Gym's rollout collection sends ``single_agent_turn`` for one episode attempt.
-
-    The user message names the rollout, so the fake backend counts each rollout as its own conversation.
-    """
-    user = prompt if prompt is not None else f"what's it like in sf? (rollout {rollout_id})"
-    weather_tool = {
-        "type": "function",
-        "name": "get_weather",
-        "description": "",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "description": ""}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    }
-    return {
-        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
-        "task": {
-            "task_id": {"taskset": taskset, "task_id": task_id or rollout_id},
-            "task_input": {
-                "responses_create_params": {
-                    "input": [
-                        {"role": "developer", "content": "You are a helpful personal assistant."},
-                        {"role": "user", "content": user},
-                    ],
-                    "tools": [weather_tool],
-                }
-            },
-        },
-    }
 
 
 def port_is_free(port: int) -> bool:
@@ -344,7 +201,7 @@ class Deployment:
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints)
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
-        self.specs = [_backend_spec(port_base + _PORT_OFFSETS[BACKEND]), *_gym_specs(self.config, self.config_yaml)]
+        self.specs = [_backend_spec(port_base + PORT_OFFSETS[BACKEND]), *_gym_specs(self.config, self.config_yaml)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property

@@ -1,0 +1,192 @@
+"""The Gym config of the demo deployment and the episode bodies it takes, built with Gym's own parser.
+
+Names and ports (``port_base`` + offset), all on 127.0.0.1:
+
+- ``fake_backend`` (+0): the OpenAI-compatible fake backend (not a Gym server);
+- ``policy_model`` (+1): ``responses_api_models/vllm_model`` pointed at the backend;
+- ``simple_agent`` (+2): ``responses_api_agents/simple_agent``;
+- ``example_single_tool_call`` (+3): the resources server of that name;
+- ``single_agent_turn`` (+4): ``environment_servers/single_agent_turn``;
+- the head server's port (+5) is reserved in the config; nothing needs it started.
+
+``build_gym_config`` runs Gym's ``GlobalConfigDictParser`` (CLI and dotenv skipped,
+``offline`` so it neither probes ports nor touches this process's environment or
+exporters) over the servers' shipped YAML plus overrides that bind names, ports and
+the backend. ``single_agent_turn`` defaults to the ``nemo_gym_checkpoint_plugin.ray_off``
+entrypoint because its class leaves ``ray_enabled`` unset, which starts Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "AGENT",
+    "BACKEND",
+    "DEFAULT_CHECKPOINT_BLOCK",
+    "ENVIRONMENT",
+    "FAKE_MODEL_NAME",
+    "GYM_SERVERS",
+    "HOST",
+    "MODEL",
+    "PORT_OFFSETS",
+    "PORT_SPAN",
+    "RESOURCES",
+    "TOKEN_ENV",
+    "build_gym_config",
+    "rollout_body",
+    "server_location",
+]
+
+HOST = "127.0.0.1"
+BACKEND = "fake_backend"
+MODEL = "policy_model"
+AGENT = "simple_agent"
+RESOURCES = "example_single_tool_call"
+ENVIRONMENT = "single_agent_turn"
+GYM_SERVERS = (MODEL, AGENT, RESOURCES, ENVIRONMENT)
+PORT_OFFSETS = {BACKEND: 0, MODEL: 1, AGENT: 2, RESOURCES: 3, ENVIRONMENT: 4}
+_HEAD_SERVER_OFFSET = 5
+PORT_SPAN = 6
+TOKEN_ENV = "NG_CHECKPOINT_TOKEN"
+DEFAULT_CHECKPOINT_BLOCK: Mapping[str, Any] = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
+FAKE_MODEL_NAME = "fake-model"
+
+# Each shipped YAML supplies its server's defaults; the overrides below only bind names, ports and the backend.
+_SHIPPED_CONFIGS = (
+    "responses_api_models/vllm_model/configs/vllm_model.yaml",
+    "responses_api_agents/simple_agent/configs/simple_agent.yaml",
+    "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
+)
+_DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin.ray_off"}
+
+
+def server_location(config: Any, name: str) -> tuple[str, str, Any]:
+    """``(server type, implementation, inner config)`` of the top-level server ``name``."""
+    (server_type,) = config[name].keys()
+    (implementation,) = config[name][server_type].keys()
+    return server_type, implementation, config[name][server_type][implementation]
+
+
+def _server_ref(server_type: str, name: str) -> dict[str, str]:
+    return {"type": server_type, "name": name}
+
+
+def build_gym_config(
+    port_base: int,
+    work_dir: Path,
+    *,
+    checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
+    entrypoints: Mapping[str, str] | None = None,
+) -> Any:
+    """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
+
+    ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
+    ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
+    """
+    from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from omegaconf import OmegaConf
+
+    def port(name: str) -> dict[str, Any]:
+        return {"host": HOST, "port": port_base + PORT_OFFSETS[name]}
+
+    chosen = {**_DEFAULT_ENTRYPOINTS, **(entrypoints or {})}
+    unknown = set(chosen) - set(GYM_SERVERS)
+    if unknown:
+        raise ValueError(f"entrypoints name unknown servers {sorted(unknown)}; known: {list(GYM_SERVERS)}")
+    resources_ref = _server_ref("resources_servers", RESOURCES)
+    initial: dict[str, Any] = {
+        "config_paths": list(_SHIPPED_CONFIGS),
+        "policy_base_url": f"http://{HOST}:{port_base + PORT_OFFSETS[BACKEND]}/v1",
+        "policy_api_key": "fake-key",
+        "policy_model_name": FAKE_MODEL_NAME,
+        MODEL: {
+            "responses_api_models": {
+                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False}
+            }
+        },
+        AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
+        RESOURCES: {
+            "resources_servers": {
+                "example_single_tool_call": {
+                    **port(RESOURCES),
+                    "entrypoint": "app.py",
+                    "domain": "agent",
+                    "verified": False,
+                    "description": "Basic single-step tool calling",
+                }
+            }
+        },
+        ENVIRONMENT: {
+            "environment_servers": {
+                "single_agent_turn": {
+                    **port(ENVIRONMENT),
+                    "resources_server": resources_ref,
+                    "agent_server": _server_ref("responses_api_agents", AGENT),
+                    "resources_tool_transports": ["direct_http"],
+                    "default_episode_timeout_seconds": 3600,
+                    "cleanup_timeout_seconds": 30,
+                }
+            }
+        },
+        "head_server": {"host": HOST, "port": port_base + _HEAD_SERVER_OFFSET},
+        "results_dir": str(work_dir / "results"),
+        "cache_dir": str(work_dir / "cache"),
+    }
+    if checkpoint is not None:
+        initial["checkpoint"] = dict(checkpoint)
+    config = GlobalConfigDictParser().parse(
+        GlobalConfigDictParserConfig(
+            initial_global_config_dict=OmegaConf.create(initial),
+            skip_load_from_cli=True,
+            skip_load_from_dotenv=True,
+            offline=True,
+        )
+    )
+    for name, entrypoint in chosen.items():
+        server_location(config, name)[2]["entrypoint"] = entrypoint
+    return config
+
+
+def rollout_body(
+    rollout_id: str,
+    *,
+    attempt: int = 0,
+    prompt: str | None = None,
+    taskset: str = RESOURCES,
+    task_id: str | None = None,
+) -> dict[str, Any]:
+    """The ``/run`` body Gym's rollout collection sends ``single_agent_turn`` for one episode attempt.
+
+    The user message names the rollout, so the fake backend counts each rollout as its own conversation.
+    """
+    user = prompt if prompt is not None else f"what's it like in sf? (rollout {rollout_id})"
+    weather_tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": ""}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    return {
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "task": {
+            "task_id": {"taskset": taskset, "task_id": task_id or rollout_id},
+            "task_input": {
+                "responses_create_params": {
+                    "input": [
+                        {"role": "developer", "content": "You are a helpful personal assistant."},
+                        {"role": "user", "content": user},
+                    ],
+                    "tools": [weather_tool],
+                }
+            },
+        },
+    }
