@@ -13,6 +13,9 @@ test: setup
 demo: setup
 	$(PY) -m nemo_gym_checkpoint_plugin.demo
 
+serve: setup
+	PORT_BASE=$(PORT_BASE) $(PY) -m nemo_gym_checkpoint_plugin.serve
+
 bench: setup
 	$(PY) benchmarks/storage.py
 
