@@ -5,11 +5,11 @@ Import it by its installed name; the bare ``hookspecs`` would load a second copy
 
 from __future__ import annotations
 
-from nemo_gym_checkpoint_plugin.hookspecs import core
+from nemo_gym_checkpoint_plugin.hookspecs import core, participant
 
 from nemo_gym_checkpoint_plugin.markers import hookimpl, hookspec
 
-__all__ = ["core", "hookimpl", "hookspec", "SPEC_MODULES"]
+__all__ = ["core", "participant", "hookimpl", "hookspec", "SPEC_MODULES"]
 
 # Every module of specs the plugin manager adds, in one place.
-SPEC_MODULES = (core,)
+SPEC_MODULES = (core, participant)

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from nemo_gym_checkpoint_plugin.markers import hookspec
 
 if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin.control.types import LeasePolicy
+    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
     from nemo_gym_checkpoint_plugin.storage.local import LocalStorage
 
 
@@ -26,4 +28,29 @@ def storage_backend(name: str) -> LocalStorage | None:
     ``read_manifest(checkpoint_dir, kind, instance)``, with the semantics of PROTOCOL.md's
     storage layout. Raising aborts startup. ``firstresult``: the first non-``None`` answer is
     used; the built-in ``local`` backend answers last.
+    """
+
+
+@hookspec(firstresult=True)
+def lease_policy(settings: CheckpointSettings) -> LeasePolicy | None:
+    """Return the ``LeasePolicy`` (grace after each call's deadline, self-resume retry interval).
+
+    Called once when a participant's control plane is built, before it serves, with the
+    validated ``checkpoint:`` block. The lease then runs to ``policy.expires_at(deadline_ts)``
+    after every control call; when it expires the participant resumes on its own and retries
+    every ``policy.retry_seconds`` after a failure. Raising aborts startup. ``firstresult``:
+    the built-in default (``deadline_ts + lease_grace_seconds``, retry every 30 s) answers last.
+    """
+
+
+@hookspec(firstresult=True)
+def coordination_order(operation: str) -> list[list[str]] | None:
+    """Return the stages in which the controller calls participants for ``operation``.
+
+    Called by the coordination library (controller side) once per fan-out; ``operation`` is
+    one of ``prepare``, ``commit``, ``resume``, ``restore``, ``retire``, ``forget``,
+    ``renew``. A stage is a list of kinds (``environment``, ``model``, ``agent``,
+    ``resources``) called at once; stages run in order, and each kind appears exactly once.
+    Return ``None`` for an operation you do not order. Raising fails the fan-out before any
+    call is sent. ``firstresult``: the built-in PROTOCOL.md orders answer last.
     """

@@ -30,10 +30,16 @@ class PluginLoadError(RuntimeError):
 
 
 def builtin_plugins() -> tuple[Any, ...]:
-    """The explicit tuple of built-in plugins (core defaults)."""
+    """The explicit tuple of built-in plugins (core defaults, each ``trylast``).
+
+    The local storage backend, the lease policy (``deadline_ts + lease_grace_seconds``,
+    retry every 30 s) and PROTOCOL.md's coordination orders.
+    """
+    from .control.lease import DefaultLeasePolicy
+    from .coordination.order import DefaultCoordinationOrder
     from .storage.local import LocalStoragePlugin
 
-    return (LocalStoragePlugin(),)
+    return (LocalStoragePlugin(), DefaultLeasePolicy(), DefaultCoordinationOrder())
 
 
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
@@ -51,6 +57,8 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
 def make_plugin_manager(extra_plugins: Iterable[Any] = (), *, load_entry_points: bool = True) -> pluggy.PluginManager:
     """Build a manager: add the specs, register built-ins, load the entry-point group, check.
 
+    Every spec module of ``hookspecs.SPEC_MODULES`` (core and participant hooks) is added
+    before any plugin registers, so a plugin's misspelt hook fails ``check_pending()``.
     ``extra_plugins`` are registered after the built-ins (tests and embedding code use it).
     Raises ``PluginLoadError`` naming a plugin that fails to import, and
     ``pluggy.PluginValidationError`` for an implementation that matches no spec.

@@ -1,0 +1,166 @@
+"""Participant hooks: what one Gym server contributes to a checkpoint.
+
+A server process has one control plane; every plugin registered on its manager
+that implements these hooks is part of that participant (the built-in
+participant of its kind, plus e.g. a third-party verifier). All hooks here are
+*collected* (every implementation is called, answers merged) and called with
+keyword arguments through the typed facade ``control.facade.Participants``.
+
+Any hook may be ``async def``: the control plane awaits what it returns. Hooks
+are called from the server's event loop thread. Raising a ``CheckpointError``
+sends its code to the controller; any other exception is described below per hook.
+
+Phases are PROTOCOL.md's: ``idle``, ``preparing``, ``prepared``, ``committed``,
+``restored``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from nemo_gym_checkpoint_plugin.markers import hookspec
+
+if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin.control.types import (
+        ParticipantExport,
+        Readiness,
+        RestoredRecord,
+        SeedDeclaration,
+    )
+    from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+
+@hookspec
+def close_admission(checkpoint_id: str) -> None:
+    """Admission just closed for ``checkpoint_id`` (a prepare or a restore starting).
+
+    Called under the transition lock, after the shared ``Admission`` closed, so new data
+    requests already park at the gate. Close what the gate cannot see (e.g. a model's
+    own queue). Raising aborts the prepare or restore: admission reopens
+    (``open_admission`` is called) and the error is the reply.
+    """
+
+
+@hookspec
+def open_admission(checkpoint_id: str) -> None:
+    """Admission reopened after ``checkpoint_id`` (resume, lease expiry, or an aborted prepare/restore).
+
+    Called once the shared ``Admission`` is open again; undo ``close_admission``. Raising
+    is logged and does not keep admission closed (phase and admission never disagree).
+    """
+
+
+@hookspec
+def ready(checkpoint_id: str | None) -> Readiness | None:
+    """Report readiness now: ``Readiness(blockers, restarts, counts)``, capture keys; or ``None``.
+
+    Called while preparing (after admission closed, and again each time ``wait_ready``
+    returns), at commit (readiness that regressed since prepare fails the commit with
+    ``invalid_phase``) and by ``status`` in any phase (``checkpoint_id`` then ``None``
+    when idle). Must be cheap and must not wait. A blocker is an episode whose state
+    cannot be exported yet (a step in ``wait`` mode, an episode being retired); a restart
+    is an episode this participant can never capture: listed, never blocking. Raising
+    fails the prepare (admission reopens) or the status call.
+    """
+
+
+@hookspec
+def wait_ready(checkpoint_id: str) -> None:
+    """Return (or finish awaiting) when this participant's blockers may have changed.
+
+    Called while ``preparing`` after a ``ready`` answer with blockers; the control plane
+    re-asks ``ready`` when any implementation returns and cancels the others, and cancels
+    all at the prepare's deadline or on resume. Without any implementation the control
+    plane polls ``ready`` briefly. Raising fails the prepare (admission reopens).
+    """
+
+
+@hookspec
+def export(checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport | Iterable[Mapping[str, Any]] | None:
+    """Return what this plugin holds inside ``scope`` (capture keys; ``None``: everything).
+
+    Called once per checkpoint, in phase ``prepared`` by the first ``commit`` (a checkpoint
+    never exports twice), after the scope was checked against the reported restarts. Return
+    a ``ParticipantExport`` or an iterable of records (JSON objects with ``episode_id``);
+    ``None`` means nothing. Records are consumed by the storage writer in a worker thread,
+    so a lazy iterator must be thread-safe to advance there. Never export a restart. A
+    resume cancels a running export. Raising ends the checkpoint for good: this commit and
+    every later commit of the id reply ``export_failed``.
+    """
+
+
+@hookspec
+def release_exported(checkpoint_id: str, episode_keys: list[str]) -> None:
+    """The commit had ``stop: true`` and its write is durable: free what exported state holds outside the process.
+
+    Called after the manifest was published (phase ``committed``) with the capture keys
+    written. Free sandboxes, remote sessions. Raising is logged, never fails the commit.
+    """
+
+
+@hookspec
+def restored_pending() -> Iterable[str] | None:
+    """Capture keys of restored episodes this plugin holds that have not started yet.
+
+    Called by a commit after its write: those the commit scope leaves out are deleted
+    with ``delete_restored``. Must not wait. Raising is logged and nothing is deleted.
+    """
+
+
+@hookspec
+def delete_restored(episode_ids: list[EpisodeId]) -> None:
+    """Delete restored, not yet started episodes the controller no longer continues.
+
+    Called after a commit's write, for restored-pending episodes its scope leaves out; a
+    resume waits (within its deadline) for it to finish. Must leave nothing that would
+    refuse the attempt later (no retired mark, no half state). Raising is logged.
+    """
+
+
+@hookspec
+def install(checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+    """Install restored records as their replacement attempts (``checkpointed.attempt + 1``).
+
+    Called by ``restore`` in phase ``restored``, after the scope was marked retired up to
+    the checkpointed attempts and the records were read and verified. Only records in the
+    restore's scope are passed; ``checkpoint_id`` is the restore operation's id. An install
+    that outlives the restore's deadline keeps running and is kept; a retire or the next
+    restore waits for it and admission reopens only once it finished. Raise
+    ``InvalidCheckpointState`` (or ``ValueError``, reported as such) for a record this
+    participant refuses; a raising install must leave nothing installed (the control
+    plane also calls ``delete_restored`` for the replacement attempts).
+    """
+
+
+@hookspec
+def retire(episode_ids: list[EpisodeId]) -> None:
+    """Stop the running work of these attempts (and earlier ones of the same rollout), wait for it, free its state.
+
+    Called in phase ``idle`` or ``restored``, after every attempt named was marked retired
+    (requests for them already get ``stale_attempt``) and after a running install finished.
+    Bound by the retire's deadline: past it the call keeps running and the retire replies
+    ``deadline_exceeded`` (the marks stay). Raising fails the retire; the marks stay.
+    """
+
+
+@hookspec
+def seed_session(episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
+    """A resources server seeded the session of ``episode_id``; declare how it checkpoints.
+
+    Called by the Gym attachment after the server's ``/seed_session`` handler succeeded,
+    with its request body; not phase-bound. Return ``SeedDeclaration(restart=...,
+    verify_replay=...)`` or ``None``: ``restart`` from any plugin makes the episode a
+    restart (reply header ``x-ng-checkpoint-restart``); ``verify_replay`` is sent as
+    ``x-ng-checkpoint-verify: replay`` only when every declaring plugin allows it.
+    Raising fails the seed request.
+    """
+
+
+@hookspec
+def status_fields() -> Mapping[str, Any] | None:
+    """Participant-specific fields added to the ``status`` reply (any phase).
+
+    Keys must not replace the protocol's status fields (those win). Must be cheap.
+    Raising fails the status call.
+    """

@@ -1,0 +1,147 @@
+"""Values exchanged between the control plane and participant plugins.
+
+Participants answer hooks with these (or with the plain shapes each docstring
+allows); the control plane merges the answers of every plugin of one server.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+__all__ = [
+    "MAX_REPORTED_BLOCKERS",
+    "Phase",
+    "Readiness",
+    "PrepareReport",
+    "ParticipantExport",
+    "RestoredRecord",
+    "SeedDeclaration",
+    "LeasePolicy",
+    "merge_readiness",
+]
+
+# PROTOCOL: a report lists at most 100 blockers (the full count is reported beside them).
+MAX_REPORTED_BLOCKERS = 100
+
+
+class Phase(enum.StrEnum):
+    IDLE = "idle"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    RESTORED = "restored"
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """One plugin's answer to ``ready``: what blocks a checkpoint right now, and what cannot be captured.
+
+    ``blockers`` and ``restarts`` are capture keys; ``counts`` are free-form tallies
+    (``{"in_flight": 3}``) summed across plugins.
+    """
+
+    blockers: Collection[str] = ()
+    restarts: Collection[str] = ()
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PrepareReport:
+    """The merged readiness of one participant, as PROTOCOL's prepare report."""
+
+    blockers: tuple[str, ...]
+    restarts: tuple[str, ...]
+    counts: Mapping[str, int]
+
+    @property
+    def ready(self) -> bool:
+        # Restarts never block: they run through the checkpoint and are never exported.
+        return not self.blockers
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "blockers": list(self.blockers[:MAX_REPORTED_BLOCKERS]),
+            "blocker_count": len(self.blockers),
+            "counts": dict(self.counts),
+            "restarts": list(self.restarts),
+        }
+
+
+def merge_readiness(answers: Iterable[Readiness | None]) -> PrepareReport:
+    """Union of blockers and restarts (sorted, so reports are stable), sum of counts."""
+    blockers: set[str] = set()
+    restarts: set[str] = set()
+    counts: dict[str, int] = {}
+    for answer in answers:
+        if answer is None:
+            continue
+        blockers.update(answer.blockers)
+        restarts.update(answer.restarts)
+        for name, value in answer.counts.items():
+            counts[name] = counts.get(name, 0) + value
+    return PrepareReport(tuple(sorted(blockers)), tuple(sorted(restarts)), counts)
+
+
+@dataclass
+class ParticipantExport:
+    """One plugin's answer to ``export``.
+
+    ``records`` are written one at a time (an iterator keeps memory flat); each is a JSON
+    object with an ``episode_id``. ``manifest_extras`` go into the manifest under their own
+    keys; ``reply_extras`` into the commit reply.
+    """
+
+    records: Iterable[Mapping[str, Any]]
+    manifest_extras: Mapping[str, Any] = field(default_factory=dict)
+    reply_extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoredRecord:
+    """A record a restore read, and the attempt that continues it (``checkpointed.attempt + 1``)."""
+
+    checkpointed: EpisodeId
+    replacement: EpisodeId
+    record: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SeedDeclaration:
+    """What a resources participant declares about a seeded session (sent as reply headers)."""
+
+    restart: bool = False
+    verify_replay: bool = False
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """How long a participant waits for its controller, and how often a failed self-resume retries.
+
+    ``grace_seconds`` is PROTOCOL's ``lease_grace_seconds``; ``retry_seconds`` is 30 by default.
+    """
+
+    grace_seconds: float
+    retry_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("grace_seconds", "retry_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"LeasePolicy.{name} must be a finite number of seconds > 0, got {value!r}")
+
+    def expires_at(self, deadline_ts: float) -> float:
+        return deadline_ts + self.grace_seconds
+
+
+def sorted_keys(episodes: Sequence[EpisodeId] | None) -> tuple[str, ...] | None:
+    """A scope as its sorted capture keys (``None`` stays ``None``): how retries are compared."""
+    if episodes is None:
+        return None
+    return tuple(sorted({episode.capture_key for episode in episodes}))
