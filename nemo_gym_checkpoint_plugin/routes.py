@@ -14,6 +14,8 @@ from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
@@ -82,6 +84,15 @@ class ForgetBody(_Body):
     rollout_ids: Annotated[list[RolloutId], Field(min_length=1)]
 
 
+def _invalid_body(exc: RequestValidationError) -> Response:
+    """422 without echoing the input: FastAPI's own handler fails (a 500) on a body holding Infinity or NaN."""
+    detail = [
+        {"type": str(err.get("type")), "loc": [str(part) for part in err.get("loc", ())], "msg": str(err.get("msg"))}
+        for err in exc.errors()
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
 def _guarded_route_class(token: str) -> type[APIRoute]:
     expected = f"Bearer {token}".encode()
 
@@ -96,7 +107,10 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
                 # compare_digest: the time taken does not tell how much of the token was right.
                 if not hmac.compare_digest(supplied, expected):
                     raise Unauthorized("missing or wrong bearer token")
-                return await handler(request)
+                try:
+                    return await handler(request)
+                except RequestValidationError as exc:
+                    return _invalid_body(exc)
 
             return guarded
 
