@@ -159,8 +159,8 @@ def seed_session(episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDecla
 
 @hookspec
 def status_fields() -> Mapping[str, Any] | None:
-    """Participant-specific fields added to the ``status`` reply (any phase).
+    """Participant-specific fields added to the ``status`` reply.
 
-    Keys must not replace the protocol's status fields (those win). Must be cheap.
-    Raising fails the status call.
+    Called by every ``status`` call, in any phase. Keys must not replace the protocol's
+    status fields (those win). Must be cheap. Raising fails the status call.
     """

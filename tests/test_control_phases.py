@@ -21,7 +21,7 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
     await close_harness(harness)
 
 
-async def test_prepare_closes_admission_and_resume_reopens_it(h: Harness) -> None:
+async def test_hook_open_admission_prepare_closes_and_resume_reopens(h: Harness) -> None:
     reply = await h.call("prepare", checkpoint_id="c1")
     assert reply["phase"] == "prepared" and reply["report"]["ready"] is True
     assert not h.plane.admission.is_open
