@@ -8,6 +8,8 @@ it unset. Started the way Gym starts servers (cwd = the server directory,
 imports that directory's ``app`` module, finds its server class, declares Ray off and
 runs it, exactly as ``python app.py`` would otherwise.
 
+It installs no checkpointing at all: ``nemo_gym_checkpoint_plugin.wrap`` does the same
+(Ray off) and also makes the server a participant when the ``checkpoint:`` block is on.
 It refuses (exit status 2) a class that explicitly sets ``ray_enabled = True``: such a
 server needs Ray, and running it without would fail later and less clearly.
 """
@@ -15,31 +17,13 @@ server needs Ray, and running it without would fail later and less clearly.
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import sys
-from types import ModuleType
+
+# The class lookup is the wrapper's; re-exported for callers that import it from here.
+from nemo_gym_checkpoint_plugin.wrap import find_server_class
 
 __all__ = ["find_server_class", "main"]
-
-
-def find_server_class(module: ModuleType) -> type:
-    """The most derived ``SimpleServer`` subclass defined in ``module``; ``LookupError`` if not exactly one."""
-    from nemo_gym.server_utils import SimpleServer
-
-    defined = [
-        obj
-        for obj in vars(module).values()
-        if inspect.isclass(obj)
-        and issubclass(obj, SimpleServer)
-        and obj is not SimpleServer
-        and obj.__module__ == module.__name__
-    ]
-    leaves = [cls for cls in defined if not any(other is not cls and issubclass(other, cls) for other in defined)]
-    if len(leaves) != 1:
-        names = sorted(cls.__name__ for cls in leaves)
-        raise LookupError(f"expected one SimpleServer subclass in {module.__name__}, found {names or 'none'}")
-    return leaves[0]
 
 
 def main(module_name: str = "app") -> None:

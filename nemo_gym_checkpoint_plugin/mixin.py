@@ -1,0 +1,84 @@
+"""``CheckpointMixin``: make a Gym server class a checkpoint participant.
+
+Put it first among the bases of a server you write::
+
+    class MyServer(CheckpointMixin, SimpleResourcesServer):
+        ...
+
+    if __name__ == "__main__":
+        MyServer.run_webserver()
+
+With the ``checkpoint:`` block absent or ``enabled: false`` the server behaves exactly
+as without the mixin: same routes, same middleware, same client (nothing is installed).
+Always, whatever the block says:
+
+- Ray stays off (``ray_enabled = False``) unless the class itself declares otherwise;
+- the block is validated before the server builds anything: a bad block makes
+  ``run_webserver`` exit with status 2 and a message naming the key;
+- Gym's session cookie name and secret are those of the class the mixin was added to
+  (``get_session_middleware_key`` is inherited untouched, and the wrapper's derived
+  classes keep the base's name).
+
+When enabled: the plugin's server client is installed before the server's own
+``setup_webserver()`` runs, then ``attach_checkpointing`` adds the control routes and
+the admission gate to the app it built. An agent also reports the capture key of a
+plain ``/run`` body as its rollout id (Gym does only with observability on), so its
+calls are attributed the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.attach import attach_checkpointing, install_client, server_settings
+from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
+
+__all__ = ["CheckpointMixin", "exit_on_bad_settings"]
+
+
+def exit_on_bad_settings(global_config: Any = None) -> None:
+    """Validate the ``checkpoint:`` block (and its token) now; on failure print why and exit with status 2."""
+    try:
+        load_settings(global_config)
+    except SettingsError as exc:
+        print(f"nemo-gym-checkpoint: refusing to start: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+class CheckpointMixin:
+    """Mixin for a Gym ``SimpleServer`` subclass (list it before the Gym base class)."""
+
+    # Gym starts Ray for a class that leaves this unset; a checkpointed server never does.
+    ray_enabled = False
+
+    @classmethod
+    def run_webserver(cls) -> Any:
+        # Before Gym builds anything (and before any Ray or uvicorn start): a bad block never serves.
+        exit_on_bad_settings()
+        return super().run_webserver()  # type: ignore[misc]
+
+    def setup_webserver(self) -> Any:
+        settings, token = server_settings(self)
+        if settings.enabled:
+            install_client(self)
+        app = super().setup_webserver()  # type: ignore[misc]
+        attach_checkpointing(self, app, settings=settings, token=token)
+        return app
+
+    def rollout_id_from_run(self, body: Any) -> str | None:
+        """An agent's capture key for a ``/run`` body: Gym's answer, else (checkpointing on) the body's own."""
+        gym_answer = getattr(super(), "rollout_id_from_run", None)
+        if gym_answer is None:
+            return None  # not an agent
+        rollout_id = gym_answer(body)
+        if rollout_id is not None:
+            return rollout_id
+        from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+
+        from nemo_gym_checkpoint_plugin.client import CheckpointServerClient
+
+        # The plugin's client is installed exactly when checkpointing is on.
+        if not isinstance(getattr(self, "server_client", None), CheckpointServerClient):
+            return None
+        return maybe_rollout_id_from_run_body(body)
