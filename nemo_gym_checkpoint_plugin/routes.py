@@ -10,14 +10,16 @@ Refusals are the JSON bodies of ``errors.py``.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Coroutine
+import os
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
+from starlette.exceptions import HTTPException
 
 from .control import ControlPlane
 from .errors import Unauthorized, install_error_handler
@@ -46,6 +48,19 @@ DeadlineTs = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 RolloutId = Annotated[str, Field(min_length=1, strict=True)]
 
 
+def _checkpoint_dir(value: str) -> str:
+    # Each Gym server runs in its own working directory: a relative path would name a different
+    # place on every participant. A NUL byte would fail inside the filesystem calls instead of here.
+    if "\x00" in value:
+        raise ValueError("checkpoint_dir must not contain a NUL character")
+    if not os.path.isabs(value):
+        raise ValueError("checkpoint_dir must be an absolute path")
+    return value
+
+
+CheckpointDir = Annotated[str, Field(min_length=1, strict=True), AfterValidator(_checkpoint_dir)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,13 +81,13 @@ class ResumeBody(_Body):
 
 
 class CommitBody(_Body):
-    checkpoint_dir: Annotated[str, Field(min_length=1, strict=True)]
+    checkpoint_dir: CheckpointDir
     episode_ids: list[EpisodeId] | None
     stop: StrictBool = False
 
 
 class RestoreBody(_Body):
-    checkpoint_dir: Annotated[str, Field(min_length=1, strict=True)]
+    checkpoint_dir: CheckpointDir
     episode_ids: list[EpisodeId]
 
 
@@ -84,11 +99,11 @@ class ForgetBody(_Body):
     rollout_ids: Annotated[list[RolloutId], Field(min_length=1)]
 
 
-def _invalid_body(exc: RequestValidationError) -> Response:
+def _invalid_body(errors: Sequence[Any]) -> Response:
     """422 without echoing the input: FastAPI's own handler fails (a 500) on a body holding Infinity or NaN."""
     detail = [
         {"type": str(err.get("type")), "loc": [str(part) for part in err.get("loc", ())], "msg": str(err.get("msg"))}
-        for err in exc.errors()
+        for err in errors
     ]
     return JSONResponse({"detail": detail}, status_code=422)
 
@@ -110,7 +125,12 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
                 try:
                     return await handler(request)
                 except RequestValidationError as exc:
-                    return _invalid_body(exc)
+                    return _invalid_body(exc.errors())
+                except HTTPException as exc:
+                    if exc.status_code != 400:
+                        raise
+                    # FastAPI's answer to a body it cannot even decode (not UTF-8): a body error like any other.
+                    return _invalid_body([{"type": "json_invalid", "loc": ("body",), "msg": str(exc.detail)}])
 
             return guarded
 

@@ -95,6 +95,13 @@ async def test_deadline_must_be_finite(h: Harness, raw: bytes) -> None:
     assert h.plane.phase == "idle"
 
 
+@pytest.mark.parametrize("raw", [b"\x80", b"{not json", b"", b"[]", b"null"])
+async def test_undecodable_bodies_are_422(h: Harness, raw: bytes) -> None:
+    response = await h.client.post(f"{CONTROL_PREFIX}/prepare", content=raw,
+                                   headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 422, response.text
+
+
 async def test_an_integer_deadline_is_a_deadline(h: Harness) -> None:
     assert (await h.call("prepare", checkpoint_id="c1", deadline_ts=math.floor(deadline())))["phase"] == "prepared"
 
@@ -110,6 +117,8 @@ async def test_an_integer_deadline_is_a_deadline(h: Harness) -> None:
         ("restore", "episode_ids", None),
         ("commit", "stop", "yes"),
         ("commit", "checkpoint_dir", ""),
+        ("commit", "checkpoint_dir", "relative/dir"),
+        ("restore", "checkpoint_dir", "/tmp/with\x00nul"),
     ],
 )
 async def test_episode_lists_and_fields_are_validated(h: Harness, route: str, field: str, value: Any) -> None:

@@ -1,0 +1,166 @@
+"""Fuzz every control route: sequences of random calls against one control plane.
+
+Properties: no response is a 500 (an unhandled error would also surface here, since the
+in-process transport re-raises app exceptions); a missing or wrong token is always a
+401 ``unauthorized``; every non-2xx reply with a valid token is either a 422 validation
+reply or a protocol error body. Bodies mix near-valid ones (which drive the phases:
+prepare, commit, restore, retire...) with arbitrary JSON and raw bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from control_support import AUTH, TOKEN, close_harness, make_harness
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
+from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX
+
+ROUTES = ("status", "prepare", "renew", "commit", "restore", "resume", "retire", "forget")
+
+ids = st.one_of(st.sampled_from(["c1", "c2", "restore-1"]), st.text(max_size=140))
+# Offsets from "now" (computed when sent), or absolute values of any JSON type.
+deadlines = st.one_of(
+    st.tuples(st.just("offset"), st.floats(min_value=-5, max_value=0.3)),
+    st.tuples(st.just("raw"), st.one_of(st.floats(), st.integers(), st.text(max_size=5), st.none(), st.booleans())),
+)
+rollouts = st.one_of(st.sampled_from(["r1", "r2", "r1-a1"]), st.text(max_size=20))
+attempts = st.one_of(st.integers(min_value=-2, max_value=3), st.integers(), st.text(max_size=3), st.none())
+episode = st.one_of(
+    st.fixed_dictionaries({"rollout_id": rollouts, "attempt": attempts}),
+    st.dictionaries(st.text(max_size=10), st.integers(), max_size=3),
+)
+episode_lists = st.one_of(st.none(), st.lists(episode, max_size=4), st.integers())
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.floats(), st.integers(), st.text(max_size=10)),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=8,
+)
+dir_names = st.one_of(
+    st.sampled_from(["ckpt", "other", "ckpt/sub"]),
+    st.text(alphabet="abcxyz_-.", min_size=1, max_size=8).filter(lambda s: s not in {".", ".."}),
+)
+dirs = st.one_of(
+    st.tuples(st.just("under_tmp"), dir_names),
+    st.tuples(st.just("raw"), st.one_of(st.text(max_size=12).filter(lambda s: not s.startswith("/")), st.integers())),
+)
+tokens = st.one_of(
+    st.just("valid"),
+    st.just("missing"),
+    st.text(max_size=30).filter(lambda t: not set(t) & set("\r\n\x00")).map(lambda t: f"Bearer {t}"),
+    st.just(f"Bearer {TOKEN[:-1]}"),
+    st.just(TOKEN),
+)
+
+
+@st.composite
+def calls(draw: st.DrawFn) -> dict[str, Any]:
+    route = draw(st.sampled_from(ROUTES))
+    shape = draw(st.sampled_from(["near_valid", "near_valid", "near_valid", "any_json", "raw_bytes"]))
+    body: Any
+    if shape == "near_valid":
+        body = {"checkpoint_id": draw(ids), "deadline_ts": draw(deadlines)}
+        if route in ("commit", "restore"):
+            body["checkpoint_dir"] = draw(dirs)
+        if route in ("commit", "restore", "retire"):
+            body["episode_ids"] = draw(episode_lists)
+        if route == "commit" and draw(st.booleans()):
+            body["stop"] = draw(st.one_of(st.booleans(), json_values))
+        if route == "forget":
+            body["rollout_ids"] = draw(st.one_of(st.lists(rollouts, max_size=3), json_values))
+        if draw(st.integers(0, 9)) == 0:
+            body[draw(st.text(max_size=8))] = draw(json_values)
+    elif shape == "any_json":
+        body = draw(json_values)
+    else:
+        body = draw(st.binary(max_size=40))
+    return {"route": route, "body": body, "token": draw(tokens)}
+
+
+def _resolve(value: Any, tmp: Path) -> Any:
+    if isinstance(value, dict):
+        return {k: _resolve(v, tmp) for k, v in value.items()}
+    if isinstance(value, tuple):
+        tag, inner = value
+        if tag == "offset":
+            return time.time() + inner
+        if tag == "under_tmp":
+            return str(tmp / inner)
+        return inner
+    return value
+
+
+def _headers(token: str) -> dict[str, Any]:
+    if token == "valid":
+        return dict(AUTH)
+    if token == "missing":
+        return {}
+    # Raw bytes: a header on the wire is bytes, not necessarily ASCII.
+    return {"Authorization": token.encode()}
+
+
+async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
+    harness = await make_harness(tmp, retry_seconds=0.05, grace_seconds=0.05)
+    harness.participant.add("r1", "r2", "r1-a1")
+    try:
+        for call in sequence:
+            headers = _headers(call["token"])
+            authorized = call["token"] == "valid"
+            url = f"{CONTROL_PREFIX}/{call['route']}"
+            body = _resolve(call["body"], tmp)
+            if call["route"] == "status":
+                response = await harness.client.get(url, headers=headers)
+            elif isinstance(body, bytes):
+                response = await harness.client.post(url, content=body,
+                                                     headers={**headers, "content-type": "application/json"})
+            else:
+                # allow_nan: send Infinity and NaN as a lax client would.
+                content = json.dumps(body, allow_nan=True).encode()
+                response = await harness.client.post(url, content=content,
+                                                     headers={**headers, "content-type": "application/json"})
+            assert response.status_code < 500, (call, response.status_code, response.text)
+            if not authorized:
+                assert response.status_code == 401, (call, response.text)
+                assert response.json()["error"]["code"] == "unauthorized"
+                continue
+            if response.status_code >= 400 and response.status_code != 422:
+                code = response.json()["error"]["code"]
+                assert ERRORS_BY_CODE[code].status == response.status_code
+            if response.status_code == 200 and call["route"] != "status":
+                assert isinstance(response.json(), dict)
+        # Whatever happened, the control plane still answers and phase and admission agree.
+        status = (await harness.client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)).json()
+        if status["phase"] == "idle" and harness.plane._install_task is None:
+            assert harness.plane.admission.is_open
+        elif status["phase"] != "idle":
+            assert not harness.plane.admission.is_open
+    finally:
+        await close_harness(harness)
+
+
+def test_fuzz_control_routes(tmp_path: Path) -> None:
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(sequence=st.lists(calls(), min_size=1, max_size=6))
+    def run(sequence: list[dict[str, Any]]) -> None:
+        asyncio.run(_scenario(tmp_path, sequence))
+
+    run()
+
+
+def test_fuzz_reaches_the_phases(tmp_path: Path) -> None:
+    """A fixed near-valid sequence, so the fuzzer's space is known to include real transitions."""
+    sequence = [
+        {"route": "prepare", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5)}, "token": "valid"},
+        {"route": "commit", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5),
+                                     "checkpoint_dir": ("under_tmp", "ckpt"), "episode_ids": None},
+         "token": "valid"},
+        {"route": "resume", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5)}, "token": "valid"},
+    ]
+    asyncio.run(_scenario(tmp_path, sequence))
+    assert (tmp_path / "ckpt" / "gym").is_dir()
