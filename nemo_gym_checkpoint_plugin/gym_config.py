@@ -13,7 +13,9 @@ Names and ports (``port_base`` + offset), all on 127.0.0.1:
 ``offline`` so it neither probes ports nor touches this process's environment or
 exporters) over the servers' shipped YAML plus overrides that bind names, ports and
 the backend. ``single_agent_turn`` defaults to the ``nemo_gym_checkpoint_plugin.ray_off``
-entrypoint because its class leaves ``ray_enabled`` unset, which starts Ray.
+entrypoint because its class leaves ``ray_enabled`` unset, which starts Ray;
+``wrapped_entrypoints()`` runs every server through ``nemo_gym_checkpoint_plugin.wrap``
+instead (Ray off too, and a checkpoint participant when the block is enabled).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ __all__ = [
     "PORT_SPAN",
     "RESOURCES",
     "TOKEN_ENV",
+    "WRAP_ENTRYPOINT",
     "build_gym_config",
     "rollout_body",
     "server_location",
+    "wrapped_entrypoints",
 ]
 
 HOST = "127.0.0.1"
@@ -61,6 +65,13 @@ _SHIPPED_CONFIGS = (
     "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
 )
 _DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin.ray_off"}
+# The wrapper entrypoint: each server a checkpoint participant when the block is enabled (Ray off either way).
+WRAP_ENTRYPOINT = "nemo_gym_checkpoint_plugin.wrap"
+
+
+def wrapped_entrypoints() -> dict[str, str]:
+    """``entrypoints=`` that run every Gym server of the deployment through the wrapper."""
+    return dict.fromkeys(GYM_SERVERS, WRAP_ENTRYPOINT)
 
 
 def server_location(config: Any, name: str) -> tuple[str, str, Any]:
