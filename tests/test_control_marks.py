@@ -83,7 +83,7 @@ async def test_an_install_that_outlives_its_deadline_is_kept(h: Harness) -> None
     await committed(h, "r1")
     h.participant.install_gate = gate = Gate()
     body = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
-    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.2)
+    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.4)
     assert gate.entered.is_set() and h.plane.phase == "restored"
     # Resume ends the restore, but admission stays closed until the install finished.
     await h.call("resume", checkpoint_id="restore-1")
@@ -97,7 +97,7 @@ async def test_a_late_install_completes_the_restore_for_a_retry(h: Harness) -> N
     await committed(h, "r1")
     h.participant.install_gate = gate = Gate()
     body = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
-    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.2)
+    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.4)
     gate.release()
     assert (await h.call("restore", **body))["restored"] == ["r1-a1"]
     assert len(h.participant.called("install")) == 1
@@ -107,7 +107,7 @@ async def test_hook_retire_waits_for_a_running_install(h: Harness) -> None:
     await committed(h, "r1")
     h.participant.install_gate = gate = Gate()
     body = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
-    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.2)
+    await h.error("restore", "deadline_exceeded", **body, deadline_ts=time.time() + 0.4)
     retire = asyncio.create_task(h.call("retire", checkpoint_id="restore-1", episode_ids=[wire("r1-a1")]))
     # Marked at once, before the deadline-bound wait; the retire hook waits for the install.
     await wait_until(lambda: h.plane.marks.is_retired("r1", 1), what="the retire mark")
@@ -122,7 +122,7 @@ async def test_the_next_restore_waits_for_a_kept_install(h: Harness) -> None:
     await committed(h, "r1", "r2")
     h.participant.install_gate = gate = Gate()
     body = {"checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
-    await h.error("restore", "deadline_exceeded", checkpoint_id="restore-1", **body, deadline_ts=time.time() + 0.2)
+    await h.error("restore", "deadline_exceeded", checkpoint_id="restore-1", **body, deadline_ts=time.time() + 0.4)
     await h.call("resume", checkpoint_id="restore-1")
     h.participant.install_gate = None
     second = asyncio.create_task(
@@ -150,7 +150,7 @@ async def test_retire_marks_first_then_stops_and_frees(h: Harness) -> None:
 async def test_a_retire_that_runs_out_of_time_keeps_its_marks(h: Harness) -> None:
     h.participant.retire_gate = gate = Gate()
     await h.error("retire", "deadline_exceeded", checkpoint_id="ops-1", episode_ids=[wire("r7-a3")],
-                  deadline_ts=time.time() + 0.2)
+                  deadline_ts=time.time() + 0.4)
     assert h.plane.marks.is_retired("r7", 3)
     gate.release()
 
@@ -163,7 +163,7 @@ async def test_marks_only_rise(h: Harness) -> None:
 
 async def test_retire_and_forget_are_refused_while_checkpointing_and_mark_nothing(h: Harness) -> None:
     h.participant.blockers = {"r5"}
-    await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.1)
+    await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
     assert h.plane.phase == "preparing"
     await h.error("retire", "invalid_phase", checkpoint_id="c1", episode_ids=[wire("r1")])
     await h.error("forget", "invalid_phase", checkpoint_id="c1", rollout_ids=["r1"])

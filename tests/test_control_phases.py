@@ -58,7 +58,7 @@ async def test_resume_arrives_while_prepare_waits(h: Harness) -> None:
 
 async def test_prepare_that_misses_its_deadline_replies_its_blockers_and_keeps_admission_closed(h: Harness) -> None:
     h.participant.blockers = {f"r{i}" for i in range(150)}
-    reply = await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.2)
+    reply = await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.4)
     assert reply["phase"] == "preparing"
     report = reply["report"]
     assert report["ready"] is False and report["blocker_count"] == 150 and len(report["blockers"]) == 100
@@ -134,7 +134,7 @@ async def test_the_last_64_resumed_ids_are_remembered(h: Harness) -> None:
 async def test_commit_only_when_prepared(h: Harness) -> None:
     await h.error("commit", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=None)
     h.participant.blockers = {"r1"}
-    await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.1)
+    await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
     await h.error("commit", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=None)
     assert h.participant.called("export") == []
 
@@ -293,7 +293,7 @@ async def test_resume_waits_for_restored_state_cleanup_and_may_run_out_of_time(h
                          deadline_ts=time.time() + 0.3)
     assert reply["phase"] == "committed"  # the write is durable; cleanup outlived the deadline
     assert gate.entered.is_set()
-    await h.error("resume", "deadline_exceeded", checkpoint_id="c1", deadline_ts=time.time() + 0.1)
+    await h.error("resume", "deadline_exceeded", checkpoint_id="c1", deadline_ts=time.time() + 0.3)
     assert h.plane.phase == "committed" and not h.plane.admission.is_open
     resume = asyncio.create_task(h.call("resume", checkpoint_id="c1"))
     gate.release()

@@ -46,8 +46,6 @@ __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINTING = (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED)
-
 
 class ControlPlane(CommitMixin, RestoreMixin):
     """Everything one server process knows about checkpoints. Use from its event loop only.
@@ -293,10 +291,6 @@ class ControlPlane(CommitMixin, RestoreMixin):
             report=report.to_wire(),
         )
         return body
-
-    @property
-    def retired_marks_phase_ok(self) -> bool:
-        return self.phase not in _CHECKPOINTING
 
     async def aclose(self) -> None:
         """Cancel every task this plane runs (server shutdown; tests)."""
