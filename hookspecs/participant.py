@@ -85,8 +85,9 @@ def export(checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExpor
     a ``ParticipantExport`` or an iterable of records (JSON objects with ``episode_id``);
     ``None`` means nothing. Records are consumed by the storage writer in a worker thread,
     so a lazy iterator must be thread-safe to advance there. Never export a restart. A
-    resume cancels a running export. Raising ends the checkpoint for good: this commit and
-    every later commit of the id reply ``export_failed``.
+    resume cancels a running export. Raising ends the checkpoint for good: this commit replies
+    ``export_failed`` (a ``CheckpointError`` keeps its own code) and every later commit of the
+    id replies ``export_failed``; so does a failed write.
     """
 
 
