@@ -1,19 +1,21 @@
 """Participant servers for coordination and CLI tests: real uvicorn processes on 127.0.0.1.
 
-``StubParticipant`` serves PROTOCOL.md's control routes with a small phase machine,
-writes and reads real checkpoints through the storage package, and logs every
-control call's arrival and reply (CLOCK_MONOTONIC, shared by every process on the
-machine) with a digest of the raw body, so tests observe the coordination order and
-the bytes each participant received from the participant's own log.
+Each server runs the plugin's real control plane and routes (``ControlPlane`` +
+``routes.attach``) with ``StubParticipant``, a small in-test participant plugin, behind
+``ControlLog``, a middleware that logs every control call's arrival and reply
+(CLOCK_MONOTONIC, shared by every process on the machine) with a digest of the raw
+body, so tests observe the coordination order and the bytes each participant received
+from the participant's own log.
 
-Behaviour comes from a JSON spec in ``COORD_STUB``:
-``kind``, ``instance``, ``token``, ``log`` (path), ``holds`` (capture keys it would
-export), ``restarts``, ``blockers`` (a prepare with blockers waits for its deadline and
-replies ``preparing``), ``fail`` ({operation: error code}), ``hang`` (operations that
-never reply), ``disabled`` (no control routes: not a participant), ``status_kind``
-(the kind ``status`` claims), ``barrier`` ({operation: count}, with ``barrier_dir``: hold
-the call until that many participants received it, so "sent at once" is observable
-without racing). ``POST /run`` is a data route that parks until ``POST /test/release``.
+Behaviour comes from a JSON spec in ``COORD_STUB``: ``kind``, ``instance``, ``token``,
+``log`` (path); for the plugin ``holds`` (capture keys it exports), ``restarts``,
+``blockers`` (never clear: a prepare replies ``preparing`` at its deadline),
+``export_error`` (a code its export raises); for the middleware ``barrier``
+({operation: count}, with ``barrier_dir``: hold the call until that many participants
+received it, so "sent at once" is observable without racing), ``hang`` (operations
+never answered), ``fail`` ({operation: code} answered as that refusal), ``status_kind``
+(a status claiming another kind); ``disabled`` (no control routes: not a participant).
+``POST /run`` is a data route that parks until ``POST /test/release``.
 
 The server listens on a socket the test bound and passed down (``fd``), so no port race.
 """
@@ -35,208 +37,168 @@ from typing import Any
 import orjson
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
 
+from nemo_gym_checkpoint_plugin.control import Readiness
+from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
+from nemo_gym_checkpoint_plugin.identity import from_capture_key
+from nemo_gym_checkpoint_plugin.markers import hookimpl
+
 CONTROL = "/ng-control/v1/checkpoint"
 TOKEN = "coord-test-token"
 
 
-def build_app(spec: dict[str, Any]) -> Any:
-    from fastapi import FastAPI
-    from pydantic import BaseModel, ConfigDict
+class StubParticipant:
+    """The in-test participant plugin: holds the episodes ``holds`` names, reports ``blockers``/``restarts``."""
 
-    from nemo_gym_checkpoint_plugin.errors import (
-        ERRORS_BY_CODE,
-        CheckpointConflict,
-        InvalidPhase,
-        StaleCheckpoint,
-        Unauthorized,
-        install_error_handler,
-    )
-    from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, read_checkpoint
+    def __init__(self, spec: dict[str, Any], write_log: Any) -> None:
+        self.spec = spec
+        self.write_log = write_log
+        self.installed: list[str] = []
 
-    app = FastAPI()
-    install_error_handler(app)
-    kind, instance = spec["kind"], spec["instance"]
-    log = open(spec["log"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
-    state: dict[str, Any] = {"phase": "idle", "checkpoint_id": None, "resumed": [], "marks": {}, "lease": None}
-    release = asyncio.Event()
+    @hookimpl
+    def ready(self, checkpoint_id: str | None) -> Readiness:
+        return Readiness(blockers=list(self.spec.get("blockers", ())), restarts=list(self.spec.get("restarts", ())),
+                         counts={"held": len(self.spec.get("holds", ()))})
 
-    class Body(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        checkpoint_id: str
-        deadline_ts: float
-        checkpoint_dir: str | None = None
-        episode_ids: list[dict[str, Any]] | None = None
-        rollout_ids: list[str] | None = None
-        stop: bool = False
+    @hookimpl
+    async def wait_ready(self, checkpoint_id: str) -> None:
+        # A blocker never clears in this stub: the control plane cancels this at the deadline.
+        await asyncio.Event().wait()
 
-    def key(episode: dict[str, Any]) -> str:
-        return episode["rollout_id"] if episode["attempt"] == 0 else f"{episode['rollout_id']}-a{episode['attempt']}"
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+        code = self.spec.get("export_error")
+        if code:
+            raise ERRORS_BY_CODE[code](f"{self.spec['instance']} cannot export (test)")
+        records = []
+        for held in self.spec.get("holds", ()):
+            if (scope is None or held in scope) and held not in self.spec.get("restarts", ()):
+                episode = from_capture_key(held)
+                records.append({"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                                "owner": self.spec["instance"], "step": 3})
+        return records
 
-    def write_log(**entry: Any) -> None:
-        log.write(orjson.dumps({"t": time.monotonic_ns(), **entry}) + b"\n")
+    @hookimpl
+    def install(self, checkpoint_id: str, manifest: Any, records: list[Any]) -> None:
+        self.installed = sorted(r.replacement.capture_key for r in records)
 
-    async def enter(request: Request, operation: str) -> Body | None:
-        raw = await request.body()
-        write_log(op=operation, event="arrive", sha=hashlib.sha256(raw).hexdigest())
-        if request.headers.get("authorization") != f"Bearer {spec['token']}":
-            raise Unauthorized("missing or wrong bearer token")
-        await barrier(operation)
-        if operation in spec.get("hang", ()):
-            await asyncio.Event().wait()
-        if operation in spec.get("fail", {}):
-            code = spec["fail"][operation]
-            raise ERRORS_BY_CODE[code](f"{instance} refuses {operation} (test)")
-        if operation == "status":
-            return None
-        body = Body.model_validate_json(raw)
-        if body.checkpoint_id in state["resumed"] and operation != "resume":
-            raise StaleCheckpoint(f"{body.checkpoint_id} was resumed")
-        state["lease"] = body.deadline_ts + 600
-        return body
+    @hookimpl
+    def retire(self, episode_ids: list[Any]) -> None:
+        self.write_log(op="retired", keys=sorted(e.capture_key for e in episode_ids))
 
-    async def barrier(operation: str) -> None:
+
+class ControlLog:
+    """ASGI middleware in front of the real control routes: logs, barrier, injected faults.
+
+    Logs each control call's arrival (with the raw body's digest) and the moment its reply
+    starts; holds a call at the barrier; and, only where a test asks, answers for the real
+    routes: ``hang`` (never reply), ``fail`` (a refusal with that code) or ``status_kind``
+    (a status claiming another kind), standing in for a broken or foreign participant.
+    """
+
+    def __init__(self, app: Any, spec: dict[str, Any], write_log: Any) -> None:
+        self.app, self.spec, self.write_log = app, spec, write_log
+
+    async def barrier(self, operation: str) -> None:
         """Hold the call until ``count`` participants have received ``operation`` (bounded).
 
         A controller that sends the calls one after another never fills the barrier: each
         call then replies only at the bound, after the next one arrived late, and the
         test's "every call arrived before any reply" check fails.
         """
-        count = spec.get("barrier", {}).get(operation)
+        count = self.spec.get("barrier", {}).get(operation)
         if not count:
             return
-        directory = Path(spec["barrier_dir"])
-        (directory / f"{operation}-{instance}").touch()
+        directory = Path(self.spec["barrier_dir"])
+        (directory / f"{operation}-{self.spec['instance']}").touch()
         deadline = time.monotonic() + 3.0
         while len(list(directory.glob(f"{operation}-*"))) < count and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # wait-ok: polling interval for the barrier (bounded by its deadline)
 
-    def reply(operation: str, value: dict[str, Any]) -> dict[str, Any]:
-        write_log(op=operation, event="reply")
-        return value
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(CONTROL + "/"):
+            await self.app(scope, receive, send)
+            return
+        operation = scope["path"].rsplit("/", 1)[-1]
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        self.write_log(op=operation, event="arrive", sha=hashlib.sha256(body).hexdigest())
+        await self.barrier(operation)
+        if operation in self.spec.get("hang", ()):
+            await asyncio.Event().wait()
 
-    def report() -> dict[str, Any]:
-        blockers = list(spec.get("blockers", ()))
-        return {"ready": not blockers, "blockers": blockers[:100], "blocker_count": len(blockers),
-                "counts": {"held": len(spec.get("holds", ()))}, "restarts": list(spec.get("restarts", ()))}
+        async def logged_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.write_log(op=operation, event="reply", status=message["status"])
+            await send(message)
 
-    def activate(checkpoint_id: str, phases: tuple[str, ...]) -> None:
-        if state["phase"] not in phases:
-            raise InvalidPhase(f"{instance} is {state['phase']}")
-        if state["checkpoint_id"] not in (None, checkpoint_id):
-            raise CheckpointConflict(f"{state['checkpoint_id']} is active")
-        state["checkpoint_id"] = checkpoint_id
+        injected = None
+        if operation in self.spec.get("fail", {}):
+            error = ERRORS_BY_CODE[self.spec["fail"][operation]](f"{self.spec['instance']} refuses {operation} (test)")
+            injected = (error.status, error.to_body())
+        elif operation == "status" and "status_kind" in self.spec:
+            injected = (200, {"kind": self.spec["status_kind"], "instance": self.spec["instance"], "phase": "idle"})
+        if injected is not None:
+            raw = orjson.dumps(injected[1])
+            await logged_send({"type": "http.response.start", "status": injected[0],
+                               "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": raw})
+            return
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, logged_send)
+
+
+def build_app(spec: dict[str, Any]) -> Any:
+    """A participant server: the real control plane and routes, with the in-test plugin."""
+    from fastapi import FastAPI
+
+    from nemo_gym_checkpoint_plugin.control import ControlPlane
+    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+    from nemo_gym_checkpoint_plugin.routes import attach
+    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+
+    log = open(spec["log"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
+
+    def write_log(**entry: Any) -> None:
+        log.write(orjson.dumps({"t": time.monotonic_ns(), **entry}) + b"\n")
+
+    app = FastAPI()
+    release = asyncio.Event()
 
     @app.get("/")
     async def root() -> dict[str, Any]:
         return {"ok": True}
 
-    if spec.get("disabled"):
-        # A Gym server running without checkpointing: no control routes at all (404).
-        return app
-
-    @app.get(f"{CONTROL}/status")
-    async def status(request: Request) -> dict[str, Any]:
-        await enter(request, "status")
-        return reply("status", {
-            "kind": spec.get("status_kind", kind), "instance": instance, "phase": state["phase"],
-            "checkpoint_id": state["checkpoint_id"], "lease_expires_at": state["lease"],
-            "retired_rollouts": len(state["marks"]), "report": report(),
-        })
-
-    @app.post(f"{CONTROL}/prepare")
-    async def prepare(request: Request) -> dict[str, Any]:
-        body = await enter(request, "prepare")
-        activate(body.checkpoint_id, ("idle", "preparing", "prepared"))
-        state["phase"] = "preparing"
-        if spec.get("blockers"):
-            # A blocker never clears in this stub: wait for the deadline like a real participant would.
-            await asyncio.sleep(max(body.deadline_ts - time.time(), 0))  # wait-ok: the deadline is the condition
-            return reply("prepare", {"phase": "preparing", "report": report()})
-        state["phase"] = "prepared"
-        return reply("prepare", {"phase": "prepared", "report": report()})
-
-    @app.post(f"{CONTROL}/renew")
-    async def renew(request: Request) -> dict[str, Any]:
-        await enter(request, "renew")
-        return reply("renew", {"lease_expires_at": state["lease"]})
-
-    @app.post(f"{CONTROL}/commit")
-    async def commit(request: Request) -> dict[str, Any]:
-        body = await enter(request, "commit")
-        activate(body.checkpoint_id, ("prepared", "committed"))
-        scope = None if body.episode_ids is None else {key(e) for e in body.episode_ids}
-        from nemo_gym_checkpoint_plugin.identity import from_capture_key
-
-        records = []
-        for held in spec.get("holds", ()):
-            if scope is None or held in scope:
-                episode = from_capture_key(held)
-                records.append({"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-                                "owner": instance, "step": 3})
-        writer = CheckpointWriter(body.checkpoint_dir, kind, instance, body.checkpoint_id)
-        manifest = await asyncio.to_thread(writer.write, records)
-        state["phase"] = "committed"
-        keys = sorted(key(r["episode_id"]) for r in records)
-        return reply("commit", {"phase": "committed", "manifest": manifest, "episode_ids": keys})
-
-    @app.post(f"{CONTROL}/restore")
-    async def restore(request: Request) -> dict[str, Any]:
-        body = await enter(request, "restore")
-        activate(body.checkpoint_id, ("idle",))
-        scope = {key(e) for e in body.episode_ids or ()}
-        for episode in body.episode_ids or ():
-            marks = state["marks"]
-            marks[episode["rollout_id"]] = max(marks.get(episode["rollout_id"], -1), episode["attempt"])
-        restored = await asyncio.to_thread(read_checkpoint, body.checkpoint_dir, kind, instance, scope=scope)
-        state["phase"] = "restored"
-        keys = sorted(
-            key({"rollout_id": r["episode_id"]["rollout_id"], "attempt": r["episode_id"]["attempt"] + 1})
-            for r in restored.records
-        )
-        return reply("restore", {"phase": "restored", "source_checkpoint_id": restored.manifest["checkpoint_id"],
-                                 "restored": keys})
-
-    @app.post(f"{CONTROL}/resume")
-    async def resume(request: Request) -> dict[str, Any]:
-        body = await enter(request, "resume")
-        idempotent = body.checkpoint_id in state["resumed"] or state["checkpoint_id"] is None
-        if state["checkpoint_id"] not in (None, body.checkpoint_id):
-            raise CheckpointConflict(f"{state['checkpoint_id']} is active")
-        state.update(phase="idle", checkpoint_id=None)
-        state["resumed"] = (state["resumed"] + [body.checkpoint_id])[-64:]
-        return reply("resume", {"phase": "idle", "idempotent": idempotent})
-
-    @app.post(f"{CONTROL}/retire")
-    async def retire(request: Request) -> dict[str, Any]:
-        body = await enter(request, "retire")
-        if state["phase"] not in ("idle", "restored"):
-            raise InvalidPhase(f"retire refused while {state['phase']}")
-        if state["phase"] == "restored" and body.checkpoint_id != state["checkpoint_id"]:
-            raise CheckpointConflict(f"retire must name the restore {state['checkpoint_id']}")
-        for episode in body.episode_ids or ():
-            marks = state["marks"]
-            marks[episode["rollout_id"]] = max(marks.get(episode["rollout_id"], -1), episode["attempt"])
-        write_log(op="retired", keys=sorted(key(e) for e in body.episode_ids or ()))
-        return reply("retire", {"retired_count": len(body.episode_ids or ())})
-
-    @app.post(f"{CONTROL}/forget")
-    async def forget(request: Request) -> dict[str, Any]:
-        body = await enter(request, "forget")
-        for rollout in body.rollout_ids or ():
-            state["marks"].pop(rollout, None)
-        return reply("forget", {"forgotten_count": len(body.rollout_ids or ())})
-
     @app.post("/run")
     async def run(request: Request) -> dict[str, Any]:
         write_log(op="run", event="arrive")
         await release.wait()
-        return reply("run", {"ok": True})
+        write_log(op="run", event="reply")
+        return {"ok": True}
 
     @app.post("/test/release")
     async def test_release() -> dict[str, Any]:
         release.set()
         return {"released": True}
 
+    if not spec.get("disabled"):
+        # Without it the server is a Gym server running without checkpointing: control routes 404.
+        pm = make_plugin_manager([StubParticipant(spec, write_log)], load_entry_points=False)
+        settings = CheckpointSettings(enabled=True)
+        plane = ControlPlane(pm, kind=spec["kind"], instance=spec["instance"], settings=settings)
+        attach(app, plane, spec["token"])
+        app.router.on_shutdown.append(plane.aclose)
+    app.add_middleware(ControlLog, spec=spec, write_log=write_log)
     return app
 
 

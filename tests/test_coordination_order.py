@@ -174,15 +174,16 @@ async def test_a_plugin_replaces_the_order(tmp_path):
 
 
 async def test_commit_failure_names_each_server_and_code(tmp_path):
-    specs = [dict(spec) for spec in FOUR]
-    specs[0]["fail"] = {"commit": "export_failed"}
-    specs[3]["fail"] = {"commit": "restart_in_scope"}
+    specs = [dict(spec, holds=["r1"]) for spec in FOUR]
+    specs[0]["export_error"] = "export_failed"  # the environment's export fails
+    specs[3]["restarts"] = ["r9"]  # the resources server cannot capture r9...
     servers = start_participants(tmp_path, specs)
     try:
         async with await discover([s.url for s in servers], TOKEN) as coordinator:
             assert (await prepare(coordinator, "step-5", timeout=10)).ready
             with pytest.raises(CoordinationError) as caught:
-                await commit(coordinator, "step-5", str(tmp_path / "c"), None, timeout=10)
+                # ...and a controller that ignored PrepareResult.continued names it in the scope.
+                await commit(coordinator, "step-5", str(tmp_path / "c"), ["r1", "r9"], timeout=10)
             assert caught.value.codes == {servers[0].url: "export_failed", servers[3].url: "restart_in_scope"}
             assert all(f.status == 409 for f in caught.value.failures)
             assert set(caught.value.result.replies) == {servers[1].url, servers[2].url}

@@ -137,19 +137,34 @@ class Coordinator:
     async def _run(
         self, operation: str, payload: dict[str, Any] | None, deadline_ts: float, *,
         stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None = None,
+        keep_going: bool = False,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
         """Run the stages of ``operation``; ``stop`` decides after each stage whether to go on.
+
+        The body is encoded once and the same bytes go to every participant. With
+        ``keep_going`` (resume, retire, forget: operations that go on past failures), a stage
+        that starts with less than half of the operation's time left gets a fresh deadline
+        of the full time (the one body re-encoded for the stages left), so a participant
+        that hung until the deadline cannot make every later stage fail with
+        ``deadline_exceeded``.
 
         Returns replies, failures, the names never reached, and the kinds of the stage it stopped at.
         """
         body = None if payload is None else encode_body(payload)
+        budget = max(deadline_ts - time.time(), 0.0)
         stages = self._stages(operation)
         total = sum(len(stage) for stage in stages)
         counter = [0]
         replies: dict[str, dict[str, Any]] = {}
         failures: list[ParticipantFailure] = []
         for index, members in enumerate(stages):
-            timeout = max(deadline_ts - time.time(), 0.0) + self.reply_grace
+            now = time.time()
+            if keep_going and payload is not None and index and deadline_ts - now < budget / 2:
+                deadline_ts = now + budget
+                body = encode_body({**payload, "deadline_ts": deadline_ts})
+                logger.warning("%s: earlier stages used up the deadline; %s get a fresh one", operation,
+                               [p.name for p in members])
+            timeout = max(deadline_ts - now, 0.0) + self.reply_grace
             stage_replies, stage_failures = await self._call_stage(operation, members, body, timeout, counter, total)
             replies.update(stage_replies)
             failures.extend(stage_failures)
@@ -217,10 +232,13 @@ class Coordinator:
     async def resume(
         self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None
     ) -> dict[str, dict[str, Any]]:
-        """Resume in the reverse of prepare's order; keeps going past failures, then reports them all."""
+        """Resume in the reverse of prepare's order; keeps going past failures, then reports them all.
+
+        A stage left with too little time after a hung one gets a fresh deadline (see ``_run``).
+        """
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
-            "resume", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline
+            "resume", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline, keep_going=True
         )
         self._raise("resume", failures, result=replies)
         return replies
@@ -247,7 +265,8 @@ class Coordinator:
             raise ValueError("retire needs at least one episode id")
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
-            "retire", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "episode_ids": scope}, deadline
+            "retire", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "episode_ids": scope}, deadline,
+            keep_going=True,
         )
         self._raise("retire", failures, result=replies)
         return replies
@@ -262,7 +281,8 @@ class Coordinator:
             raise ValueError("forget needs at least one rollout id")
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
-            "forget", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "rollout_ids": rollouts}, deadline
+            "forget", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "rollout_ids": rollouts}, deadline,
+            keep_going=True,
         )
         self._raise("forget", failures, result=replies)
         return replies
