@@ -64,7 +64,7 @@ async def test_down_hung_unknown_and_non_participant_servers_are_reported_within
         async with await discover(
             urls, TOKEN, probe_timeout=PROBE_TIMEOUT, tries=TRIES, retry_delay=RETRY_DELAY, strict=False
         ) as coordinator:
-            assert [p.url for p in coordinator.participants] == [model.url]
+            assert [(p.name, p.url) for p in coordinator.participants] == [(model.name, model.url)]
             assert [e.url for e in coordinator.non_participants] == [plain.url]
             assert {f.server for f in coordinator.failures} == {hung.url, odd.url, down_url, silent_url}
     finally:
@@ -130,9 +130,9 @@ async def test_a_failed_restore_retires_the_replacements_and_resumes_everyone(tm
             error = caught.value
             # The restore's error, not the clean-up's: the agent and its code.
             assert error.operation == "restore"
-            assert [(f.server, f.code) for f in error.failures] == [(agent.url, "invalid_checkpoint_state")]
+            assert [(f.server, f.code) for f in error.failures] == [(agent.name, "invalid_checkpoint_state")]
             assert [(f.server, f.operation, f.code) for f in error.cleanup_failures] == [
-                (tools.url, "retire", "invalid_phase")]
+                (tools.name, "retire", "invalid_phase")]
             assert error.result == {"next_attempts": {"r1": 2, "r2": 3}}
             for server in servers:
                 events = server.events()
@@ -162,11 +162,11 @@ async def test_resume_keeps_going_past_failing_participants_and_reports_them_all
             with pytest.raises(CoordinationError) as caught:
                 await resume(coordinator, "step-1", timeout=1.0)
             assert caught.value.codes == {
-                tools.url: "checkpoint_conflict", agent.url: "timeout", model.url: "unreachable"}
+                tools.name: "checkpoint_conflict", agent.name: "timeout", model.name: "unreachable"}
             # Past three failures (resources, agent, model), the environment, last in the order, still resumed.
-            assert set(caught.value.result) == {env.url}
+            assert set(caught.value.result) == {env.name}
             assert "resume" in env.ops()
             statuses, _ = await coordinator.status()
-            assert statuses[env.url]["phase"] == "idle"
+            assert statuses[env.name]["phase"] == "idle"
     finally:
         stop_participants(servers)

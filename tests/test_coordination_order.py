@@ -121,14 +121,14 @@ async def test_prepare_stops_at_the_first_stage_not_ready(tmp_path, monkeypatch)
             result = await prepare(coordinator, "step-2", deadline_ts=time.time() + 1.0)
             assert not result.ready
             assert result.stopped_at == ["model"]
-            assert sorted(result.not_reached) == sorted([agent.url, tools.url])
+            assert sorted(result.not_reached) == sorted([agent.name, tools.name])
             assert result.blockers() == ["r7", "r8-a2"] and result.blocker_count() == 2
-            assert result.phases[model.url] == "preparing"
+            assert result.phases[model.name] == "preparing"
             assert "prepare" in env.ops() and "prepare" in model.ops()
             assert "prepare" not in agent.ops() and "prepare" not in tools.ops()
             # The controller resumes everyone, including the stages prepare never reached.
             replies = await resume(coordinator, "step-2", timeout=10)
-            assert replies[agent.url]["idempotent"] is True and replies[model.url]["idempotent"] is False
+            assert replies[agent.name]["idempotent"] is True and replies[model.name]["idempotent"] is False
     finally:
         stop_participants(servers)
 
@@ -184,9 +184,9 @@ async def test_commit_failure_names_each_server_and_code(tmp_path):
             with pytest.raises(CoordinationError) as caught:
                 # ...and a controller that ignored PrepareResult.continued names it in the scope.
                 await commit(coordinator, "step-5", str(tmp_path / "c"), ["r1", "r9"], timeout=10)
-            assert caught.value.codes == {servers[0].url: "export_failed", servers[3].url: "restart_in_scope"}
+            assert caught.value.codes == {servers[0].name: "export_failed", servers[3].name: "restart_in_scope"}
             assert all(f.status == 409 for f in caught.value.failures)
-            assert set(caught.value.result.replies) == {servers[1].url, servers[2].url}
+            assert set(caught.value.result.replies) == {servers[1].name, servers[2].name}
             await resume(coordinator, "step-5", timeout=10)
     finally:
         stop_participants(servers)

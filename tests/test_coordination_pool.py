@@ -53,7 +53,7 @@ async def test_full_data_pool_does_not_block_control_calls(tmp_path, monkeypatch
             committed = await asyncio.wait_for(
                 commit(coordinator, "step-1", str(tmp_path / "c"), ["r1"], timeout=5), 10
             )
-            assert committed.episode_ids[model.url] == ["r1"]
+            assert committed.episode_ids[model.name] == ["r1"]
             await asyncio.wait_for(resume(coordinator, "step-1", timeout=5), 10)
         assert not extra.done() and not any(task.done() for task in parked)
 

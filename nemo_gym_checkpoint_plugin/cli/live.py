@@ -115,7 +115,16 @@ def _summary(args: argparse.Namespace, payload: dict[str, Any], text: str) -> No
         print(text)
 
 
+def _check_scope(args: argparse.Namespace) -> None:
+    """Refuse an empty scope before touching the deployment."""
+    if args.command == "commit" and not args.all and not read_episodes(args):
+        raise UsageError("commit needs its scope: --episode KEY (repeatable), --episodes-file, or --all")
+    if args.command in ("restore", "retire") and not read_episodes(args):
+        raise UsageError(f"{args.command} needs --episode KEY (repeatable) or --episodes-file")
+
+
 async def _operate(args: argparse.Namespace) -> int:
+    _check_scope(args)
     deadline_ts = time.time() + args.deadline
     command = args.command
     async with await _discover(args, strict=True) as coordinator:
@@ -135,8 +144,6 @@ async def _operate(args: argparse.Namespace) -> int:
             return 0 if result.ready else NOT_READY
         if command == "commit":
             scope = None if args.all else read_episodes(args)
-            if scope is not None and not scope:
-                raise UsageError("commit needs its scope: --episode KEY (repeatable), --episodes-file, or --all")
             result = await coordinator.commit(args.checkpoint_id, str(Path(args.dir).resolve()), scope,
                                               stop=args.stop, deadline_ts=deadline_ts)
             counts = {name: len(keys) for name, keys in result.episode_ids.items()}
@@ -152,8 +159,6 @@ async def _operate(args: argparse.Namespace) -> int:
             return 0
         if command == "retire":
             episodes = read_episodes(args)
-            if not episodes:
-                raise UsageError("retire needs --episode KEY (repeatable) or --episodes-file")
             replies = await coordinator.retire(args.checkpoint_id, episodes, deadline_ts=deadline_ts)
             _summary(args, replies, f"retired {len(episodes)} episode(s) on {len(replies)} participant(s)")
             return 0

@@ -19,6 +19,7 @@ failing server and its code.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -73,6 +74,17 @@ def _is_url_list(source: Any) -> bool:
     return isinstance(source, Sequence) and all(isinstance(item, str) for item in source)
 
 
+def _named_by_instance(participants: list[Participant]) -> list[Participant]:
+    """Servers given by URL are named by the instance their status reports (the URL when two share one)."""
+    counts: dict[str, int] = {}
+    for participant in participants:
+        counts[participant.instance] = counts.get(participant.instance, 0) + 1
+    return [
+        replace(p, name=p.instance) if counts[p.instance] == 1 else p
+        for p in participants
+    ]
+
+
 async def discover(
     config_or_client: Any,
     auth_token: str | None = None,
@@ -88,7 +100,9 @@ async def discover(
     """Probe every server of a deployment and return its ``Coordinator``.
 
     ``config_or_client`` is a Gym config (a YAML path, a mapping or DictConfig, or a
-    ``ServerClient``) or URLs (one string or a list). Without ``auth_token`` the config's
+    ``ServerClient``) or URLs (one string or a list). Participants are named by their
+    config block, or (from URLs) by the instance their status reports; a server that
+    never answered is named by its block or URL. Without ``auth_token`` the config's
     ``checkpoint:`` block gives it (through its environment variable).
 
     Every server is probed at once, ``tries`` times at most with ``probe_timeout`` seconds
@@ -105,7 +119,8 @@ async def discover(
 
         pm = make_plugin_manager()
     failures: list[ParticipantFailure] = []
-    if _is_url_list(config_or_client):
+    from_urls = _is_url_list(config_or_client)
+    if from_urls:
         urls = [config_or_client] if isinstance(config_or_client, str) else list(config_or_client)
         endpoints = [Endpoint(url.rstrip("/"), url.rstrip("/")) for url in urls]
     else:
@@ -133,6 +148,8 @@ async def discover(
         await transport.close()
         raise
     failures += probe.failures
+    if from_urls:
+        probe.participants = _named_by_instance(probe.participants)
     if strict and failures:
         await transport.close()
         raise CoordinationError("discover", failures)
