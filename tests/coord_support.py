@@ -14,7 +14,8 @@ Behaviour comes from a JSON spec in ``COORD_STUB``: ``kind``, ``instance``, ``to
 ({operation: count}, with ``barrier_dir``: hold the call until that many participants
 received it, so "sent at once" is observable without racing), ``hang`` (operations
 never answered), ``fail`` ({operation: code} answered as that refusal), ``status_kind``
-(a status claiming another kind); ``disabled`` (no control routes: not a participant).
+(a status claiming another kind); ``serves_config`` (also serve this config as a Gym
+head server does, at ``GET /global_config_dict_yaml``); ``disabled`` (no control routes: not a participant).
 ``POST /run`` is a data route that parks until ``POST /test/release``.
 
 The server listens on a socket the test bound and passed down (``fd``), so no port race.
@@ -185,6 +186,14 @@ def build_app(spec: dict[str, Any]) -> Any:
         await release.wait()
         write_log(op="run", event="reply")
         return {"ok": True}
+
+    if "serves_config" in spec:
+        # A Gym head server: the resolved config, as JSON text (what ServerClient reads).
+        @app.get("/global_config_dict_yaml")
+        async def global_config() -> Any:
+            from fastapi.responses import Response
+
+            return Response(orjson.dumps(spec["serves_config"]), media_type="text/plain")
 
     @app.post("/test/release")
     async def test_release() -> dict[str, Any]:

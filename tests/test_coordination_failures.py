@@ -108,6 +108,38 @@ def test_a_config_block_without_an_address_is_reported():
     assert caught.value.codes["policy_model"] == "unresolved_address"
 
 
+async def test_servers_come_from_the_head_server_or_a_server_client(tmp_path, monkeypatch):
+    """A config without ports (Gym picks them at start) is resolved through its head server."""
+    model = start_participants(tmp_path, [dict(FOUR[1])])[0]
+    resolved = config_for([model])
+    host, port = model.url.removeprefix("http://").split(":")
+    head_spec = dict(FOUR[0], instance="head", name="head", disabled=True,
+                     serves_config={**resolved, "head_server": {"host": host, "port": int(port)}})
+    head = start_participants(tmp_path, [head_spec])[0]
+    head_host, head_port = head.url.removeprefix("http://").split(":")
+    unresolved = {
+        "head_server": {"host": head_host, "port": int(head_port)},
+        "checkpoint": resolved["checkpoint"],
+        "policy_model": {"responses_api_models": {"vllm_model": {"entrypoint": "app.py"}}},
+    }
+    monkeypatch.setenv("COORD_TEST_TOKEN", TOKEN)
+    try:
+        async with await discover(unresolved, probe_timeout=PROBE_TIMEOUT, tries=TRIES) as coordinator:
+            assert [(p.name, p.url, p.kind) for p in coordinator.participants] == [
+                ("policy_model", model.url, "model")]
+        # Gym's own ServerClient, as a controller inside Gym holds it.
+        from nemo_gym.config_types import BaseServerConfig
+        from nemo_gym.server_utils import ServerClient
+        from omegaconf import OmegaConf
+
+        client = ServerClient(head_server_config=BaseServerConfig(host=head_host, port=int(head_port)),
+                              global_config_dict=OmegaConf.create(resolved))
+        async with await discover(client, probe_timeout=PROBE_TIMEOUT, tries=TRIES) as coordinator:
+            assert [p.name for p in coordinator.participants] == ["policy_model"]
+    finally:
+        stop_participants([model, head])
+
+
 async def committed_checkpoint(tmp_path, coordinator, checkpoint_dir) -> None:
     assert (await prepare(coordinator, "step-1", timeout=10)).ready
     await commit(coordinator, "step-1", str(checkpoint_dir), ["r1", "r2-a1"], timeout=10)

@@ -19,6 +19,7 @@ from nemo_gym_checkpoint_plugin.coordination import (
     resume,
     retire,
 )
+from nemo_gym_checkpoint_plugin.coordination import coordinator as coordinator_module
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin.storage import read_checkpoint
@@ -67,6 +68,14 @@ def same_body(servers, op: str) -> None:
 async def test_orders_of_every_operation_seen_by_the_participants(four, tmp_path, monkeypatch):
     env, model, agent, tools = four["environment"], four["model"], four["agent"], four["resources"]
     monkeypatch.setenv("COORD_TEST_TOKEN", TOKEN)
+    encoded = []
+    real_encode = coordinator_module.encode_body
+
+    def counting_encode(payload):
+        encoded.append(payload)
+        return real_encode(payload)
+
+    monkeypatch.setattr(coordinator_module, "encode_body", counting_encode)
     ckpt = tmp_path / "ckpt"
     async with await discover(config_for(list(four.values()))) as coordinator:
         assert sorted(p.kind for p in coordinator.participants) == sorted(four)
@@ -75,6 +84,7 @@ async def test_orders_of_every_operation_seen_by_the_participants(four, tmp_path
         assert result.ready and result.stopped_at is None
         assert_stage_order([[env], [model], [agent], [tools]], "prepare")
         same_body(four.values(), "prepare")
+        assert len(encoded) == 1, "a prepare of four stages encodes its body once"
 
         scope = result.continued(["r1", {"rollout_id": "r2", "attempt": 1}])
         committed = await commit(coordinator, "step-1", str(ckpt), scope, timeout=10)
@@ -109,6 +119,8 @@ async def test_orders_of_every_operation_seen_by_the_participants(four, tmp_path
         assert_stage_order([[env], [agent], [model, tools]], "forget")
         assert_all_at_once([model, tools], "forget")
         same_body(four.values(), "forget")
+    # One encoding per fan-out: prepare, commit, renew, resume, restore, retire, resume, forget.
+    assert len(encoded) == 8
 
 
 async def test_prepare_stops_at_the_first_stage_not_ready(tmp_path, monkeypatch):
@@ -191,3 +203,32 @@ async def test_commit_failure_names_each_server_and_code(tmp_path):
     finally:
         stop_participants(servers)
     assert Path(tmp_path / "c" / "gym" / "model" / "policy_model" / "manifest.json").exists()
+
+
+class SkipsTheModel:
+    @hookimpl
+    def coordination_order(self, operation: str):
+        return [["environment"], ["agent"], ["resources"]]
+
+
+async def test_an_order_that_skips_a_kind_fails_before_any_call(tmp_path):
+    from nemo_gym_checkpoint_plugin.coordination import ControlTransport, Coordinator, Participant
+
+    class NoCalls(ControlTransport):
+        async def call(self, *args, **kwargs):
+            raise AssertionError("no call may be sent")
+
+    pm = make_plugin_manager([SkipsTheModel()], load_entry_points=False)
+    coordinator = Coordinator([Participant("m", "http://127.0.0.1:9", "model", "m")], NoCalls(TOKEN), pm=pm)
+    with pytest.raises(ValueError, match="exactly once"):
+        await coordinator.prepare("step-1", timeout=1)
+
+
+def test_continued_accepts_every_form_of_episode_id():
+    from nemo_gym_checkpoint_plugin.coordination import PrepareResult
+    from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+    result = PrepareResult("c", reports={"a": {"ready": True, "restarts": ["r2-a1"]}, "b": {"restarts": ["r4"]}})
+    scope = result.continued([EpisodeId(rollout_id="r1", attempt=3), {"rollout_id": "r2", "attempt": 1}, "r3", "r4"])
+    assert scope == [{"rollout_id": "r1", "attempt": 3}, {"rollout_id": "r3", "attempt": 0}]
+    assert result.restarts() == ["r2-a1", "r4"]

@@ -58,12 +58,14 @@ __all__ = [
     "discover",
     "encode_body",
     "forget",
+    "load_config",
     "prepare",
     "renew",
     "restore",
     "resume",
     "retire",
     "stages_for",
+    "token_from_config",
     "wire_episode_id",
 ]
 
