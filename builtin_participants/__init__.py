@@ -1,1 +1,72 @@
+"""Built-in participants for the Gym server kinds (installed as ``nemo_gym_checkpoint_plugin.builtin_participants``).
 
+- environment: ``EpisodeBook`` (``environment.py``), fed by the ``single_agent_turn`` run
+  logic of ``single_agent_turn.py`` (a mixin the wrapper adds to that server class);
+- agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
+- resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings;
+- model: none yet (a model server holds no episode state between calls here).
+
+The Gym attachment asks ``participants_for`` which plugins a server gets, and
+``install_reply_declarations`` to add the reply headers they declare on. A server kind or
+class without a built-in participant gets none: an environment whose run logic does not
+report steps holds no capturable episode, and the environment treats an agent that does
+not declare its sessions capturable as a source of restarts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
+
+_STEPPED_ENVIRONMENTS = ("SingleAgentTurnEnvironmentServer",)
+
+
+def checkpointable_bases(server_class: type) -> tuple[type, ...]:
+    """Mixins to put before ``server_class`` so its episodes report their steps (empty: none known)."""
+    if any(base.__name__ in _STEPPED_ENVIRONMENTS for base in server_class.__mro__):
+        from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnSteps
+
+        if not issubclass(server_class, SingleAgentTurnSteps):
+            return (SingleAgentTurnSteps,)
+    return ()
+
+
+def participants_for(server: Any, kind: str) -> list[Any]:
+    """The built-in participant plugins of ``server`` (a Gym server of ``kind``), bound to it.
+
+    An environment with stepped run logic gets an ``EpisodeBook`` (step mode from
+    ``NG_CHECKPOINT_STEP_MODE``; ``ValueError`` when that is invalid) and takes over its
+    episode deadline. Call once, only when checkpointing is enabled.
+    """
+    if kind == "environment" and hasattr(server, "bind_episode_book"):
+        from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, step_mode_from_env
+        from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
+
+        book = EpisodeBook(step_mode_from_env(), validate_state=validate_state)
+        server.bind_episode_book(book)
+        return [book]
+    if kind == "agent":
+        from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
+
+        return [SimpleAgentSessions(server)] if is_session_agent(server) else []
+    if kind == "resources":
+        from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
+
+        return [ResourcesSessions(server)]
+    return []
+
+
+def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) -> None:
+    """Add the reply-header middleware the built-in ``plugins`` declare through (before the gate is added)."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, install_agent_declaration
+    from nemo_gym_checkpoint_plugin.builtin_participants.resources import (
+        ResourcesSessions,
+        install_resources_declarations,
+    )
+
+    for plugin in plugins:
+        if isinstance(plugin, ResourcesSessions):
+            install_resources_declarations(app, participants, plugin)
+        elif isinstance(plugin, SimpleAgentSessions):
+            install_agent_declaration(app)

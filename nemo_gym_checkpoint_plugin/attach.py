@@ -151,6 +151,12 @@ class Attachment:
     unmanaged: UnmanagedWorkers | None
 
 
+def _builtin_participants(server: Any, kind: str) -> list[Any]:
+    from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
+
+    return participants_for(server, kind)
+
+
 def _plugin_manager(extra_plugins: Iterable[Any]) -> pluggy.PluginManager:
     from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
 
@@ -170,6 +176,7 @@ def attach_checkpointing(
     settings: CheckpointSettings | None = None,
     token: str | None = None,
     extra_plugins: Iterable[Any] = (),
+    builtin: bool = True,
 ) -> Attachment | None:
     """Install the control routes and the admission gate on ``app`` when checkpointing is enabled.
 
@@ -177,7 +184,9 @@ def attach_checkpointing(
     installs nothing) when disabled. Raises ``SettingsError`` for a bad block and
     ``RuntimeError`` when ``app`` already carries an attachment; nothing is installed then.
     ``extra_plugins`` are registered on the plugin manager after the built-ins and the
-    entry-point group (built-in participants, tests).
+    entry-point group (tests, embedding code). With ``builtin`` the server's built-in
+    participant (``builtin_participants.participants_for``) is registered too, and the reply
+    headers it declares through are installed.
     """
     if settings is None:
         settings, token = server_settings(server)
@@ -196,11 +205,16 @@ def attach_checkpointing(
     instance = str(server.config.name)
     num_workers = int(getattr(server.config, "num_workers", None) or 1)
     unmanaged = UnmanagedWorkers(num_workers) if num_workers > 1 else None
-    plugins = [*extra_plugins, *([unmanaged] if unmanaged is not None else [])]
+    builtins = _builtin_participants(server, kind) if builtin else []
+    plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
     control = ControlPlane(_plugin_manager(plugins), kind=kind, instance=instance, settings=settings)
 
     attach_routes(app, control, token)
+    if builtins:
+        from nemo_gym_checkpoint_plugin.builtin_participants import install_reply_declarations
+
+        install_reply_declarations(app, control.participants, builtins)
     if kind == "agent":
         app.add_middleware(RolloutAttribution)
     # Added last, so outermost so far: the gate sees the raw prefixed path before any Gym middleware.

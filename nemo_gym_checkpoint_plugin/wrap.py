@@ -52,16 +52,24 @@ def find_server_class(module: ModuleType) -> type:
 
 
 def derive_checkpointable(server_class: type) -> type:
-    """``CheckpointMixin`` + ``server_class``, under the same name (Gym's cookie secret is derived from it)."""
+    """``CheckpointMixin`` (+ built-in step reporting, if any) + ``server_class``, under the same name.
+
+    The name is kept because Gym's cookie secret is derived from it. For a class the built-in
+    participants know (``single_agent_turn``) their run logic mixin is added; it is inert
+    while checkpointing is disabled.
+    """
     from nemo_gym_checkpoint_plugin.mixin import CheckpointMixin
 
     if issubclass(server_class, CheckpointMixin):
         return server_class
+    from nemo_gym_checkpoint_plugin.builtin_participants import checkpointable_bases
+
     namespace = {"__module__": server_class.__module__, "__qualname__": server_class.__qualname__}
     # The class's own declaration wins over the mixin's default (False) only when it is explicit.
     if "ray_enabled" in vars(server_class):
         namespace["ray_enabled"] = vars(server_class)["ray_enabled"]
-    return type(server_class.__name__, (CheckpointMixin, server_class), namespace)
+    # Run logic that reports episode steps (single_agent_turn) goes between the mixin and the class.
+    return type(server_class.__name__, (CheckpointMixin, *checkpointable_bases(server_class), server_class), namespace)
 
 
 def relative_entrypoint(server_dir: Path | str) -> str:

@@ -1,0 +1,178 @@
+"""The agent participant for Gym's session agents (``simple_agent``): open sessions survive a crash.
+
+What ``simple_agent`` must keep for a restored episode to reuse its session: its open
+session records (``SimpleResponsesAPIAgent._session_records``) live in process memory
+and are lost on SIGKILL, after which the episode's next ``/v1/responses`` is refused
+(409 unknown session). A session's state is small and plain: the seed request (tool
+accesses, episode), the resources cookies it collected, its activation count and
+observations. So this participant exports, per episode in scope, each *open* session
+(``{"episode_id", "agent_session_id", "request", "resources_cookies", "activations",
+"observations"}``) and installs it as the replacement attempt's session:
+
+- the seed request's ``episode_id`` becomes the replacement attempt, so the
+  environment's close (which names the replacement) matches;
+- a direct tool access whose ``base_url`` ends in ``/ng-rollout/<checkpointed key>``
+  (the plugin's client attributes tool calls that way) is rewritten to the replacement's
+  key: the checkpointed attempt is retired everywhere and would be refused;
+- the session's state is rebuilt by the agent's own ``_seed_agent_session_state`` (so
+  tool access objects are the agent's own), then its cookies, activations and
+  observations are put back.
+
+Closed sessions (an episode past its agent step) are not exported: their close receipts
+only serve retries of a close that already happened.
+
+Session cookies stay valid across the restart: Gym signs them with a key derived from
+the class and server names, which the wrapper keeps. ``/v1/agent_sessions`` replies carry
+``x-ng-checkpoint-agent-session: capture`` (``install_agent_declaration``), which is how
+the environment tells a capturable agent from one whose episodes must be restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
+
+from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.markers import hookimpl
+
+__all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
+
+_ROLLOUT_SEGMENT = "/ng-rollout/"
+
+
+def is_session_agent(server: Any) -> bool:
+    """Whether ``server`` keeps Gym agent sessions this participant knows how to capture."""
+    from nemo_gym.base_responses_api_agent import SimpleResponsesAPIAgent
+
+    if not isinstance(server, SimpleResponsesAPIAgent):
+        return False
+    # Only agents whose session state is Simple Agent's: its fields are what this module restores.
+    return any(cls.__name__ == "SimpleAgent" for cls in type(server).__mro__)
+
+
+def rewrite_rollout_base(url: str, old_key: str, new_key: str) -> str:
+    """``url`` with a trailing ``/ng-rollout/<old_key>`` replaced by the new key (else unchanged)."""
+    stripped = url.rstrip("/")
+    suffix = _ROLLOUT_SEGMENT + old_key
+    if stripped.endswith(suffix):
+        return stripped[: -len(suffix)] + _ROLLOUT_SEGMENT + new_key
+    return url
+
+
+class SimpleAgentSessions:
+    """Export and install the open sessions of a Simple Agent, keyed by their episode attempt."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self._installed: set[str] = set()
+
+    def _records(self) -> dict[str, Any]:
+        return self.server._session_records
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+        records = []
+        for session_id, record in self._records().items():
+            state = record.state
+            if state is None or record.closing or record.episode_id is None:
+                continue
+            if scope is not None and record.episode_id.capture_key not in scope:
+                continue
+            observations = getattr(state, "observations", None)
+            records.append(
+                {
+                    "episode_id": {"rollout_id": record.episode_id.rollout_id, "attempt": record.episode_id.attempt},
+                    "agent_session_id": session_id,
+                    "request": state.request.model_dump(mode="json"),
+                    "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
+                    "activations": int(getattr(state, "activations", 0)),
+                    "observations": observations.model_dump(mode="json") if observations is not None else None,
+                }
+            )
+        return records
+
+    @hookimpl
+    async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+        from nemo_gym.base_responses_api_agent import AgentSeedSessionRequest, _AgentSessionRecord
+        from nemo_gym.rollout_observability import AgentObservationBundle
+
+        staged: dict[str, Any] = {}
+        for restored in records:
+            record = restored.record
+            old_key, new_key = restored.checkpointed.capture_key, restored.replacement.capture_key
+            session_id = record.get("agent_session_id")
+            if not isinstance(session_id, str) or not session_id:
+                raise ValueError(f"episode {old_key}: agent_session_id must be a non-empty string")
+            if session_id in self._records() or session_id in staged:
+                raise ValueError(f"episode {old_key}: agent session {session_id} already exists here")
+            request = dict(record.get("request") or {})
+            request["episode_id"] = {"rollout_id": restored.replacement.rollout_id,
+                                     "attempt": restored.replacement.attempt}
+            request["tool_accesses"] = [
+                {**access, "base_url": rewrite_rollout_base(str(access["base_url"]), old_key, new_key)}
+                if isinstance(access, Mapping) and "base_url" in access
+                else access
+                for access in request.get("tool_accesses") or []
+            ]
+            seed = AgentSeedSessionRequest.model_validate(request)
+            state = await self.server._seed_agent_session_state(seed)
+            cookies = record.get("resources_cookies") or {}
+            if not isinstance(cookies, Mapping):
+                raise ValueError(f"episode {old_key}: resources_cookies must be a JSON object")
+            state.resources_cookies = {str(k): str(v) for k, v in cookies.items()}
+            state.activations = int(record.get("activations") or 0)
+            if record.get("observations") is not None:
+                state.observations = AgentObservationBundle.model_validate(record["observations"])
+            staged[session_id] = (_AgentSessionRecord(state=state, episode_id=restored.replacement), new_key)
+        # Every record was accepted: only now does any session appear.
+        for session_id, (session_record, key) in staged.items():
+            self._records()[session_id] = session_record
+            self._installed.add(key)
+
+    @hookimpl
+    def restored_pending(self) -> list[str]:
+        pending = set()
+        for record in self._records().values():
+            if record.episode_id is not None and record.episode_id.capture_key in self._installed:
+                state = record.state
+                if state is not None and not record.closing:
+                    pending.add(record.episode_id.capture_key)
+        self._installed &= pending
+        return sorted(pending)
+
+    def _drop(self, named: Any) -> None:
+        for session_id, record in list(self._records().items()):
+            if record.episode_id is not None and named(record.episode_id) and record.state is not None:
+                del self._records()[session_id]
+                self._installed.discard(record.episode_id.capture_key)
+
+    @hookimpl
+    def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        keys = {episode_id.capture_key for episode_id in episode_ids}
+        self._drop(lambda episode_id: episode_id.capture_key in keys and episode_id.capture_key in self._installed)
+
+    @hookimpl
+    def retire(self, episode_ids: list[EpisodeId]) -> None:
+        limits: dict[str, int] = {}
+        for episode_id in episode_ids:
+            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
+        # The environment closes sessions of episodes it stops; what is left (restored, never used) goes here.
+        self._drop(lambda episode_id: episode_id.attempt <= limits.get(episode_id.rollout_id, -1))
+
+    @hookimpl
+    def status_fields(self) -> dict[str, Any]:
+        open_sessions = sum(1 for r in self._records().values() if r.state is not None and not r.closing)
+        return {"agent_sessions_open": open_sessions}
+
+
+def install_agent_declaration(app: Any) -> None:
+    """Add ``x-ng-checkpoint-agent-session: capture`` to every successful ``/v1/agent_sessions`` reply."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
+
+    async def declare(_body: bytes, status: int) -> dict[str, str]:
+        return {AGENT_CAPTURE_HEADER: "capture"} if 200 <= status < 300 else {}
+
+    app.add_middleware(ReplyHeaders, path="/v1/agent_sessions", headers_for=declare)

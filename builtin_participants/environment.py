@@ -1,0 +1,368 @@
+"""The environment participant: episodes that advance in steps and park at their boundaries.
+
+PROTOCOL.md "Episode steps", "Restarts" and "Retire, forget, restore marks", for any
+environment server whose run logic reports its steps to an ``EpisodeBook`` (the
+built-in ``single_agent_turn`` does, see ``single_agent_turn.py``). The contract the
+run logic follows::
+
+    episode = book.begin(request.episode_id)        # restored boundary, if any, on episode.restored
+    async with book.step(episode, "seed"):          # parks first while a checkpoint is open
+        ...                                         # one step of work
+    book.reach(episode, "seeded", state)            # a boundary: JSON state to continue from
+    ...
+    await book.park(episode)                        # the last boundary parks too
+    book.end(episode)
+
+Rules kept here:
+
+- **Boundaries.** ``reach`` records the last completed step and the JSON state needed to
+  continue after it. ``export`` writes, per episode in scope, ``{"episode_id", "boundary",
+  "state", "step_mode"}``; an episode with no boundary yet is written with ``boundary:
+  null`` and starts over from its input after a crash.
+- **Step modes.** ``wait`` (default): a step in flight when admission closes blocks the
+  checkpoint until it completes and the episode parks at its new boundary. ``replay``: it
+  does not block; the episode is exported at its last boundary and the step runs again
+  after a crash (effects it had downstream, e.g. model calls, repeat).
+- **Parking.** ``step`` and ``park`` wait while a checkpoint holds admission closed
+  (``close_admission``/``open_admission``); a parked episode that wakes to a new closed
+  checkpoint stays parked. While parked, the episode's deadline is paused (``deadline`` is
+  the episode's ``asyncio.Timeout``; the time parked is added back).
+- **Readiness** is a running set of blocking episodes, built once when admission closes
+  and only shrunk by steps ending while it is closed: outside a checkpoint a step costs
+  two attribute writes. ``wait_ready`` wakes on every change. Reports list at most 100
+  blockers (``PrepareReport.to_wire``) with the full count beside them.
+- **Restarts.** ``declare_restart`` (the resources seed replied ``x-ng-checkpoint-restart``,
+  or the agent did not declare its session capturable) makes an episode a restart at once
+  when no checkpoint is open, else when admission reopens, so a prepare's reported
+  restarts cannot change before its commit. A restart is listed in every report, never
+  blocks, never parks, is never exported (a pending one is exported with no boundary).
+- **Retire.** ``retire`` drops restored-pending replacements and cancels the running
+  tasks of the attempts named (and earlier ones), waiting for them to end; an episode
+  being retired blocks a checkpoint and is never exported.
+- **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
+  before keeping any; a restored episode is handed to the ``/run`` of its replacement
+  attempt by ``begin`` (``episode.restored``), and is pending until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.control.types import ParticipantExport, Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.markers import hookimpl
+
+__all__ = ["STEP_MODE_ENV", "Episode", "EpisodeBook", "RestoredEpisode", "StepMode", "step_mode_from_env"]
+
+# How an operator picks the step mode of the built-in environment participant (the ``checkpoint:``
+# block is strict and has no key for it yet).
+STEP_MODE_ENV = "NG_CHECKPOINT_STEP_MODE"
+
+
+class StepMode(enum.StrEnum):
+    WAIT = "wait"
+    REPLAY = "replay"
+
+
+def step_mode_from_env(environ: Mapping[str, str] | None = None) -> StepMode:
+    """``NG_CHECKPOINT_STEP_MODE`` (``wait`` when unset); ``ValueError`` naming the variable otherwise."""
+    value = (os.environ if environ is None else environ).get(STEP_MODE_ENV, "") or StepMode.WAIT.value
+    try:
+        return StepMode(value)
+    except ValueError:
+        raise ValueError(f"{STEP_MODE_ENV}={value!r}: must be one of {[m.value for m in StepMode]}") from None
+
+
+@dataclass(frozen=True)
+class RestoredEpisode:
+    """What a restored episode continues from: its checkpointed attempt, boundary and state."""
+
+    checkpointed: EpisodeId
+    boundary: str | None
+    state: Mapping[str, Any]
+
+
+@dataclass(eq=False)
+class Episode:
+    """One running episode attempt as the book sees it."""
+
+    episode_id: EpisodeId
+    key: str
+    task: asyncio.Task[Any] | None
+    restored: RestoredEpisode | None = None
+    boundary: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    step: str | None = None
+    restart: bool = False
+    pending_restart: bool = False
+    retiring: bool = False
+    parked: bool = False
+    # The episode's asyncio.Timeout, paused while parked (None: no deadline).
+    deadline: asyncio.Timeout | None = None
+
+
+def _wire(episode_id: EpisodeId) -> dict[str, Any]:
+    return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
+
+
+class EpisodeBook:
+    """The environment participant plugin (register it on the server's plugin manager).
+
+    ``validate_state(boundary, state)`` is the run logic's check of a restored record: it
+    raises ``ValueError`` for a boundary or state it cannot continue from.
+    """
+
+    def __init__(
+        self,
+        step_mode: StepMode | str = StepMode.WAIT,
+        *,
+        validate_state: Callable[[str | None, Mapping[str, Any]], None] | None = None,
+        episode_timeout: float | None = None,
+    ) -> None:
+        self.step_mode = StepMode(step_mode)
+        self.episode_timeout = episode_timeout
+        self._validate_state = validate_state
+        self._episodes: dict[str, Episode] = {}
+        self._restored: dict[str, RestoredEpisode] = {}
+        self._restarts: set[str] = set()
+        self._closed = False
+        self._open = asyncio.Event()
+        self._open.set()
+        # Maintained only while admission is closed (built by close_admission).
+        self._blocking: set[str] = set()
+        self._generation = 0
+        self._changed = asyncio.Event()
+
+    # -- what the run logic calls ---------------------------------------------------------------
+
+    def begin(self, episode_id: EpisodeId) -> Episode:
+        """Register the running attempt (the current task); hand it its restored boundary, if any."""
+        key = episode_id.capture_key
+        if key in self._episodes:
+            raise ValueError(f"episode {key} is already running on this server")
+        episode = Episode(episode_id, key, asyncio.current_task(), restored=self._restored.pop(key, None))
+        if episode.restored is not None:
+            episode.boundary = episode.restored.boundary
+            episode.state = dict(episode.restored.state)
+        self._episodes[key] = episode
+        return episode
+
+    def end(self, episode: Episode) -> None:
+        """The attempt's task is done with the book (returned, failed or was cancelled)."""
+        if self._episodes.get(episode.key) is episode:
+            del self._episodes[episode.key]
+        self._restarts.discard(episode.key)
+        if episode.key in self._blocking:
+            self._blocking.discard(episode.key)
+            self._notify()
+
+    @asynccontextmanager
+    async def step(self, episode: Episode, name: str) -> AsyncIterator[None]:
+        """Run one step: park first while a checkpoint is open, then mark the step in flight."""
+        await self.park(episode)
+        episode.step = name
+        try:
+            yield
+        finally:
+            episode.step = None
+            if self._closed and episode.key in self._blocking and not self._blocks(episode):
+                self._blocking.discard(episode.key)
+                self._notify()
+
+    def reach(self, episode: Episode, boundary: str, state: Mapping[str, Any]) -> None:
+        """Record a completed step: the boundary name and the JSON state to continue from."""
+        episode.boundary = boundary
+        episode.state = dict(state)
+
+    async def park(self, episode: Episode) -> None:
+        """Wait while admission is closed (not for restarts); the episode deadline pauses meanwhile."""
+        if self._open.is_set() or episode.restart:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = episode.deadline
+        when = deadline.when() if deadline is not None else None
+        remaining = None if when is None else when - loop.time()
+        if deadline is not None and when is not None:
+            deadline.reschedule(None)
+        episode.parked = True
+        try:
+            # A wake that finds a new checkpoint already closed admission parks again.
+            while not self._open.is_set():
+                await self._open.wait()
+        finally:
+            episode.parked = False
+            if deadline is not None and remaining is not None and not deadline.expired():
+                deadline.reschedule(loop.time() + remaining)
+
+    def declare_restart(self, episode: Episode) -> None:
+        """This episode cannot be captured: a restart now, or once the open checkpoint resumed."""
+        if self._closed:
+            episode.pending_restart = True
+            return
+        self._make_restart(episode)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _make_restart(self, episode: Episode) -> None:
+        episode.restart = True
+        episode.pending_restart = False
+        if self._episodes.get(episode.key) is episode:
+            self._restarts.add(episode.key)
+
+    def _blocks(self, episode: Episode) -> bool:
+        if episode.retiring:
+            return True
+        return episode.step is not None and self.step_mode is StepMode.WAIT and not episode.restart
+
+    def _notify(self) -> None:
+        self._generation += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _blockers_now(self) -> Iterable[str]:
+        if self._closed:
+            return self._blocking
+        # Idle (a status call): computed on demand, so steps pay nothing for it.
+        return [key for key, episode in self._episodes.items() if self._blocks(episode)]
+
+    # -- participant hooks -------------------------------------------------------------------------
+
+    @hookimpl
+    def close_admission(self, checkpoint_id: str) -> None:
+        self._closed = True
+        self._open.clear()
+        self._blocking = {key for key, episode in self._episodes.items() if self._blocks(episode)}
+        self._notify()
+
+    @hookimpl
+    def open_admission(self, checkpoint_id: str) -> None:
+        self._closed = False
+        self._blocking = set()
+        for episode in list(self._episodes.values()):
+            if episode.pending_restart:
+                self._make_restart(episode)
+        self._open.set()
+        self._notify()
+
+    @hookimpl
+    def ready(self, checkpoint_id: str | None) -> Readiness:
+        blockers = list(self._blockers_now())
+        parked = sum(1 for episode in self._episodes.values() if episode.parked) if self._closed else 0
+        return Readiness(
+            blockers=blockers,
+            restarts=list(self._restarts),
+            counts={
+                "episodes": len(self._episodes),
+                "parked": parked,
+                "restored_pending": len(self._restored),
+            },
+        )
+
+    @hookimpl
+    def wait_ready(self, checkpoint_id: str) -> Any:
+        # The generation is read now, right after the ready answer it follows: no change is missed.
+        return self._wait_change(self._generation)
+
+    async def _wait_change(self, seen: int) -> None:
+        while self._generation == seen:
+            await self._changed.wait()
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
+        records: list[dict[str, Any]] = []
+        by_boundary: dict[str, int] = {}
+        for key, episode in self._episodes.items():
+            if episode.restart or episode.retiring or (scope is not None and key not in scope):
+                continue
+            # A restart declared while this checkpoint was open cannot continue from its sessions.
+            boundary = None if episode.pending_restart else episode.boundary
+            records.append(self._record(episode.episode_id, boundary, episode.state))
+            by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
+        for key, restored in self._restored.items():
+            if scope is None or key in scope:
+                records.append(self._record(_from_key(key), restored.boundary, restored.state))
+                by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
+        return ParticipantExport(
+            records=records,
+            manifest_extras={"step_mode": self.step_mode.value},
+            reply_extras={"boundaries": by_boundary},
+        )
+
+    def _record(self, episode_id: EpisodeId, boundary: str | None, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "episode_id": _wire(episode_id),
+            "boundary": boundary,
+            "state": dict(state) if boundary is not None else {},
+            "step_mode": self.step_mode.value,
+        }
+
+    @hookimpl
+    def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+        staged: dict[str, RestoredEpisode] = {}
+        for restored in records:
+            record = restored.record
+            key = restored.replacement.capture_key
+            boundary = record.get("boundary")
+            state = record.get("state")
+            if boundary is not None and not isinstance(boundary, str):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
+            if not isinstance(state, Mapping):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
+            if self._validate_state is not None:
+                try:
+                    self._validate_state(boundary, state)
+                except ValueError as exc:
+                    raise ValueError(f"episode {restored.checkpointed.capture_key}: {exc}") from None
+            if key in self._episodes:
+                raise ValueError(f"episode {key} is already running here; it cannot be restored over")
+            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
+        # Nothing is kept unless every record was accepted.
+        self._restored.update(staged)
+
+    @hookimpl
+    def restored_pending(self) -> list[str]:
+        return list(self._restored)
+
+    @hookimpl
+    def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        for episode_id in episode_ids:
+            self._restored.pop(episode_id.capture_key, None)
+
+    @hookimpl
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
+        limits: dict[str, int] = {}
+        for episode_id in episode_ids:
+            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
+
+        def named(episode_id: EpisodeId) -> bool:
+            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
+
+        for key in [k for k in self._restored if named(_from_key(k))]:
+            del self._restored[key]
+        stopping = [e for e in self._episodes.values() if named(e.episode_id)]
+        tasks = []
+        for episode in stopping:
+            episode.retiring = True
+            if self._closed:
+                self._blocking.add(episode.key)
+            if episode.task is not None and episode.task is not asyncio.current_task() and not episode.task.done():
+                episode.task.cancel()
+                tasks.append(episode.task)
+        if tasks:
+            await asyncio.wait(tasks)
+
+    @hookimpl
+    def status_fields(self) -> dict[str, Any]:
+        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes)}
+
+
+def _from_key(key: str) -> EpisodeId:
+    from nemo_gym_checkpoint_plugin.identity import from_capture_key
+
+    return from_capture_key(key)

@@ -1,0 +1,287 @@
+"""The environment participant (``EpisodeBook``) in process: steps, boundaries, readiness, restarts, retire.
+
+Episodes here are plain asyncio tasks that follow the book's contract (``begin``, ``step``,
+``reach``, ``park``, ``end``); prepares go through a real ``ControlPlane``, so reports are
+the ones the wire carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode, step_mode_from_env
+from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
+
+from nemo_gym_checkpoint_plugin.control import ControlPlane
+from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+
+
+def _plane(book: EpisodeBook) -> ControlPlane:
+    return ControlPlane(make_plugin_manager([book], load_entry_points=False), kind="environment", instance="env")
+
+
+async def _until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+
+
+class Run:
+    """One episode attempt: a seed step, then a step that waits on ``gate``, then the last boundary."""
+
+    def __init__(self, book: EpisodeBook, rollout_id: str, attempt: int = 0, *, timeout: float | None = None) -> None:
+        self.book = book
+        self.episode_id = EpisodeId(rollout_id=rollout_id, attempt=attempt)
+        self.gate = asyncio.Event()
+        self.steps_run: list[str] = []
+        self.timeout = timeout
+        self.episode: Any = None
+        self.task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> str:
+        episode = self.episode = self.book.begin(self.episode_id)
+        try:
+            async with asyncio.timeout(self.timeout) as deadline:
+                episode.deadline = deadline
+                if episode.boundary is None:
+                    async with self.book.step(episode, "seed"):
+                        self.steps_run.append("seed")
+                    self.book.reach(episode, "seeded", {"n": 1})
+                if episode.boundary == "seeded":
+                    async with self.book.step(episode, "work"):
+                        self.steps_run.append("work")
+                        await self.gate.wait()
+                    self.book.reach(episode, "worked", {"n": 2})
+                await self.book.park(episode)
+                return "done"
+        finally:
+            self.book.end(episode)
+
+    async def in_step(self, name: str) -> None:
+        await _until(lambda: self.episode is not None and self.episode.step == name, f"step {name}")
+
+
+def _deadline() -> float:
+    return time.time() + 10.0
+
+
+async def test_wait_mode_prepare_waits_for_steps_in_flight_then_every_episode_is_parked() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    plane = _plane(book)
+    runs = [Run(book, f"r{i}") for i in range(3)]
+    for run in runs:
+        await run.in_step("work")
+    preparing = asyncio.ensure_future(plane.prepare("c1", _deadline()))
+    await _until(lambda: plane.phase == "preparing", "preparing")
+    report = (await plane.status())["report"]
+    assert report["ready"] is False and report["blockers"] == ["r0", "r1", "r2"]
+    runs[0].gate.set()
+    await _until(lambda: runs[0].episode.parked, "r0 parked")
+    assert (await plane.status())["report"]["blockers"] == ["r1", "r2"]
+    assert not preparing.done()
+    for run in runs[1:]:
+        run.gate.set()
+    reply = await preparing
+    assert reply["phase"] == "prepared" and reply["report"]["ready"] is True
+    assert reply["report"]["counts"]["parked"] == 3
+    exported = list((await plane.participants.export("c1", None)).records)
+    boundaries = {r["episode_id"]["rollout_id"]: r["boundary"] for r in exported}
+    assert boundaries == {"r0": "worked", "r1": "worked", "r2": "worked"}
+    assert not any(run.task.done() for run in runs)  # the last boundary parks: nobody finishes while prepared
+    await plane.resume("c1", _deadline())
+    assert await asyncio.gather(*(run.task for run in runs)) == ["done"] * 3
+    await plane.aclose()
+
+
+async def test_replay_mode_step_in_flight_does_not_block_and_is_exported_at_its_last_boundary() -> None:
+    book = EpisodeBook(StepMode.REPLAY)
+    plane = _plane(book)
+    run = Run(book, "r")
+    await run.in_step("work")
+    reply = await plane.prepare("c1", _deadline())
+    assert reply["phase"] == "prepared" and reply["report"]["blockers"] == []
+    (record,) = (await plane.participants.export("c1", frozenset({"r"}))).records
+    assert record["boundary"] == "seeded" and record["state"] == {"n": 1} and record["step_mode"] == "replay"
+    await plane.resume("c1", _deadline())
+    run.gate.set()
+    assert await run.task == "done"
+    await plane.aclose()
+
+
+async def test_report_lists_at_most_100_blockers_with_the_full_count() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    plane = _plane(book)
+    runs = [Run(book, f"r{i:03d}") for i in range(150)]
+    await _until(lambda: all(r.episode is not None and r.episode.step == "work" for r in runs), "all in step")
+    reply = await plane.prepare("c1", time.time() + 0.3)
+    assert reply["phase"] == "preparing"
+    assert len(reply["report"]["blockers"]) == 100 and reply["report"]["blocker_count"] == 150
+    await plane.resume("c1", _deadline())
+    for run in runs:
+        run.gate.set()
+    await asyncio.gather(*(run.task for run in runs))
+    await plane.aclose()
+
+
+async def test_readiness_outside_a_checkpoint_keeps_no_running_set() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    run = Run(book, "r")
+    await run.in_step("work")
+    assert book._blocking == set()  # steps outside a checkpoint touch only their own episode
+    assert list(book.ready(None).blockers) == ["r"]  # a status call computes it on demand
+    run.gate.set()
+    await run.task
+    assert book._blocking == set()
+
+
+async def test_restart_is_listed_never_blocks_never_parks_and_is_never_exported() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    plane = _plane(book)
+    restart, kept = Run(book, "s"), Run(book, "k")
+    await restart.in_step("work")
+    await kept.in_step("work")
+    book.declare_restart(restart.episode)
+    kept.gate.set()
+    reply = await plane.prepare("c1", _deadline())
+    assert reply["report"]["restarts"] == ["s"] and reply["report"]["blockers"] == []
+    restart.gate.set()
+    assert await restart.task == "done"  # a restart runs through the checkpoint
+    records = list((await plane.participants.export("c1", None)).records)
+    assert [r["episode_id"]["rollout_id"] for r in records] == ["k"]
+    await plane.resume("c1", _deadline())
+    await kept.task
+    await plane.aclose()
+
+
+async def test_restart_declared_while_a_checkpoint_is_open_waits_for_resume() -> None:
+    book = EpisodeBook(StepMode.REPLAY)
+    plane = _plane(book)
+    run = Run(book, "s")
+    await run.in_step("work")
+    await plane.prepare("c1", _deadline())
+    book.declare_restart(run.episode)
+    assert list(book.ready("c1").restarts) == []  # the prepare's report cannot change before its commit
+    (record,) = (await plane.participants.export("c1", None)).records
+    assert record["boundary"] is None  # it cannot continue from its sessions: it starts over
+    await plane.resume("c1", _deadline())
+    assert list(book.ready(None).restarts) == ["s"]
+    run.gate.set()
+    await run.task
+    await plane.aclose()
+
+
+async def test_episode_being_retired_blocks_and_is_not_exported_until_its_task_ended() -> None:
+    book = EpisodeBook(StepMode.REPLAY)
+    release_cleanup = asyncio.Event()
+    book_episode: dict[str, Any] = {}
+
+    async def episode_with_slow_cleanup() -> None:
+        episode = book_episode["e"] = book.begin(EpisodeId(rollout_id="r", attempt=0))
+        try:
+            async with book.step(episode, "work"):
+                await asyncio.Event().wait()
+        finally:
+            await release_cleanup.wait()  # cleanup outlives the cancellation
+            book.end(episode)
+
+    task = asyncio.ensure_future(episode_with_slow_cleanup())
+    await _until(lambda: "e" in book_episode and book_episode["e"].step == "work", "in step")
+    retiring = asyncio.ensure_future(book.retire([EpisodeId(rollout_id="r", attempt=0)]))
+    await _until(lambda: book_episode["e"].retiring, "retiring")
+    book.close_admission("c1")
+    assert list(book.ready("c1").blockers) == ["r"]  # replay mode, but retiring blocks
+    assert list(book.export("c1", None).records) == []
+    assert not retiring.done()
+    release_cleanup.set()
+    await retiring
+    assert task.cancelled()
+    assert list(book.ready("c1").blockers) == []
+    book.open_admission("c1")
+
+
+async def test_time_parked_does_not_count_against_the_episode_deadline() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    plane = _plane(book)
+    run = Run(book, "r", timeout=0.5)
+    await run.in_step("work")
+    preparing = asyncio.ensure_future(plane.prepare("c1", _deadline()))
+    await _until(lambda: plane.phase == "preparing", "preparing")
+    run.gate.set()
+    await preparing
+    loop = asyncio.get_running_loop()
+    parked_from = loop.time()
+    assert run.episode.parked
+    # Parked past the whole episode deadline: it must not fire.
+    await _until(lambda: loop.time() - parked_from > 0.8, "the deadline's span to pass", timeout=5.0)
+    assert not run.task.done()
+    await plane.resume("c1", _deadline())
+    assert await run.task == "done"
+    await plane.aclose()
+
+
+async def test_wait_ready_wakes_when_a_blocker_clears() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    run = Run(book, "r")
+    await run.in_step("work")
+    book.close_admission("c1")
+    assert list(book.ready("c1").blockers) == ["r"]
+    waiter = asyncio.ensure_future(book.wait_ready("c1"))
+    await asyncio.sleep(0)  # wait-ok: one loop turn, so the waiter is waiting before the change
+    assert not waiter.done()
+    run.gate.set()
+    await asyncio.wait_for(waiter, 5.0)
+    book.open_admission("c1")
+    await run.task
+
+
+def _restored(rollout_id: str, boundary: str | None, state: dict[str, Any]) -> RestoredRecord:
+    checkpointed = EpisodeId(rollout_id=rollout_id, attempt=0)
+    record = {"episode_id": {"rollout_id": rollout_id, "attempt": 0}, "boundary": boundary, "state": state}
+    return RestoredRecord(checkpointed, EpisodeId(rollout_id=rollout_id, attempt=1), record)
+
+
+async def test_restored_episode_starts_at_its_boundary_as_the_next_attempt() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    book.install("r1", {}, [_restored("a", "seeded", {"n": 1}), _restored("b", None, {})])
+    assert sorted(book.restored_pending()) == ["a-a1", "b-a1"]
+    continued, fresh = Run(book, "a", attempt=1), Run(book, "b", attempt=1)
+    continued.gate.set()
+    fresh.gate.set()
+    await asyncio.gather(continued.task, fresh.task)
+    assert continued.steps_run == ["work"]  # no seed again
+    assert fresh.steps_run == ["seed", "work"]  # no boundary: starts over from its input
+    assert book.restored_pending() == []
+
+
+async def test_install_refuses_a_bad_record_and_keeps_nothing() -> None:
+    book = EpisodeBook(StepMode.WAIT, validate_state=validate_state)
+    good = _restored("a", None, {})
+    bad = _restored("b", "replied", {"resources_session_id": "s"})
+    with pytest.raises(ValueError, match="lacks state"):
+        book.install("r1", {}, [good, bad])
+    assert book.restored_pending() == []
+
+
+async def test_delete_restored_and_retire_drop_pending_replacements() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    book.install("r1", {}, [_restored("a", None, {}), _restored("b", None, {})])
+    book.delete_restored([EpisodeId(rollout_id="a", attempt=1)])
+    assert book.restored_pending() == ["b-a1"]
+    await book.retire([EpisodeId(rollout_id="b", attempt=1)])
+    assert book.restored_pending() == []
+
+
+def test_step_mode_comes_from_the_environment_and_is_validated() -> None:
+    assert step_mode_from_env({}) is StepMode.WAIT
+    assert step_mode_from_env({"NG_CHECKPOINT_STEP_MODE": "replay"}) is StepMode.REPLAY
+    with pytest.raises(ValueError, match="NG_CHECKPOINT_STEP_MODE"):
+        step_mode_from_env({"NG_CHECKPOINT_STEP_MODE": "later"})
+
