@@ -1,0 +1,250 @@
+"""Checkpoint rollouts in flight on a real Gym deployment, SIGKILL it, restore, and finish every rollout.
+
+Shared by ``make demo`` (``demo.py``) and the process-level e2e test. The deployment is
+this project's (``deployment.Deployment`` with every server wrapped, checkpointing on);
+the controller side is the coordination library. ``run_scenario``:
+
+1. holds, at the fake backend, the model call that ends each rollout's agent step (its
+   step 1, the answer after the tool call), and sends every rollout's ``/run``;
+   ``restart`` rollouts carry ``task_data: {"ng_checkpoint": "restart"}``, so the
+   resources participant declares them restarts when they seed;
+2. once every call is held, prepares (environment first); in ``wait`` step mode the
+   environment reports the continued rollouts as blockers until the held calls of those
+   rollouts are released, and is ready once each is parked at its boundary; restarts
+   stay held, in flight through the checkpoint;
+3. commits the continued rollouts (``PrepareResult.continued``), reads the counts the
+   servers keep (seeds at the resources server, calls at the backend), then SIGKILLs
+   every process group;
+4. starts fresh processes, restores the checkpoint and resumes; retires the restarts
+   (and any continued rollout the restore did not return), then sends ``/run`` for every
+   rollout as its next attempt and waits for every reply.
+
+Repeated steps are counted at the servers, never from the controller's belief: for a
+continued rollout, any seed at the fresh resources server and any completed backend call
+at a (conversation, step) it had completed before the crash is a step that ran twice.
+Restarted rollouts start over by design (their steps run again as a new attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, port_is_free, rollout_body
+from .gym_config import PORT_SPAN, TOKEN_ENV, wrapped_entrypoints
+
+__all__ = ["ScenarioResult", "free_port_base", "new_deployment", "run_scenario", "run_body"]
+
+RESTART_TASK_DATA = {"ng_checkpoint": "restart"}
+_STATUS = "/ng-control/v1/checkpoint/status"
+_POLL = 0.05
+
+
+def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
+    """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(20000, 32000 - span)
+        if all(port_is_free(base + offset) for offset in range(span)):
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")
+
+
+def new_deployment(work_dir: Path, token: str, *, step_mode: str = "wait") -> Deployment:
+    """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``."""
+    return Deployment(
+        free_port_base(),
+        work_dir,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=work_dir / "logs",
+        extra_env={TOKEN_ENV: token, "NG_CHECKPOINT_STEP_MODE": step_mode},
+    )
+
+
+def run_body(rollout_id: str, attempt: int = 0, *, restart: bool = False) -> dict[str, Any]:
+    body = rollout_body(rollout_id, attempt=attempt)
+    if restart:
+        body["task"]["task_input"]["task_data"] = dict(RESTART_TASK_DATA)
+    return body
+
+
+@dataclass
+class ScenarioResult:
+    """What happened, as counted by the servers; ``summary()`` is the demo's JSON line."""
+
+    rollouts: list[str]
+    continued: list[str]
+    restarted: list[str]
+    replies: dict[str, dict[str, Any]]
+    checkpoint_dir: str
+    prepare: dict[str, Any]
+    blocked_before_release: int
+    commit_boundaries: dict[str, int]
+    seeds_before: dict[str, int]
+    seeds_after: dict[str, int]
+    completed_before: dict[str, dict[str, int]]
+    calls_after: dict[str, dict[str, int]]
+    completed_after: dict[str, dict[str, int]]
+    restored: list[str]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def conversation(self, rollout_id: str) -> str:
+        return rollout_body(rollout_id)["task"]["task_input"]["responses_create_params"]["input"][1]["content"]
+
+    def repeated_steps(self) -> int:
+        """Steps of continued rollouts that ran again after the crash, counted at the servers."""
+        repeated = 0
+        for rollout in self.continued:
+            repeated += self.seeds_after.get(rollout, 0)
+            before = self.completed_before.get(self.conversation(rollout), {})
+            after = self.completed_after.get(self.conversation(rollout), {})
+            repeated += sum(min(n, before.get(step, 0)) for step, n in after.items())
+        return repeated
+
+    def finished(self) -> list[str]:
+        return [r for r, reply in self.replies.items() if reply.get("failure") is None and reply.get("result")]
+
+    def summary(self) -> dict[str, Any]:
+        finished = self.finished()
+        return {
+            "rollouts": len(self.rollouts),
+            "finished": len(finished),
+            "reward_1": sum(1 for r in finished if self.replies[r]["result"].get("reward") == 1.0),
+            "continued": len(self.continued),
+            "restarted": len(self.restarted),
+            "lost": len(self.rollouts) - len(finished),
+            "repeated_steps": self.repeated_steps(),
+            "checkpoint_dir": self.checkpoint_dir,
+        }
+
+
+async def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(_POLL)  # wait-ok: poll interval of a bounded wait on a condition
+
+
+async def run_scenario(
+    deployment: Deployment,
+    checkpoint_dir: Path,
+    token: str,
+    continued: list[str],
+    restarts: list[str],
+    *,
+    say: Callable[[str], None] = lambda _m: None,
+    timeout: float = 120.0,
+    step_mode: str = "wait",
+) -> ScenarioResult:
+    """Run the scenario of the module docstring on a started ``deployment``; the deployment is left running.
+
+    ``step_mode`` must be the deployment's: with ``replay`` nothing is released before the
+    checkpoint, so continued rollouts are exported at ``seeded`` with their agent step in
+    flight, and that step runs again after the restore (its model calls repeat).
+    """
+    from .coordination import commit, discover, prepare, restore, resume, retire
+
+    urls = deployment.urls
+    env, backend, resources = urls[ENVIRONMENT], urls[BACKEND], urls[RESOURCES]
+    rollouts = [*continued, *restarts]
+    auth = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+
+        async def status(url: str) -> dict[str, Any]:
+            return (await http.get(url + _STATUS, headers=auth)).raise_for_status().json()
+
+        async def stats() -> dict[str, Any]:
+            return (await http.get(backend + "/_fake/stats")).raise_for_status().json()
+
+        async def run(rollout_id: str, attempt: int) -> dict[str, Any]:
+            reply = await http.post(env + "/run", json=run_body(rollout_id, attempt, restart=rollout_id in restarts))
+            return reply.raise_for_status().json()
+
+        hold = {"match": "", "count": len(rollouts), "step": 1}
+        (await http.post(backend + "/_fake/hold", json=hold)).raise_for_status()
+        first = {r: asyncio.ensure_future(run(r, 0)) for r in rollouts}
+        say(f"sent {len(rollouts)} rollouts; holding each one's last model call at the fake backend")
+        await _wait(lambda: _held(stats, len(rollouts)), timeout, "every rollout's model call held")
+
+        coordinator = await discover(deployment.config, token)
+        async with coordinator:
+            preparing = asyncio.ensure_future(prepare(coordinator, "demo-checkpoint", timeout=timeout))
+            blocked = 0
+            if step_mode == "wait":
+                env_status = await _wait(lambda: _blocking(status, env, len(continued)), timeout, "env blockers")
+                blocked = env_status["report"]["blocker_count"]
+                say(f"prepare: environment waits for {blocked} steps in flight ({len(restarts)} restarts never block)")
+                released = (await http.post(backend + "/_fake/release", json={"match": "cont-"})).json()
+                say(f"released {released['released']} held model calls; their steps finish and park at a boundary")
+            prepared = await preparing
+            if not prepared.ready:
+                raise RuntimeError(f"prepare did not become ready: {prepared.to_json()}")
+            scope = prepared.continued(f"{r}" for r in rollouts)
+            committed = await commit(coordinator, "demo-checkpoint", str(checkpoint_dir), scope, timeout=timeout)
+            env_reply = committed.replies[ENVIRONMENT]
+            say(f"committed {len(env_reply['episode_ids'])} episodes to {checkpoint_dir} "
+                f"(boundaries {env_reply.get('boundaries')}); restarts {prepared.restarts()}")
+            seeds_before = (await status(resources))["seed_sessions_by_rollout"]
+            completed_before = (await stats())["completed"]
+
+        killed = deployment.process_groups
+        deployment.kill()
+        await asyncio.gather(*first.values(), return_exceptions=True)
+        say(f"SIGKILLed {len(killed)} process groups ({', '.join(sorted(killed))}); starting fresh processes")
+        await asyncio.to_thread(deployment.start)
+
+        coordinator = await discover(deployment.config, token)
+        async with coordinator:
+            restored = await restore(coordinator, "demo-restore", str(checkpoint_dir), scope, timeout=timeout)
+            await resume(coordinator, "demo-restore", timeout=timeout)
+            restored_keys = list(restored.replies[ENVIRONMENT].get("restored") or [])
+            back = {key.rsplit("-a", 1)[0] for key in restored_keys}
+            restarted = [r for r in rollouts if r not in back]
+            say(f"restored {len(restored_keys)} episodes as their next attempt; {len(restarted)} start over")
+            if restarted:
+                await retire(coordinator, "demo-retire", [{"rollout_id": r, "attempt": 0} for r in restarted],
+                             timeout=timeout)
+        second = await asyncio.gather(*(run(r, 1) for r in rollouts))
+        replies = dict(zip(rollouts, second, strict=True))
+        after = await stats()
+        seeds_after = (await status(resources))["seed_sessions_by_rollout"]
+
+    result = ScenarioResult(
+        rollouts=rollouts,
+        continued=[r for r in rollouts if r not in restarted],
+        restarted=restarted,
+        replies=replies,
+        checkpoint_dir=str(checkpoint_dir),
+        prepare=prepared.to_json(),
+        blocked_before_release=blocked,
+        commit_boundaries=dict(env_reply.get("boundaries") or {}),
+        seeds_before=seeds_before,
+        seeds_after=seeds_after,
+        completed_before=completed_before,
+        calls_after=after["calls"],
+        completed_after=after["completed"],
+        restored=restored_keys,
+    )
+    say(f"finished {len(result.finished())}/{len(rollouts)} rollouts")
+    return result
+
+
+async def _held(stats: Callable[[], Any], count: int) -> bool:
+    return (await stats())["held"] >= count
+
+
+async def _blocking(status: Callable[[str], Any], url: str, count: int) -> dict[str, Any] | None:
+    body = await status(url)
+    return body if body["phase"] == "preparing" and body["report"]["blocker_count"] == count else None
