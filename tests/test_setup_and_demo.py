@@ -24,12 +24,18 @@ def test_setup_second_run_only_checks_its_stamp() -> None:
 @pytest.mark.slow
 def test_demo_checkpoints_crashes_restores_and_finishes(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.demo", "--rollouts", "12", "--dir", str(tmp_path)],
-        capture_output=True, text=True, check=True, timeout=120,
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.demo", "--rollouts", "8", "--dir", str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=300,
     )
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])
-    assert summary == {
-        "rollouts": 12, "finished": 12, "reward_1": 12, "continued": 12, "restarted": 0, "lost": 0,
-        "repeated_steps": 0, "checkpoint_dir": str(tmp_path / "ckpt"),
+    assert set(summary) == {
+        "rollouts", "finished", "reward_1", "continued", "restarted", "lost", "repeated_steps", "checkpoint_dir",
     }
-    assert "killed with SIGKILL (exit -9)" in result.stdout
+    assert summary["rollouts"] == 8
+    assert summary["finished"] == summary["rollouts"] == summary["reward_1"]
+    assert summary["lost"] == 0 and summary["repeated_steps"] == 0
+    assert summary["continued"] + summary["restarted"] == summary["rollouts"]
+    assert summary["continued"] > 0 and summary["restarted"] > 0
+    assert summary["checkpoint_dir"] == str(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "gym" / "environment" / "single_agent_turn" / "manifest.json").is_file()
+    assert "SIGKILLed 5 process groups" in result.stdout
