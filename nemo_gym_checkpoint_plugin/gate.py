@@ -1,0 +1,245 @@
+"""The admission gate: a pure ASGI middleware in front of a participant's data routes.
+
+While admission is closed (a checkpoint is being taken) new data requests *park* until
+resume reopens it; they are never refused, because Gym's client would just resend them.
+A request attributed to a retired attempt is refused with 409 ``stale_attempt`` (the
+JSON body of ``errors.py``), before it parks and again when it wakes. Health routes
+(``/``, ``/health*``, ``/livez``, ``/readyz``) and control routes (``/ng-control/...``)
+always pass: Gym polls ``/`` and the controller must reach a closed participant.
+
+Attribution of a request to an episode attempt:
+
+- Gym's path prefix ``/ng-rollout/<capture key>/...`` (parsed with ``from_capture_key``).
+  Gym's own middlewares (``RolloutContextMiddleware`` on resources servers, the capture
+  middleware on model servers) strip that prefix by rewriting ``path`` and ``raw_path``
+  in the scope, so the gate must sit *outside* them: ``install_gate`` is called after the
+  server's ``setup_webserver()`` built the app. The gate never rewrites the scope, so the
+  prefix still reaches Gym's middleware and routes unchanged.
+- For ``POST /run`` (an environment server's episode route) the JSON body's
+  ``episode_id`` ``{"rollout_id", "attempt"}``. Only that route's body is buffered, and
+  only when the gate has something to decide; the app then receives the very same ASGI
+  messages. A body that is not JSON or has no valid ``episode_id`` is not attributed and
+  goes to the app, whose validation answers (422): the gate never fails a request itself.
+
+Cost: while admission is open and no attempt is marked retired, a request costs one
+property read and one ``len`` before it is handed on (the fast path in ``__call__``).
+
+When checkpointing is disabled the gate is not installed at all; whether to call
+``install_gate`` is the attachment's decision.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin.errors import StaleAttempt
+from nemo_gym_checkpoint_plugin.identity import episode_from_wire, from_capture_key
+
+__all__ = [
+    "AdmissionGate",
+    "GateCounters",
+    "install_gate",
+    "is_exempt",
+    "attempt_from_path",
+    "attempt_from_run_body",
+    "ROLLOUT_PATH_PREFIX",
+    "CONTROL_PATH_PREFIX",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Gym's ROLLOUT_PATH_PREFIX ("ng-rollout") as a path prefix; a key must be followed by a rest,
+# exactly as Gym's stripping middlewares require, else Gym leaves the path alone and so do we.
+ROLLOUT_PATH_PREFIX = "/ng-rollout/"
+CONTROL_PATH_PREFIX = "/ng-control/"
+_EXACT_EXEMPT = frozenset({"/", "/livez", "/readyz", "/ng-control"})
+_KEY_START = len(ROLLOUT_PATH_PREFIX)
+
+Attempt = tuple[str, int]
+
+
+@dataclass
+class GateCounters:
+    """What one installed gate has done; shared with whoever installed it (status, tests).
+
+    ``parked`` is the number of requests waiting for admission right now; ``parks`` and
+    ``refused`` count since install (requests that had to park, ``stale_attempt`` replies).
+    """
+
+    parked: int = 0
+    parks: int = 0
+    refused: int = 0
+
+
+def is_exempt(path: str) -> bool:
+    """Health and control routes: they pass whatever admission and marks say."""
+    return path in _EXACT_EXEMPT or path.startswith("/health") or path.startswith(CONTROL_PATH_PREFIX)
+
+
+@lru_cache(maxsize=4096)
+def _parse_capture_key(key: str) -> Attempt | None:
+    # Cached because the same rollout sends many requests (model calls, tool calls) under one key;
+    # invalid keys are cached as None too, and the bound keeps a flood of junk keys harmless.
+    try:
+        episode = from_capture_key(key)
+    except ValueError:
+        return None
+    return episode.rollout_id, episode.attempt
+
+
+def attempt_from_path(path: str) -> Attempt | None:
+    """``(rollout_id, attempt)`` named by a ``/ng-rollout/<capture key>/...`` path, else None."""
+    if not path.startswith(ROLLOUT_PATH_PREFIX):
+        return None
+    end = path.find("/", _KEY_START)
+    if end <= _KEY_START:
+        return None
+    return _parse_capture_key(path[_KEY_START:end])
+
+
+def attempt_from_run_body(body: bytes) -> Attempt | None:
+    """``(rollout_id, attempt)`` of a ``/run`` body's ``episode_id``; None for anything malformed."""
+    try:
+        data = orjson.loads(body)
+    except ValueError:  # orjson.JSONDecodeError: not JSON, bad UTF-8, nested too deep
+        return None
+    if not isinstance(data, dict) or "episode_id" not in data:
+        return None
+    try:
+        episode = episode_from_wire(data["episode_id"])
+    except ValueError:  # pydantic's ValidationError
+        return None
+    return episode.rollout_id, episode.attempt
+
+
+async def _read_body(receive: Receive) -> list[Message]:
+    """Every request message up to the last body chunk (or a disconnect), kept as received."""
+    messages: list[Message] = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return messages
+
+
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that hands the buffered messages over first, then the live channel (disconnects)."""
+    pending = deque(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.popleft()
+        return await receive()
+
+    return replay
+
+
+class AdmissionGate:
+    """Pure ASGI middleware: park data requests while admission is closed, refuse retired attempts.
+
+    Built by Starlette from ``install_gate``'s arguments; do not wrap it in
+    ``BaseHTTPMiddleware`` (that would buffer responses and break streaming).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        admission: Admission,
+        marks: RetiredMarks,
+        counters: GateCounters,
+        run_path: str | None = "/run",
+    ) -> None:
+        self._app = app
+        self._admission = admission
+        self._marks = marks
+        self._counters = counters
+        self._run_path = run_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Fast path, taken by every request outside checkpoints while nothing is retired.
+        if self._admission.is_open and not self._marks:
+            await self._app(scope, receive, send)
+            return
+        if scope["type"] != "http" or is_exempt(scope["path"]):
+            await self._app(scope, receive, send)
+            return
+        await self._gate(scope, receive, send)
+
+    async def _gate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        attempt = attempt_from_path(path)
+        if attempt is None and path == self._run_path and scope.get("method") == "POST":
+            messages = await _read_body(receive)
+            receive = _replaying(messages, receive)
+            attempt = attempt_from_run_body(
+                b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+            )
+        if attempt is not None and self._marks.is_retired(*attempt):
+            await self._refuse(send, attempt)
+            return
+        if not self._admission.is_open:
+            counters = self._counters
+            counters.parked += 1
+            counters.parks += 1
+            try:
+                # Returns only with admission open: a wake that finds a new checkpoint already
+                # closed admission parks again inside wait_open.
+                await self._admission.wait_open()
+            finally:
+                counters.parked -= 1
+            # Nothing is awaited between this check and the call: admission is still open and the
+            # mark cannot have risen in between.
+            if attempt is not None and self._marks.is_retired(*attempt):
+                await self._refuse(send, attempt)
+                return
+        await self._app(scope, receive, send)
+
+    async def _refuse(self, send: Send, attempt: Attempt) -> None:
+        rollout_id, number = attempt
+        error = StaleAttempt(
+            f"attempt {number} of rollout {rollout_id!r} was retired "
+            f"(retired up to attempt {self._marks.retired_up_to(rollout_id)})",
+            rollout_id=rollout_id,
+            attempt=number,
+        )
+        body = orjson.dumps(error.to_body())
+        self._counters.refused += 1
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def install_gate(app: Any, admission: Admission, marks: RetiredMarks, *, run_path: str | None = "/run") -> GateCounters:
+    """Add the admission gate to a Starlette/FastAPI ``app`` as its outermost middleware so far.
+
+    Call it after the server's ``setup_webserver()`` added Gym's own middlewares, so that the
+    gate sees the raw ``/ng-rollout/<key>/...`` path before Gym strips it; Gym's
+    ``run_webserver`` then wraps exception and cancellation middleware around it.
+    ``run_path`` is the route whose JSON body names the episode (None: attribute by path only).
+    Returns the counters the gate updates. Raises ``RuntimeError`` when the app already
+    started (Starlette refuses new middleware then) or already has a gate: two gates over
+    different state would disagree about admission.
+    """
+    if getattr(app.state, "ng_checkpoint_gate", None) is not None:
+        raise RuntimeError("the admission gate is already installed on this app")
+    counters = GateCounters()
+    app.add_middleware(AdmissionGate, admission=admission, marks=marks, counters=counters, run_path=run_path)
+    app.state.ng_checkpoint_gate = counters
+    return counters

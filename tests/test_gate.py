@@ -1,0 +1,381 @@
+"""The admission gate, driven over HTTP in-process against a small FastAPI app.
+
+Parking is observed through the gate's ``parked`` counter and the routes the app
+recorded as entered, never through timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request, Response
+from nemo_gym.rollout_correlation import RolloutContextMiddleware, current_rollout_id
+from pydantic import BaseModel, ConfigDict
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin.gate import (
+    AdmissionGate,
+    GateCounters,
+    attempt_from_path,
+    attempt_from_run_body,
+    install_gate,
+)
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+T = TypeVar("T")
+
+EXEMPT_PATHS = ["/", "/health", "/healthz", "/livez", "/readyz", "/ng-control/v1/checkpoint/status"]
+
+
+class RunBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    episode_id: EpisodeId
+    task: dict[str, Any] = {}
+
+
+def make_app(entered: list[str]) -> FastAPI:
+    """A participant-like app: a data GET, an environment ``/run``, a rollout-prefixed route, health, control."""
+    app = FastAPI()
+
+    @app.get("/items")
+    async def items() -> dict[str, bool]:
+        entered.append("/items")
+        return {"ok": True}
+
+    @app.post("/run")
+    async def run(body: RunBody, request: Request) -> Response:
+        entered.append(f"/run {body.episode_id.capture_key}")
+        # Echo the raw bytes so a test can compare them with what the client sent.
+        return Response(await request.body(), media_type="application/octet-stream")
+
+    # Like Gym's agent server, which routes the prefix itself instead of stripping it.
+    @app.post("/ng-rollout/{key}/v1/responses")
+    async def responses(key: str) -> dict[str, str]:
+        entered.append(f"responses {key}")
+        return {"key": key}
+
+    async def liveness() -> dict[str, str]:
+        return {"status": "ok"}
+
+    for path in EXEMPT_PATHS[:-1]:
+        app.get(path)(liveness)
+
+    @app.get("/ng-control/v1/checkpoint/status")
+    async def status() -> dict[str, str]:
+        return {"phase": "preparing"}
+
+    return app
+
+
+@dataclass
+class Gated:
+    admission: Admission
+    marks: RetiredMarks
+    counters: GateCounters
+    client: httpx.AsyncClient
+    entered: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[Gated]:
+    entered: list[str] = []
+    app = make_app(entered)
+    admission, marks = Admission(), RetiredMarks()
+    counters = install_gate(app, admission, marks)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gym") as client:
+        yield Gated(admission, marks, counters, client, entered)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.001)  # wait-ok: poll interval of a bounded wait on a condition
+
+
+async def bounded(awaitable: Awaitable[T]) -> T:
+    """Await a reply with a bound: a gate that wrongly parks must fail the test, not hang it."""
+    return await asyncio.wait_for(awaitable, timeout=10)
+
+
+def run_body(rollout_id: str, attempt: int, **extra: Any) -> bytes:
+    return json.dumps({"episode_id": {"rollout_id": rollout_id, "attempt": attempt}, **extra}).encode()
+
+
+JSON = {"content-type": "application/json"}
+
+# One request of each kind the gate attributes differently, as (method, path, body).
+REQUEST_KINDS = {
+    "plain": ("GET", "/items", None),
+    "run_body": ("POST", "/run", run_body("r1", 0)),
+    "path_prefix": ("POST", "/ng-rollout/r1-a1/v1/responses", b"{}"),
+}
+
+
+def send(g: Gated, kind: str) -> asyncio.Task[httpx.Response]:
+    method, path, body = REQUEST_KINDS[kind]
+    return asyncio.create_task(g.client.request(method, path, content=body, headers=JSON))
+
+
+def assert_stale(reply: httpx.Response) -> None:
+    assert reply.status_code == 409
+    body = reply.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "detail"}
+    assert body["error"]["code"] == "stale_attempt"
+
+
+# --- attribution helpers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/ng-rollout/r/v1/responses", ("r", 0)),
+        ("/ng-rollout/r-a3/v1/responses", ("r", 3)),
+        ("/ng-rollout/r-a3/training-token-capture/v1/responses", ("r", 3)),
+        ("/ng-rollout/r-a0/verify", ("r-a0", 0)),  # -a0 is a plain id, as in Gym
+        ("/ng-rollout/r", None),  # no rest: Gym does not strip it either
+        ("/ng-rollout//verify", None),
+        ("/ng-rollout/.hidden/verify", None),
+        ("/verify", None),
+    ],
+)
+def test_attempt_from_path(path: str, expected: tuple[str, int] | None) -> None:
+    assert attempt_from_path(path) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (run_body("r", 2), ("r", 2)),
+        (b'{"episode_id": {"rollout_id": "r"}}', ("r", 0)),
+        (b"", None),
+        (b"not json", None),
+        (b"\xff\xfe", None),
+        (b"[1, 2]", None),
+        (b'{"task": {}}', None),
+        (b'{"episode_id": "r"}', None),
+        (b'{"episode_id": {"rollout_id": "r-a2", "attempt": 1}}', None),
+        (b'{"episode_id": {"rollout_id": "r", "attempt": -1}}', None),
+        (b"[" * 5000, None),
+    ],
+)
+def test_attempt_from_run_body(body: bytes, expected: tuple[str, int] | None) -> None:
+    assert attempt_from_run_body(body) == expected
+
+
+# --- parking --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(REQUEST_KINDS))
+async def test_data_request_parks_while_closed_and_completes_after_open(gated: Gated, kind: str) -> None:
+    gated.marks.mark("someone-else", 3)  # marks of other rollouts do not refuse this one
+    gated.admission.close()
+    task = send(gated, kind)
+    await wait_until(lambda: gated.counters.parked == 1)
+    assert not task.done() and gated.entered == []
+
+    gated.admission.open()
+    reply = await bounded(task)
+    assert reply.status_code == 200, reply.text
+    assert len(gated.entered) == 1 and gated.counters.parked == 0 and gated.counters.parks == 1
+
+
+@pytest.mark.parametrize("path", EXEMPT_PATHS)
+async def test_health_and_control_routes_pass_while_closed(gated: Gated, path: str) -> None:
+    gated.marks.mark("r1", 5)
+    gated.admission.close()
+    reply = await bounded(gated.client.get(path))
+    assert reply.status_code == 200
+    assert gated.counters.parks == 0
+
+
+async def test_wake_into_a_new_checkpoint_parks_again(gated: Gated) -> None:
+    gated.admission.close()
+    first = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 1)
+
+    # Resume, and a new checkpoint closes admission before the parked request ran again.
+    gated.admission.open()
+    gated.admission.close()
+    # The second request starts after the first was woken, so once it parked the first has seen
+    # the new closure: it either parked again (2 parked) or entered the app (the bug).
+    second = send(gated, "run_body")
+    await wait_until(lambda: gated.counters.parked == 2 or bool(gated.entered))
+    assert gated.counters.parked == 2 and gated.entered == []
+    assert not first.done()
+
+    gated.admission.open()
+    replies = await bounded(asyncio.gather(first, second))
+    assert [r.status_code for r in replies] == [200, 200]
+    assert sorted(gated.entered) == ["/items", "/run r1"]
+
+
+async def test_cancelled_parked_request_leaves_the_count(gated: Gated) -> None:
+    gated.admission.close()
+    task = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gated.counters.parked == 0 and gated.entered == []
+
+
+# --- stale attempts -------------------------------------------------------------------------
+
+
+async def test_stale_attempt_by_path_prefix(gated: Gated) -> None:
+    gated.marks.mark("r7", 1)
+    for key in ("r7", "r7-a1"):
+        assert_stale(await bounded(gated.client.post(f"/ng-rollout/{key}/v1/responses", content=b"{}")))
+    reply = await bounded(gated.client.post("/ng-rollout/r7-a2/v1/responses", content=b"{}"))
+    assert reply.status_code == 200 and reply.json() == {"key": "r7-a2"}
+    assert gated.entered == ["responses r7-a2"] and gated.counters.refused == 2
+
+
+async def test_stale_attempt_by_run_body(gated: Gated) -> None:
+    gated.marks.mark("r7", 1)
+    reply = await bounded(gated.client.post("/run", content=run_body("r7", 1), headers=JSON))
+    assert_stale(reply)
+    assert "r7" in reply.json()["error"]["detail"]
+    assert (await bounded(gated.client.post("/run", content=run_body("r7", 2), headers=JSON))).status_code == 200
+    assert gated.entered == ["/run r7-a2"]
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_retired_request_is_refused_before_it_parks(gated: Gated, kind: str) -> None:
+    gated.marks.mark("r1", 1)
+    gated.admission.close()
+    assert_stale(await bounded(send(gated, kind)))
+    assert gated.counters.parks == 0 and gated.entered == []
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_attempt_retired_while_parked_is_refused_when_it_wakes(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    unrelated = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 2)
+
+    gated.marks.mark("r1", 1)
+    gated.admission.open()
+    assert_stale(await bounded(retired))
+    assert (await bounded(unrelated)).status_code == 200
+    assert gated.entered == ["/items"]
+
+
+# --- bodies ---------------------------------------------------------------------------------
+
+
+async def _chunks(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+@pytest.mark.parametrize("closed", [False, True])
+async def test_run_body_is_replayed_intact(gated: Gated, closed: bool) -> None:
+    gated.marks.mark("other", 0)  # forces the gate to read the body
+    # Byte-exact: odd spacing, key order, escapes, non-ASCII, a big integer, sent in many chunks.
+    body = (
+        b'{ "task" : {"z": 1, "a": "\\u00e9t\\u00e9 \xc3\xa9", "n": 123456789012345678901234567890, "pad": "'
+        + b"x" * 70_000
+        + b'"},\n "episode_id": {"attempt": 4, "rollout_id": "r1"}  }'
+    )
+    if closed:
+        gated.admission.close()
+    task = asyncio.create_task(gated.client.post("/run", content=_chunks(body, 4096), headers=JSON))
+    if closed:
+        await wait_until(lambda: gated.counters.parked == 1)
+        gated.admission.open()
+    reply = await bounded(task)
+    assert reply.status_code == 200, reply.text
+    assert reply.content == body
+    assert gated.entered == ["/run r1-a4"]
+
+
+MALFORMED_BODIES = {
+    "empty": b"",
+    "not_json": b"{not json",
+    "bad_utf8": b"\xff\xfe",
+    "array": b"[1, 2]",
+    "no_episode": b'{"task": {}}',
+    "episode_not_object": b'{"episode_id": "r1"}',
+    "ambiguous_episode": b'{"episode_id": {"rollout_id": "r1-a2", "attempt": 1}}',
+    "negative_attempt": b'{"episode_id": {"rollout_id": "r1", "attempt": -1}}',
+    "too_deep": b"[" * 5000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED_BODIES))
+async def test_malformed_run_body_reaches_the_app_validation(gated: Gated, name: str) -> None:
+    gated.marks.mark("r1", 0)  # the gate has to look at every /run body
+    gated.admission.close()
+    task = asyncio.create_task(gated.client.post("/run", content=MALFORMED_BODIES[name], headers=JSON))
+    # Not attributable, so an ordinary data request: it parks, then the app answers.
+    await wait_until(lambda: gated.counters.parked == 1)
+    gated.admission.open()
+    reply = await bounded(task)
+    assert reply.status_code == 422
+    assert gated.counters.refused == 0
+
+
+# --- installation ---------------------------------------------------------------------------
+
+
+async def test_not_installed_app_has_no_middleware_and_ignores_admission() -> None:
+    entered: list[str] = []
+    plain, gated_app = make_app(entered), make_app(entered)
+    admission, marks = Admission(), RetiredMarks()
+    install_gate(gated_app, admission, marks)
+
+    assert plain.user_middleware == []
+    assert [m.cls for m in gated_app.user_middleware] == [AdmissionGate]
+    assert not issubclass(AdmissionGate, BaseHTTPMiddleware)
+
+    # The same state that would park and refuse has no effect on an app without the gate.
+    admission.close()
+    marks.mark("r1", 5)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://gym") as client:
+        assert (await bounded(client.get("/items"))).status_code == 200
+        assert (await bounded(client.post("/run", content=run_body("r1", 1), headers=JSON))).status_code == 200
+    assert entered == ["/items", "/run r1-a1"]
+
+
+def test_install_twice_is_refused() -> None:
+    app = make_app([])
+    install_gate(app, Admission(), RetiredMarks())
+    with pytest.raises(RuntimeError, match="already installed"):
+        install_gate(app, Admission(), RetiredMarks())
+    assert len(app.user_middleware) == 1
+
+
+async def test_gate_sees_the_raw_prefix_and_gym_still_strips_it() -> None:
+    """As on a Gym resources server: its RolloutContextMiddleware strips the prefix inside the gate."""
+    app = FastAPI()
+    app.add_middleware(RolloutContextMiddleware)  # what SimpleResourcesServer.setup_webserver adds
+
+    @app.post("/verify")
+    async def verify(request: Request) -> dict[str, Any]:
+        return {
+            "path": request.scope["path"],
+            "raw_path": request.scope["raw_path"].decode(),
+            "key": current_rollout_id(),
+        }
+
+    marks = RetiredMarks()
+    install_gate(app, Admission(), marks)  # after setup_webserver, as the attachment does
+    marks.mark("r9", 0)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gym") as client:
+        assert_stale(await bounded(client.post("/ng-rollout/r9/verify", json={})))
+        reply = await bounded(client.post("/ng-rollout/r9-a1/verify", json={}))
+    assert reply.status_code == 200
+    assert reply.json() == {"path": "/verify", "raw_path": "/verify", "key": "r9-a1"}
