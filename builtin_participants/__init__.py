@@ -15,7 +15,10 @@ not declare its sessions capturable as a source of restarts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
 
 __all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
 
@@ -32,18 +35,17 @@ def checkpointable_bases(server_class: type) -> tuple[type, ...]:
     return ()
 
 
-def participants_for(server: Any, kind: str) -> list[Any]:
+def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> list[Any]:
     """The built-in participant plugins of ``server`` (a Gym server of ``kind``), bound to it.
 
     An environment with stepped run logic gets an ``EpisodeBook`` (step mode from
-    ``NG_CHECKPOINT_STEP_MODE``; ``ValueError`` when that is invalid) and takes over its
-    episode deadline. Call once, only when checkpointing is enabled.
+    ``checkpoint.step_mode``) and takes over its episode deadline. Call once, only when checkpointing is enabled.
     """
     if kind == "environment" and hasattr(server, "bind_episode_book"):
-        from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, step_mode_from_env
+        from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
         from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
 
-        book = EpisodeBook(step_mode_from_env(), validate_state=validate_state)
+        book = EpisodeBook(StepMode(settings.step_mode), validate_state=validate_state)
         server.bind_episode_book(book)
         return [book]
     if kind == "agent":

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -58,25 +57,13 @@ from nemo_gym_checkpoint_plugin.control.types import ParticipantExport, Readines
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 
-__all__ = ["STEP_MODE_ENV", "Episode", "EpisodeBook", "RestoredEpisode", "StepMode", "step_mode_from_env"]
-
-# How an operator picks the step mode of the built-in environment participant (the ``checkpoint:``
-# block is strict and has no key for it yet).
-STEP_MODE_ENV = "NG_CHECKPOINT_STEP_MODE"
-
+__all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 
 class StepMode(enum.StrEnum):
+    """``checkpoint.step_mode``: what a step in flight does when a checkpoint closes admission."""
+
     WAIT = "wait"
     REPLAY = "replay"
-
-
-def step_mode_from_env(environ: Mapping[str, str] | None = None) -> StepMode:
-    """``NG_CHECKPOINT_STEP_MODE`` (``wait`` when unset); ``ValueError`` naming the variable otherwise."""
-    value = (os.environ if environ is None else environ).get(STEP_MODE_ENV, "") or StepMode.WAIT.value
-    try:
-        return StepMode(value)
-    except ValueError:
-        raise ValueError(f"{STEP_MODE_ENV}={value!r}: must be one of {[m.value for m in StepMode]}") from None
 
 
 @dataclass(frozen=True)

@@ -151,10 +151,10 @@ class Attachment:
     unmanaged: UnmanagedWorkers | None
 
 
-def _builtin_participants(server: Any, kind: str) -> list[Any]:
+def _builtin_participants(server: Any, kind: str, settings: CheckpointSettings) -> list[Any]:
     from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
 
-    return participants_for(server, kind)
+    return participants_for(server, kind, settings)
 
 
 def _plugin_manager(extra_plugins: Iterable[Any]) -> pluggy.PluginManager:
@@ -205,7 +205,7 @@ def attach_checkpointing(
     instance = str(server.config.name)
     num_workers = int(getattr(server.config, "num_workers", None) or 1)
     unmanaged = UnmanagedWorkers(num_workers) if num_workers > 1 else None
-    builtins = _builtin_participants(server, kind) if builtin else []
+    builtins = _builtin_participants(server, kind, settings) if builtin else []
     plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
     control = ControlPlane(_plugin_manager(plugins), kind=kind, instance=instance, settings=settings)

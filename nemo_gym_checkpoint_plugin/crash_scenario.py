@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, port_is_free, rollout_body
-from .gym_config import PORT_SPAN, TOKEN_ENV, wrapped_entrypoints
+from .gym_config import DEFAULT_CHECKPOINT_BLOCK, PORT_SPAN, TOKEN_ENV, wrapped_entrypoints
 
 __all__ = ["ScenarioResult", "free_port_base", "new_deployment", "run_scenario", "run_body"]
 
@@ -65,7 +65,8 @@ def new_deployment(work_dir: Path, token: str, *, step_mode: str = "wait") -> De
         entrypoints=wrapped_entrypoints(),
         own_process_groups=True,
         log_dir=work_dir / "logs",
-        extra_env={TOKEN_ENV: token, "NG_CHECKPOINT_STEP_MODE": step_mode},
+        extra_env={TOKEN_ENV: token},
+        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode},
     )
 
 

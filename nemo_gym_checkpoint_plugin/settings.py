@@ -17,6 +17,10 @@ serves. Keys (defaults in brackets):
 - ``storage`` (plugin key): ``backend`` ["local"], the storage backend a
   plugin provides under that name (the built-in one writes to the local or a
   shared filesystem).
+- ``step_mode`` (plugin key) ["wait"]: what an environment server does with an
+  episode step in flight when a checkpoint closes admission: ``wait`` (the
+  checkpoint waits for the step to finish) or ``replay`` (the step does not
+  block; after a crash it runs again from the last boundary).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -65,6 +69,7 @@ class CheckpointSettings(BaseModel):
     control_auth_token_env: str | None = Field(default=None, min_length=1)
     lease_grace_seconds: float = Field(default=600.0, gt=0)
     storage: StorageSettings = Field(default_factory=StorageSettings)
+    step_mode: Literal["wait", "replay"] = "wait"
 
     @field_validator("lease_grace_seconds")
     @classmethod

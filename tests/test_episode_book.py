@@ -13,13 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode, step_mode_from_env
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
 
 from nemo_gym_checkpoint_plugin.control import ControlPlane
 from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin.settings import SettingsError, settings_from_global_config
 
 
 def _plane(book: EpisodeBook) -> ControlPlane:
@@ -279,9 +280,9 @@ async def test_delete_restored_and_retire_drop_pending_replacements() -> None:
     assert book.restored_pending() == []
 
 
-def test_step_mode_comes_from_the_environment_and_is_validated() -> None:
-    assert step_mode_from_env({}) is StepMode.WAIT
-    assert step_mode_from_env({"NG_CHECKPOINT_STEP_MODE": "replay"}) is StepMode.REPLAY
-    with pytest.raises(ValueError, match="NG_CHECKPOINT_STEP_MODE"):
-        step_mode_from_env({"NG_CHECKPOINT_STEP_MODE": "later"})
+def test_step_mode_comes_from_the_checkpoint_block_and_is_validated() -> None:
+    assert settings_from_global_config({"checkpoint": {}}).step_mode == StepMode.WAIT
+    assert settings_from_global_config({"checkpoint": {"step_mode": "replay"}}).step_mode == StepMode.REPLAY
+    with pytest.raises(SettingsError, match="checkpoint.step_mode"):
+        settings_from_global_config({"checkpoint": {"step_mode": "later"}})
 
