@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 
 from .deployment import PORT_SPAN, TOKEN_ENV, Deployment, DeploymentAborted, DeploymentError
+from .gym_config import wrapped_entrypoints
 
 __all__ = ["main"]
 
@@ -96,7 +97,10 @@ def main() -> int:
     with contextlib.redirect_stdout(sys.stderr):
         _ensure_token(work_dir)
         try:
-            deployment = Deployment(port_base, work_dir, own_process_groups=False, log_dir=None)
+            # Every Gym server through the wrapper: each one a checkpoint participant.
+            deployment = Deployment(
+                port_base, work_dir, entrypoints=wrapped_entrypoints(), own_process_groups=False, log_dir=None
+            )
             config_path = deployment.write_config(work_dir / "gym_config.yaml")
             deployment.start(abort=stop)
         except DeploymentAborted:

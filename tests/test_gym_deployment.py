@@ -185,6 +185,16 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
         assert len(processes_in_groups([pgid])) == 6
 
         _assert_rewarded(await send_rollout(line["servers"][ENVIRONMENT], "served"), "served")
+        # Every Gym server is a checkpoint participant reachable with the generated token.
+        headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        kinds = {}
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            for name in (MODEL, AGENT, RESOURCES, ENVIRONMENT):
+                reply = await http.get(f"{line['servers'][name]}/ng-control/v1/checkpoint/status", headers=headers)
+                assert reply.status_code == 200, (name, reply.text)
+                kinds[name] = (reply.json()["kind"], reply.json()["phase"])
+        assert kinds == {MODEL: ("model", "idle"), AGENT: ("agent", "idle"), RESOURCES: ("resources", "idle"),
+                         ENVIRONMENT: ("environment", "idle")}
 
         os.killpg(pgid, signal.SIGTERM)
         os.killpg(pgid, signal.SIGTERM)  # what make forwards on top of the group's signal
