@@ -28,7 +28,6 @@ Restarted rollouts start over by design (their steps run again as a new attempt)
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,24 +36,14 @@ from typing import Any
 
 import httpx
 
-from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, port_is_free, rollout_body
-from .gym_config import DEFAULT_CHECKPOINT_BLOCK, PORT_SPAN, TOKEN_ENV, wrapped_entrypoints
+from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, free_port_base, rollout_body
+from .gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 
-__all__ = ["ScenarioResult", "free_port_base", "new_deployment", "run_scenario", "run_body"]
+__all__ = ["ScenarioResult", "new_deployment", "run_scenario", "run_body"]
 
 RESTART_TASK_DATA = {"ng_checkpoint": "restart"}
 _STATUS = "/ng-control/v1/checkpoint/status"
 _POLL = 0.05
-
-
-def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
-    """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
-    rng = random.Random()
-    for _ in range(tries):
-        base = rng.randrange(20000, 32000 - span)
-        if all(port_is_free(base + offset) for offset in range(span)):
-            return base
-    raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")
 
 
 def new_deployment(work_dir: Path, token: str, *, step_mode: str = "wait") -> Deployment:

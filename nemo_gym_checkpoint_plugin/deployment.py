@@ -20,6 +20,7 @@ that group takes every server down with it.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -71,6 +72,7 @@ __all__ = [
     "DeploymentError",
     "ProcessSpec",
     "fake_backend_script",
+    "free_port_base",
     "port_is_free",
 ]
 
@@ -159,6 +161,17 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
+    """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
+    rng = random.Random()
+    for _ in range(tries):
+        # Below the kernel's ephemeral range (32768+), so outgoing connections never take a server's port.
+        base = rng.randrange(20000, 32000 - span)
+        if all(port_is_free(base + offset) for offset in range(span)):
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")
 
 
 # Readiness probes go straight to 127.0.0.1, never through a proxy from the environment.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -34,11 +33,10 @@ import pytest
 from nemo_gym_checkpoint_plugin.deployment import (
     BACKEND,
     ENVIRONMENT,
-    PORT_SPAN,
     TOKEN_ENV,
     Deployment,
     fake_backend_script,
-    port_is_free,
+    free_port_base,
     rollout_body,
 )
 
@@ -75,17 +73,6 @@ def load_fake_backend() -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
-    """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
-    rng = random.Random()
-    for _ in range(tries):
-        # Below the kernel's ephemeral range (32768+), so outgoing connections never take a server's port.
-        base = rng.randrange(20000, 32000 - span)
-        if all(port_is_free(base + offset) for offset in range(span)):
-            return base
-    raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
