@@ -1,0 +1,284 @@
+"""Requests/s through a small FastAPI app with the admission gate installed and idle, against the same app without it.
+
+Each variant is served by its own real uvicorn process on 127.0.0.1 (both started
+once, alive for the whole run). The gated one has admission open and retired marks
+for other rollouts, so every request takes the gate's real path (the marks make it
+parse ``/ng-rollout/<key>`` paths and ``/run`` bodies), not only its fast path.
+A bounded aiohttp client sends a fixed number of requests per round at fixed
+concurrency, mixing a plain GET, a ``POST /run`` with a JSON body and a
+``/ng-rollout/<key>/verify`` path (stripped by Gym's own RolloutContextMiddleware,
+as on a resources server). The variants alternate for several rounds; inside a
+round they alternate in bursts (order flipped each burst) so that both see the
+same background load of a shared machine. The figure per variant is all its
+requests over all its seconds. Then the gate's own CPU cost per request, measured
+in-process around an app that does nothing. The last line is one JSON object.
+
+    .venv/bin/python benchmarks/gate_overhead.py [--rounds 5] [--requests 4000] [--burst 1000] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI
+from nemo_gym.rollout_correlation import RolloutContextMiddleware
+from pydantic import BaseModel, ConfigDict
+
+from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin.gate import install_gate
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+RETIRED_OTHER_ROLLOUTS = 200
+
+
+class RunBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    episode_id: EpisodeId
+    task: dict[str, Any]
+
+
+def build_app(gated: bool) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(RolloutContextMiddleware)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/items")
+    async def items() -> dict[str, int]:
+        return {"count": 3}
+
+    @app.post("/run")
+    async def run(body: RunBody) -> dict[str, Any]:
+        return {"episode_id": body.episode_id.model_dump(), "reward": 1.0}
+
+    @app.post("/verify")
+    async def verify(body: dict[str, Any]) -> dict[str, float]:
+        return {"reward": 1.0}
+
+    if gated:
+        marks = RetiredMarks()
+        for index in range(RETIRED_OTHER_ROLLOUTS):
+            marks.mark(f"retired-{index}", 1)
+        install_gate(app, Admission(), marks)
+    return app
+
+
+def serve(gated: bool) -> None:
+    """Child process: bind a free loopback port, report it on stdout, serve until killed."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(build_app(gated), log_level="warning", access_log=False)
+    asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
+
+
+def start_server(gated: bool) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    flag = "--serve-gated" if gated else "--serve-plain"
+    proc = subprocess.Popen([sys.executable, __file__, flag], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    port = proc.stdout.readline().strip()
+    if not port.isdigit():
+        proc.kill()
+        raise RuntimeError(f"server did not report its port (got {port!r})")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def wait_ready(base: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"{base}/health") as reply:
+                    if reply.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{base} not ready within {timeout}s")
+            await asyncio.sleep(0.05)  # wait-ok: poll interval while the server starts (bounded)
+
+
+def request_mix() -> list[tuple[str, str, bytes | None]]:
+    run = json.dumps(
+        {
+            "episode_id": {"rollout_id": "live-7", "attempt": 0},
+            "task": {"task_id": {"taskset": "bench", "task_id": "t1"}, "input": "solve it " * 20},
+        }
+    ).encode()
+    return [
+        ("GET", "/items", None),
+        ("POST", "/run", run),
+        ("POST", "/ng-rollout/live-7-a1/verify", b'{"response": {"output": []}}'),
+    ]
+
+
+async def load(base: str, total: int, concurrency: int) -> float:
+    """Send ``total`` requests with ``concurrency`` workers; return the seconds taken. Every reply must be 200."""
+    mix = request_mix()
+    headers = {"content-type": "application/json"}
+    next_index = 0
+    failures: list[str] = []
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal next_index
+        while next_index < total:
+            method, path, body = mix[next_index % len(mix)]
+            next_index += 1
+            async with session.request(method, base + path, data=body, headers=headers) as reply:
+                await reply.read()
+                if reply.status != 200:
+                    failures.append(f"{method} {path}: {reply.status}")
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed, first: {failures[0]}")
+    return elapsed
+
+
+async def measure(args: argparse.Namespace, bases: dict[str, str]) -> tuple[int, dict[str, list[float]]]:
+    """Requests per round, and per variant the seconds each round took to serve them.
+
+    A round is split into bursts that alternate between the variants (order flipped each burst),
+    so both see the same background load of a shared machine.
+    """
+    for base in bases.values():
+        await wait_ready(base)
+    # Check the variants really differ: the gated server refuses a retired attempt, the plain one serves it.
+    async with aiohttp.ClientSession() as session:
+        for name, expected in (("with", 409), ("without", 200)):
+            async with session.post(f"{bases[name]}/ng-rollout/retired-0/verify", json={}) as reply:
+                if reply.status != expected:
+                    raise RuntimeError(f"{name}: a retired attempt got {reply.status}, expected {expected}")
+    for base in bases.values():
+        await load(base, args.requests // 4, args.concurrency)  # warm-up, not counted
+    bursts = max(1, args.requests // args.burst)
+    per_burst = args.requests // bursts
+    rounds: dict[str, list[float]] = {name: [] for name in bases}
+    for index in range(args.rounds):
+        seconds = dict.fromkeys(bases, 0.0)
+        for burst in range(bursts):
+            order = list(bases) if (index * bursts + burst) % 2 == 0 else list(reversed(bases))
+            for name in order:
+                seconds[name] += await load(bases[name], per_burst, args.concurrency)
+        for name in bases:
+            rounds[name].append(seconds[name])
+        figures = ", ".join(f"{name} {per_burst * bursts / seconds[name]:.0f} req/s" for name in bases)
+        print(f"round {index + 1}: {figures}", flush=True)
+    return per_burst * bursts, rounds
+
+
+def gate_cost_us(calls: int = 20000) -> dict[str, float]:
+    """In-process CPU cost of the gate alone per request (microseconds), around an app that does nothing.
+
+    Independent of the machine's load far more than req/s are, so it says what the gate itself adds.
+    """
+    from nemo_gym_checkpoint_plugin.gate import AdmissionGate, GateCounters
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/run":
+            await receive()
+
+    run_body = request_mix()[1][2] or b""
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": run_body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        return None
+
+    retired = RetiredMarks()
+    for index in range(RETIRED_OTHER_ROLLOUTS):
+        retired.mark(f"retired-{index}", 1)
+    cases = {
+        "fast path (no marks), GET": (RetiredMarks(), "GET", "/items"),
+        "marks present, GET": (retired, "GET", "/items"),
+        "marks present, /ng-rollout path": (retired, "POST", "/ng-rollout/live-7-a1/verify"),
+        "marks present, POST /run body": (retired, "POST", "/run"),
+    }
+
+    async def run() -> dict[str, float]:
+        costs = {}
+        for name, (marks, method, path) in cases.items():
+            gate = AdmissionGate(app, admission=Admission(), marks=marks, counters=GateCounters())
+            scope = {"type": "http", "method": method, "path": path}
+            timings = []
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    await gate(scope, receive, send)
+                gated = time.perf_counter() - start
+                start = time.perf_counter()
+                for _ in range(calls):
+                    await app(scope, receive, send)
+                bare = time.perf_counter() - start
+                timings.append((gated - bare) / calls * 1e6)
+            costs[name] = min(timings)
+        return costs
+
+    return asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=4000, help="requests per round and variant")
+    parser.add_argument("--burst", type=int, default=1000, help="requests per alternation inside a round")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--serve-gated", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-plain", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_gated or args.serve_plain:
+        serve(gated=args.serve_gated)
+        return 0
+
+    servers = {"with": start_server(gated=True), "without": start_server(gated=False)}
+    try:
+        requests_per_round, rounds = asyncio.run(measure(args, {name: base for name, (_, base) in servers.items()}))
+    finally:
+        for proc, _ in servers.values():
+            proc.kill()
+            proc.wait()
+    for name, cost in gate_cost_us().items():
+        print(f"gate cost in-process, {name}: {cost:.2f} us/request")
+    ratios = [wo / w for w, wo in zip(rounds["with"], rounds["without"], strict=True)]
+    print(
+        "per-round ratios (with/without): "
+        + ", ".join(f"{r:.3f}" for r in ratios)
+        + f" (median {statistics.median(ratios):.3f})"
+    )
+    # Every request counted once: total requests over total seconds, per variant.
+    count = requests_per_round * args.rounds
+    with_rps = count / sum(rounds["with"])
+    without_rps = count / sum(rounds["without"])
+    ratio = with_rps / without_rps
+    print(
+        f"all rounds: with gate {with_rps:.0f} req/s, without {without_rps:.0f} req/s, ratio {ratio:.3f} "
+        f"({(1 - ratio) * 100:.1f}% slower with the gate; target: under 5% slower, "
+        f"{'met' if ratio > 0.95 else 'NOT met'})"
+    )
+    print(json.dumps({"with_plugin_rps": round(with_rps, 1), "without_plugin_rps": round(without_rps, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
