@@ -28,7 +28,8 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     on_disk = orjson.loads((pdir(tmp_path) / "manifest.json").read_bytes())
     assert on_disk == manifest == {
         "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "step-1",
-        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 5, "generation": 3,
+        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 5,
+        "exact_lines": 0, "generation": 3,
     }
     lines = (pdir(tmp_path) / manifest["records_file"]).read_bytes().splitlines()
     assert [orjson.loads(line) for line in lines] == records
@@ -308,3 +309,20 @@ def test_racing_writers_of_different_checkpoints_one_wins_one_is_refused(tmp_pat
     assert outcomes[winner] == published
     assert isinstance(outcomes[loser], InvalidCheckpointState)
     assert [p.name for p in pdir(tmp_path).glob("records-*.jsonl")] == [published["records_file"]]
+
+
+def test_exact_lines_are_counted_and_files_without_the_count_are_read_exactly(tmp_path: Path) -> None:
+    manifest = write(tmp_path, [record("a", n=1), record("b", big=2**70), record("c", x=math.inf)])
+    assert manifest["exact_lines"] == 2
+    # Another writer's file (no exact_lines key) with a big integer that orjson would turn into a float.
+    other = tmp_path / "other"
+    directory = other / "gym" / "model" / "policy_model"
+    directory.mkdir(parents=True)
+    line = b'{"episode_id":{"rollout_id":"r","attempt":0},"big":123456789012345678901234567890}\n'
+    digest = hashlib.sha256(line).hexdigest()
+    (directory / f"records-{digest}.jsonl").write_bytes(line)
+    (directory / "manifest.json").write_bytes(orjson.dumps({
+        "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "c",
+        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 1}))
+    (back,) = read_checkpoint(other, "model", "policy_model").records
+    assert back["big"] == 123456789012345678901234567890 and type(back["big"]) is int

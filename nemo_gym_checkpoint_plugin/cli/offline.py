@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import InvalidCheckpointState
 from ..storage import MANIFEST_NAME, capture_key_of, decode_line, load_manifest, read_checkpoint
-from ..storage.layout import MANIFEST_FIELDS
+from ..storage.layout import EXACT_LINES, MANIFEST_FIELDS
 from ..storage.reader import iter_verified_lines
 
 __all__ = ["ParticipantCheck", "find_participants", "inspect_checkpoint", "verify_checkpoint"]
@@ -44,7 +44,8 @@ class ParticipantCheck:
             "problem": self.problem, "checkpoint_id": self.manifest.get("checkpoint_id"),
             "record_count": self.manifest.get("record_count"), "records_file": self.manifest.get("records_file"),
             "records_sha256": self.manifest.get("records_sha256"), "records_bytes": self.records_bytes,
-            "extras": sorted(k for k in self.manifest if k not in MANIFEST_FIELDS),
+            # Participant extras; the storage's own bookkeeping key is not one.
+            "extras": sorted(k for k in self.manifest if k not in MANIFEST_FIELDS and k != EXACT_LINES),
             **({"episodes": self.episodes} if self.episodes is not None else {}),
         }
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["NotJSON", "encode_line", "decode_line"]
+__all__ = ["NotJSON", "encode_line", "encode_record", "decode_line"]
 
 # Send orjson's non-JSON conveniences to ``default`` (which refuses them).
 _OPTIONS = (
@@ -84,8 +84,9 @@ def _stdlib_line(value: Any) -> bytes:
         raise NotJSON(f"a string holds {exc.object[exc.start:exc.end]!r}, which is not valid Unicode") from None
 
 
-def encode_line(value: Any) -> bytes:
-    """One JSON line (newline included) that ``decode_line`` turns back into an equal value.
+def encode_record(value: Any) -> tuple[bytes, bool]:
+    """``(line, exact)``: one JSON line (newline included), and whether only the exact reader decodes
+    it faithfully (it holds an integer beyond 64 bits, NaN or an infinity).
 
     Raises ``NotJSON`` naming the offending value when the record is not plain JSON.
     """
@@ -95,10 +96,15 @@ def encode_line(value: Any) -> bytes:
         if isinstance(exc.__cause__, NotJSON):
             raise exc.__cause__ from None
         # Integers beyond 64 bits (and nothing else) are what the standard library adds.
-        return _stdlib_line(value)
+        return _stdlib_line(value), True
     if b"null" in line and _needs_fallback(value):
-        return _stdlib_line(value)
-    return line
+        return _stdlib_line(value), True
+    return line, False
+
+
+def encode_line(value: Any) -> bytes:
+    """One JSON line (newline included) that ``decode_line`` turns back into an equal value."""
+    return encode_record(value)[0]
 
 
 # orjson reads an integer beyond 64 bits as a float, silently. Such a token has at least 19
@@ -109,9 +115,13 @@ _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
 
 
-def decode_line(line: bytes) -> Any:
-    """Decode one record line written by ``encode_line``; raises ``ValueError`` when it is not JSON."""
-    if _LONG_RUN in line.translate(_DIGITS_ONLY):
+def decode_line(line: bytes, *, screen: bool = True) -> Any:
+    """Decode one record line written by ``encode_line``; raises ``ValueError`` when it is not JSON.
+
+    ``screen=False`` skips the look for integers beyond 64 bits: for files whose writer said
+    that no line holds one (the manifest's ``exact_lines`` is 0).
+    """
+    if screen and _LONG_RUN in line.translate(_DIGITS_ONLY):
         # Maybe an integer beyond 64 bits (or just a long digit string): read it exactly.
         return json.loads(line)
     try:

@@ -13,6 +13,7 @@ from ..errors import InvalidCheckpointState
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EXACT_LINES",
     "MANIFEST_NAME",
     "MANIFEST_FIELDS",
     "SAFE_COMPONENT",
@@ -26,6 +27,8 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FIELDS = ("schema_version", "kind", "instance", "checkpoint_id", "records_file", "records_sha256",
                    "record_count")
+# Manifest extra written by this writer: how many record lines need the exact (slow) JSON reader.
+EXACT_LINES = "exact_lines"
 SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 RECORDS_FILE = re.compile(r"^records(-[0-9a-f]{64})?\.jsonl$")
 

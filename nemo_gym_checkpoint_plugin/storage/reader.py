@@ -10,7 +10,6 @@ file that does not verify. The whole file is never held in memory.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -22,7 +21,16 @@ import orjson
 
 from ..errors import InvalidCheckpointState
 from .codec import decode_line
-from .layout import MANIFEST_FIELDS, MANIFEST_NAME, RECORDS_FILE, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir
+from .layout import (
+    EXACT_LINES,
+    MANIFEST_FIELDS,
+    MANIFEST_NAME,
+    RECORDS_FILE,
+    SAFE_COMPONENT,
+    SCHEMA_VERSION,
+    participant_dir,
+)
+from .pipeline import hashed_lines
 
 __all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkpoint", "iter_verified_lines"]
 
@@ -122,19 +130,22 @@ def iter_verified_lines(directory: Path, manifest: Mapping[str, Any]) -> Iterato
     Raises ``InvalidCheckpointState`` for a truncated last line, a count or a digest that
     does not match. A consumer must exhaust the iterator before trusting what it read.
     """
-    sha = hashlib.sha256()
-    count = 0
     with _open_records(directory, manifest["records_file"]) as handle:
-        for line in handle:
-            sha.update(line)
-            if not line.endswith(b"\n"):
-                raise _bad(directory, f"records file ends in a truncated line (after {count} records)")
-            count += 1
-            yield line
-    if count != manifest["record_count"]:
-        raise _bad(directory, f"records file holds {count} records, manifest says {manifest['record_count']}")
-    if sha.hexdigest() != manifest["records_sha256"]:
-        raise _bad(directory, "records file digest does not match the manifest (corrupted or replaced)")
+        # A worker thread reads and hashes while this thread decodes what it already read.
+        for item in hashed_lines(handle):
+            if isinstance(item, list):
+                yield from item
+                continue
+            if item.error is not None:
+                raise _bad(directory, f"records file cannot be read: {item.error}") from item.error
+            if item.truncated:
+                raise _bad(directory, f"records file ends in a truncated line (after {item.count} records)")
+            if item.count != manifest["record_count"]:
+                raise _bad(
+                    directory, f"records file holds {item.count} records, manifest says {manifest['record_count']}"
+                )
+            if item.digest != manifest["records_sha256"]:
+                raise _bad(directory, "records file digest does not match the manifest (corrupted or replaced)")
 
 
 def read_checkpoint(
@@ -155,11 +166,14 @@ def read_checkpoint(
     manifest = load_manifest(directory, kind=kind, instance=instance)
     wanted = None if scope is None else frozenset(scope)
     result = RestoredCheckpoint(manifest=manifest)
+    # Only a writer that counted its exact lines (and found none) lets the reader skip the screen.
+    exact_lines = manifest.get(EXACT_LINES)
+    screen = not (type(exact_lines) is int and exact_lines == 0)
     for line in iter_verified_lines(directory, manifest):
         number = result.total
         result.total += 1
         try:
-            record = decode_line(line)
+            record = decode_line(line, screen=screen)
         except ValueError:
             raise _bad(directory, f"record {number} is not JSON") from None
         if not isinstance(record, dict):

@@ -18,7 +18,6 @@ before its next record and guarantees no manifest appears after it returned.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import uuid
@@ -27,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidCheckpointState, InvalidPhase
-from .codec import NotJSON, encode_line
-from .layout import MANIFEST_NAME, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir, records_name
+from .codec import NotJSON, encode_line, encode_record
+from .layout import EXACT_LINES, MANIFEST_NAME, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir, records_name
+from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
 
 __all__ = ["CheckpointWriter", "WriteStopped", "fsync_dir"]
@@ -100,7 +100,7 @@ class CheckpointWriter:
             return existing
         tmp = self.directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
-            digest, count = self._write_records(tmp, records)
+            digest, count, exact = self._write_records(tmp, records)
             final = self.directory / records_name(digest)
             os.replace(tmp, final)
         except BaseException:
@@ -115,6 +115,9 @@ class CheckpointWriter:
             "records_file": final.name,
             "records_sha256": digest,
             "record_count": count,
+            # Storage extra: lines only an exact JSON reader decodes faithfully (big integers, NaN,
+            # infinities). 0 lets a reader skip looking for them; absent (other writers), it looks.
+            EXACT_LINES: exact,
         }
         for key, value in (extras or {}).items():
             if key in manifest:
@@ -148,29 +151,35 @@ class CheckpointWriter:
             )
         return manifest
 
-    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
-        sha = hashlib.sha256()
-        count = 0
+    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int, int]:
+        count = exact = 0
         with open(tmp, "xb", buffering=_BUFFER) as out:
-            for record in records:
+            # This thread encodes; the sink hashes, writes and syncs in its own thread.
+            sink = HashingWriter(out)
+            try:
+                for record in records:
+                    self._check_stop()
+                    if not isinstance(record, Mapping) or "episode_id" not in record:
+                        raise InvalidCheckpointState(
+                            f"record {count} of {self.kind}/{self.instance} is not an object with an episode_id",
+                            episode=_episode_key(record),
+                        )
+                    try:
+                        line, needs_exact = encode_record(record)
+                    except NotJSON as exc:
+                        key = _episode_key(record)
+                        raise InvalidCheckpointState(
+                            f"record of episode {key} is not JSON: {exc}", episode=key
+                        ) from None
+                    sink.write(line)
+                    count += 1
+                    exact += needs_exact
                 self._check_stop()
-                if not isinstance(record, Mapping) or "episode_id" not in record:
-                    raise InvalidCheckpointState(
-                        f"record {count} of {self.kind}/{self.instance} is not an object with an episode_id",
-                        episode=_episode_key(record),
-                    )
-                try:
-                    line = encode_line(record)
-                except NotJSON as exc:
-                    key = _episode_key(record)
-                    raise InvalidCheckpointState(f"record of episode {key} is not JSON: {exc}", episode=key) from None
-                sha.update(line)
-                out.write(line)
-                count += 1
-            self._check_stop()
-            out.flush()
-            os.fsync(out.fileno())
-        return sha.hexdigest(), count
+                digest = sink.finish()
+            except BaseException:
+                sink.abort()
+                raise
+        return digest, count, exact
 
     def _fsync_parents(self, top: Path) -> None:
         path = self.directory

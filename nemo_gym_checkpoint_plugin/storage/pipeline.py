@@ -1,0 +1,197 @@
+"""Overlap encoding with hashing and I/O on two cores.
+
+Encoding and decoding records hold the GIL; sha256 over large buffers, file reads,
+writes and fsync release it. So the records file is hashed and written (or read and
+hashed) by one worker thread while the caller's thread encodes (or decodes) the next
+records. Lines travel in batches of about ``BATCH_BYTES`` through a bounded queue, so
+memory stays at a few batches whatever the file size. The worker also flushes written
+data to disk as it goes (``sync_file_range`` where Linux offers it: the disk writes while
+this process encodes, without waiting), so the final fsync has little left to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+__all__ = ["HashingWriter", "hashed_lines"]
+
+BATCH_BYTES = 1 << 20
+SYNC_BYTES = 8 << 20
+_DEPTH = 4
+_DONE = object()
+
+
+def _start_writeback_function() -> Callable[[int, int, int], None]:
+    """``start_writeback(fd, offset, length)``: ask the kernel to begin writing that range, without waiting.
+
+    Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` through libc; elsewhere a no-op (the
+    final fsync then does all the work). Never a correctness matter: fsync comes after.
+    """
+    if sys.platform != "linux":
+        return lambda fd, offset, length: None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return lambda fd, offset, length: None
+    call.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    call.restype = ctypes.c_int
+    sync_file_range_write = 2
+
+    def start_writeback(fd: int, offset: int, length: int) -> None:
+        call(fd, offset, length, sync_file_range_write)
+
+    return start_writeback
+
+
+_start_writeback = _start_writeback_function()
+
+
+class HashingWriter:
+    """Append lines to ``out`` and hash them in a worker thread; ``finish()`` makes them durable.
+
+    ``write`` raises the worker's error (disk full, ...) as soon as it is known. After an
+    error or ``abort()`` the writer is unusable; the caller removes the file.
+    """
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=_DEPTH)
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
+        self._error: BaseException | None = None
+        self._abort = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="checkpoint-records-writer", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        fd = self._out.fileno()
+        unsynced = 0
+        synced_to = 0
+        try:
+            while True:
+                batch = self._queue.get()
+                if batch is _DONE or self._abort.is_set():
+                    return
+                assert isinstance(batch, list)
+                for line in batch:
+                    self._sha.update(line)
+                self._out.writelines(batch)
+                unsynced += sum(map(len, batch))
+                if unsynced >= SYNC_BYTES:
+                    self._out.flush()
+                    _start_writeback(fd, synced_to, unsynced)
+                    synced_to += unsynced
+                    unsynced = 0
+        except BaseException as exc:  # handed to the caller's thread
+            self._error = exc
+
+    def _send(self, item: object) -> None:
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def write(self, line: bytes) -> None:
+        self._batch.append(line)
+        self._batch_bytes += len(line)
+        if self._batch_bytes >= BATCH_BYTES:
+            self._send(self._batch)
+            self._batch, self._batch_bytes = [], 0
+
+    def finish(self) -> str:
+        """Write what is left, wait for the worker, fsync; return the hex digest of everything written."""
+        if self._batch:
+            self._send(self._batch)
+            self._batch = []
+        self._send(_DONE)
+        self._worker.join()
+        if self._error is not None:
+            raise self._error
+        self._out.flush()
+        os.fsync(self._out.fileno())
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        """Stop the worker without finishing (the caller removes the file)."""
+        self._abort.set()
+        try:
+            self._queue.put_nowait(_DONE)
+        except queue.Full:
+            pass
+        self._worker.join()
+
+
+class _ReadEnd:
+    """What the reading worker found at the end: the digest and count, or the problem."""
+
+    def __init__(self, digest: str, count: int, truncated: bool, error: BaseException | None) -> None:
+        self.digest, self.count, self.truncated, self.error = digest, count, truncated, error
+
+
+def hashed_lines(handle: BinaryIO) -> Iterator[list[bytes] | _ReadEnd]:
+    """Yield batches of lines read and hashed by a worker thread, then one ``_ReadEnd``.
+
+    Closing the generator early stops the worker.
+    """
+    batches: queue.Queue[list[bytes] | _ReadEnd] = queue.Queue(maxsize=_DEPTH)
+    stop = threading.Event()
+
+    def put(item: list[bytes] | _ReadEnd) -> bool:
+        while not stop.is_set():
+            try:
+                batches.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        sha = hashlib.sha256()
+        count = 0
+        truncated = False
+        batch: list[bytes] = []
+        size = 0
+        try:
+            for line in handle:
+                sha.update(line)
+                if not line.endswith(b"\n"):
+                    truncated = True
+                    break
+                count += 1
+                batch.append(line)
+                size += len(line)
+                if size >= BATCH_BYTES:
+                    if not put(batch):
+                        return
+                    batch, size = [], 0
+            if batch and not put(batch):
+                return
+            put(_ReadEnd(sha.hexdigest(), count, truncated, None))
+        except BaseException as exc:  # handed to the consumer
+            put(_ReadEnd("", count, truncated, exc))
+
+    worker = threading.Thread(target=run, name="checkpoint-records-reader", daemon=True)
+    worker.start()
+    try:
+        while True:
+            item = batches.get()
+            yield item
+            if isinstance(item, _ReadEnd):
+                return
+    finally:
+        stop.set()
+        worker.join()
