@@ -20,7 +20,9 @@ installs nothing at all. When enabled it:
 The plugin's server client (``client.py``) is swapped in by ``install_client`` *before*
 the server's ``setup_webserver()``, since a server may hand its client to what it builds.
 Settings come from the global config the server was built with; a bad block raises
-``SettingsError`` naming the key, before anything is installed.
+``SettingsError`` naming the key, before anything is installed. So does a server config
+checkpointing cannot serve yet (``refuse_unsupported``): ``expose_tools_over_mcp: true``
+with the block enabled.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import pluggy
 
 from nemo_gym_checkpoint_plugin.errors import InvalidPhase
 from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, load_settings
+from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, SettingsError, load_settings
 
 __all__ = [
     "ATTACHMENT_STATE",
@@ -43,6 +45,7 @@ __all__ = [
     "UnmanagedWorkers",
     "attach_checkpointing",
     "install_client",
+    "refuse_unsupported",
     "server_kind",
     "server_settings",
 ]
@@ -77,6 +80,25 @@ def server_kind(server_class: type) -> str:
 def server_settings(server: Any) -> tuple[CheckpointSettings, str | None]:
     """The validated ``checkpoint:`` block of the config ``server`` was built with, and its token (None: off)."""
     return load_settings(server.server_client.global_config_dict)
+
+
+def refuse_unsupported(server_config: Any, settings: CheckpointSettings) -> None:
+    """Raise ``SettingsError`` (naming both keys) for a server config checkpointing does not support yet.
+
+    Only with checkpointing enabled: a disabled block changes nothing. Today one combination
+    is refused: ``expose_tools_over_mcp: true``. Gym's MCP auto-exposure dispatches tool calls
+    straight to the route handlers, past every middleware, so MCP calls would bypass the
+    admission gate and the episode bookkeeping; Gym itself refuses any non-Gym middleware
+    with a ``ValueError`` once the app is built, which does not say why it is there.
+    """
+    if not settings.enabled or not getattr(server_config, "expose_tools_over_mcp", False):
+        return
+    name = getattr(server_config, "name", None)
+    raise SettingsError(
+        f"server {name!r}: expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
+        "yet (Gym's MCP dispatch calls tool handlers directly, past the checkpoint admission gate); set "
+        "expose_tools_over_mcp: false on this server or checkpoint.enabled: false"
+    )
 
 
 def install_client(server: Any) -> None:
@@ -181,8 +203,9 @@ def attach_checkpointing(
     """Install the control routes and the admission gate on ``app`` when checkpointing is enabled.
 
     ``settings``/``token`` default to ``server_settings(server)``. Returns None (and
-    installs nothing) when disabled. Raises ``SettingsError`` for a bad block and
-    ``RuntimeError`` when ``app`` already carries an attachment; nothing is installed then.
+    installs nothing) when disabled. Raises ``SettingsError`` for a bad block or an
+    unsupported server config (``refuse_unsupported``) and ``RuntimeError`` when ``app``
+    already carries an attachment; nothing is installed then.
     ``extra_plugins`` are registered on the plugin manager after the built-ins and the
     entry-point group (tests, embedding code). With ``builtin`` the server's built-in
     participant (``builtin_participants.participants_for``) is registered too, and the reply
@@ -192,6 +215,7 @@ def attach_checkpointing(
         settings, token = server_settings(server)
     if not settings.enabled:
         return None
+    refuse_unsupported(server.config, settings)
     if token is None:
         token = settings.resolve_token()
     if getattr(app.state, ATTACHMENT_STATE, None) is not None:

@@ -14,7 +14,9 @@ Always, whatever the block says:
 
 - Ray stays off (``ray_enabled = False``) unless the class itself declares otherwise;
 - the block is validated before the server builds anything: a bad block makes
-  ``run_webserver`` exit with status 2 and a message naming the key;
+  ``run_webserver`` exit with status 2 and a message naming the key; so does a server
+  config checkpointing does not support yet (``expose_tools_over_mcp: true`` with the
+  block enabled: the message names both keys);
 - Gym's session cookie name and secret are those of the class the mixin was added to
   (``get_session_middleware_key`` is inherited untouched, and the wrapper's derived
   classes keep the base's name).
@@ -31,16 +33,27 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.attach import attach_checkpointing, install_client, server_settings
+from nemo_gym_checkpoint_plugin.attach import (
+    attach_checkpointing,
+    install_client,
+    refuse_unsupported,
+    server_settings,
+)
 from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
 
 __all__ = ["CheckpointMixin", "exit_on_bad_settings"]
 
 
-def exit_on_bad_settings(global_config: Any = None) -> None:
-    """Validate the ``checkpoint:`` block (and its token) now; on failure print why and exit with status 2."""
+def exit_on_bad_settings(global_config: Any = None, server_config: Any = None) -> None:
+    """Validate the ``checkpoint:`` block (and its token) now; on failure print why and exit with status 2.
+
+    With ``server_config`` (the server's own validated config) a combination checkpointing
+    does not support yet (``refuse_unsupported``) exits the same way.
+    """
     try:
-        load_settings(global_config)
+        settings, _ = load_settings(global_config)
+        if server_config is not None:
+            refuse_unsupported(server_config, settings)
     except SettingsError as exc:
         print(f"nemo-gym-checkpoint: refusing to start: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -55,11 +68,13 @@ class CheckpointMixin:
     @classmethod
     def run_webserver(cls) -> Any:
         # Before Gym builds anything (and before any Ray or uvicorn start): a bad block never serves.
-        exit_on_bad_settings()
+        exit_on_bad_settings(server_config=cls.load_config_from_global_config())  # type: ignore[attr-defined]
         return super().run_webserver()  # type: ignore[misc]
 
     def setup_webserver(self) -> Any:
         settings, token = server_settings(self)
+        # Before the client swap: a refused server is left exactly as it was built.
+        refuse_unsupported(self.config, settings)  # type: ignore[attr-defined]
         if settings.enabled:
             install_client(self)
         app = super().setup_webserver()  # type: ignore[misc]

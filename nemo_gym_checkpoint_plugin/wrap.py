@@ -13,7 +13,9 @@ session cookie is unchanged) and runs it. Two ways to name it:
   such as this project's ``Deployment``).
 
 It also does what ``ray_off`` did: Ray stays off. It exits with status 2 and a message on
-stderr when the ``checkpoint:`` block is bad (naming the key), when the class declares
+stderr when the ``checkpoint:`` block is bad (naming the key), when the server sets
+``expose_tools_over_mcp: true`` with checkpointing enabled (not supported yet; the
+message names both keys), when the class declares
 ``ray_enabled = True``, or when the server asks for ``num_workers > 1``: Gym then makes
 each uvicorn worker import ``<server dir>/<entrypoint>`` as a module of the server's
 package, which a wrapper outside that package cannot be (use ``CheckpointMixin`` in the
@@ -100,7 +102,9 @@ def main(module_name: str = "app") -> None:
     if server_class.ray_enabled:
         _refuse(f"{server_class.__name__} declares ray_enabled = True: it cannot run with Ray off")
     derived = derive_checkpointable(server_class)
-    num_workers = derived.load_config_from_global_config().num_workers
+    server_config = derived.load_config_from_global_config()
+    exit_on_bad_settings(server_config=server_config)
+    num_workers = server_config.num_workers
     if num_workers and num_workers > 1:
         _refuse(
             f"num_workers={num_workers}: Gym's workers import the server's own entrypoint module, so the wrapper "
