@@ -154,6 +154,11 @@ class ResourcesSessions:
             session_id = self._installed.pop(key)
             if self._table is not None:
                 self._table.pop(session_id, None)
+        if self._table is not None:
+            # A retired attempt's live binding too: its environment may be gone and never close it,
+            # and a kept binding would be exported by every later unscoped checkpoint.
+            for session_id in [s for s, (episode_id, _task) in self._table.items() if named(episode_id)]:
+                del self._table[session_id]
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:

@@ -1,0 +1,75 @@
+"""The resources-kind contract suite, run by the built-in ``ResourcesSessions`` on ``example_single_tool_call``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from contracts import MakeHarness
+from contracts import resources as resources_contract
+from contracts.gym_inprocess import GymServers, InProcessServer
+from nemo_gym_checkpoint_plugin.builtin_participants.resources import RESTART_TASK_KEY, ResourcesSessions
+
+from nemo_gym_checkpoint_plugin.gym_config import RESOURCES
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+
+def _session_id(episode: EpisodeId) -> str:
+    return f"res-{episode.rollout_id}"
+
+
+def _wire(episode: EpisodeId) -> dict[str, Any]:
+    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+
+
+class ResourcesHarness:
+    """Episodes are resources sessions seeded over ``/seed_session`` (the seed hook runs from the reply)."""
+
+    def __init__(self, built: InProcessServer) -> None:
+        self.built = built
+        self.participant = built.participant
+
+    async def _seed(self, episode: EpisodeId, task_data: dict[str, Any]) -> None:
+        body = {
+            "resources_session_id": _session_id(episode),
+            "episode_id": _wire(episode),
+            "task_id": {"taskset": "contract", "task_id": episode.rollout_id},
+            "task_data": task_data,
+        }
+        reply = await self.built.post("/seed_session", body)
+        assert reply.status_code == 200, reply.text
+
+    async def start(self, episode: EpisodeId) -> None:
+        await self._seed(episode, {})
+
+    async def start_restart(self, episode: EpisodeId) -> None:
+        await self._seed(episode, {RESTART_TASK_KEY: "restart"})
+
+    async def finish(self, episode: EpisodeId) -> None:
+        body = {"resources_session_id": _session_id(episode), "episode_id": _wire(episode)}
+        reply = await self.built.post("/close_session", body)
+        assert reply.status_code == 200, reply.text
+
+    def available(self, episode: EpisodeId) -> bool:
+        binding = self.built.server._session_episodes.get(_session_id(episode))
+        return binding is not None and binding[0] == episode
+
+    def bad_record(self, episode: EpisodeId) -> Mapping[str, Any]:
+        return {"episode_id": _wire(episode), "task_id": {"taskset": "contract", "task_id": "x"}}
+
+    async def status(self) -> Mapping[str, Any]:
+        return await self.built.status()
+
+
+class TestResourcesSessions(resources_contract.TestResourcesContract):
+    @pytest.fixture
+    async def make_harness(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeHarness]:
+        servers = GymServers(tmp_path, monkeypatch, RESOURCES)
+
+        async def make() -> ResourcesHarness:
+            return ResourcesHarness(servers.build(ResourcesSessions))
+
+        yield make
+        await servers.aclose()
