@@ -1,7 +1,8 @@
 """Built-in participants for the Gym server kinds (installed as ``nemo_gym_checkpoint_plugin.builtin_participants``).
 
 - environment: ``EpisodeBook`` (``environment.py``), fed by the ``single_agent_turn`` run
-  logic of ``single_agent_turn.py`` (a mixin the wrapper adds to that server class);
+  logic of ``single_agent_turn.py`` (a mixin the wrapper adds to that server class), and by
+  the ``legacy_agent`` relay of ``legacy_agent.py`` (every relayed episode is a restart);
 - agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
 - resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings;
 - model: none yet (a model server holds no episode state between calls here).
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
 
 _STEPPED_ENVIRONMENTS = ("SingleAgentTurnEnvironmentServer",)
+# Relays to an agent that owns its whole episode: every episode is a restart (legacy_agent.py).
+_RELAY_ENVIRONMENTS = ("LegacyAgentEnvironmentServer",)
 
 
 def checkpointable_bases(server_class: type) -> tuple[type, ...]:
@@ -32,6 +35,11 @@ def checkpointable_bases(server_class: type) -> tuple[type, ...]:
 
         if not issubclass(server_class, SingleAgentTurnSteps):
             return (SingleAgentTurnSteps,)
+    if any(base.__name__ in _RELAY_ENVIRONMENTS for base in server_class.__mro__):
+        from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay
+
+        if not issubclass(server_class, LegacyAgentRelay):
+            return (LegacyAgentRelay,)
     return ()
 
 
@@ -47,6 +55,12 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
 
         book = EpisodeBook(StepMode(settings.step_mode), validate_state=validate_state)
         server.bind_episode_book(book)
+        return [book]
+    if kind == "environment" and hasattr(server, "bind_relay_book"):
+        from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import relay_book
+
+        book = relay_book(settings.step_mode)
+        server.bind_relay_book(book)
         return [book]
     if kind == "agent":
         from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent

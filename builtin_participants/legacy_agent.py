@@ -1,0 +1,136 @@
+"""``legacy_agent`` relays as environment participants: every relayed episode is a **restart**.
+
+Gym's ``LegacyAgentEnvironmentServer.run_legacy`` relays a ``/run`` body to an agent that
+owns the whole episode inside its own ``/run`` coroutine: nothing of it can be captured at
+a step boundary. ``LegacyAgentRelay`` is a mixin the wrapper puts before that class
+(``wrap.derive_checkpointable``); with a book bound (checkpointing enabled) each relay is
+an episode of an ``EpisodeBook`` (``environment.py``) declared a restart, so that
+(PROTOCOL.md "Restarts"):
+
+- it is listed in every prepare report's ``restarts`` (never capped), never blocks, is
+  never exported, and a commit scope naming it is refused ``restart_in_scope``;
+- it keeps running through a checkpoint: the relay is not parked mid-flight (new
+  ``/run`` requests park at the gate as usual);
+- ``retire`` cancels the relay of the attempts named (and earlier ones) and waits for it
+  to end; the relay then answers 409 ``stale_attempt``, and later ``/run`` calls of a
+  retired attempt are refused ``stale_attempt`` before anything is relayed.
+
+The episode is named by the legacy row itself (Gym's ``maybe_rollout_id_from_run_body``:
+``_ng_rollout_id`` or task/rollout indices, plus ``_ng_attempt_index``), or by an
+``episode_id`` object when the body carries one. A body naming no episode is relayed
+untracked: the controller cannot name it either, so there is nothing to report or retire.
+
+A relay that reaches the handler while a checkpoint holds admission closed (it passed the
+gate just before) waits, unrelayed, for admission to reopen: it then holds nothing and is
+exported with no boundary (it starts over from its input after a crash), and the restarts
+a prepare reported cannot change before its commit. Without a book (checkpointing off)
+the class behaves exactly as Gym's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
+
+from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, StaleAttempt
+from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
+
+__all__ = ["LegacyAgentRelay", "relay_book", "relayed_episode_id", "validate_relay_state"]
+
+
+def validate_relay_state(boundary: str | None, state: Mapping[str, Any]) -> None:
+    """A relay has no boundaries: only a record with none (start over from the input) can be restored."""
+    if boundary is not None:
+        raise ValueError(f"a legacy_agent relay has no boundaries; got {boundary!r} (expected null)")
+
+
+def relay_book(step_mode: StepMode | str = StepMode.WAIT) -> EpisodeBook:
+    """The participant of one relay server (no episode deadline: the agent keeps its own limits)."""
+    return EpisodeBook(step_mode, validate_state=validate_relay_state)
+
+
+def relayed_episode_id(body: bytes) -> EpisodeId | None:
+    """The episode a ``/run`` body names (its ``episode_id``, else the legacy row's identity); None if none."""
+    from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+
+    try:
+        data = orjson.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        if "episode_id" in data:
+            return episode_from_wire(data["episode_id"])
+        key = maybe_rollout_id_from_run_body(data)
+        return None if key is None else from_capture_key(key)
+    except (ValueError, TypeError):
+        # A malformed identity stays unattributed; the agent validates the body it receives.
+        return None
+
+
+def _error(error: CheckpointError) -> Response:
+    return JSONResponse(error.to_body(), status_code=error.status)
+
+
+class LegacyAgentRelay:
+    """Mixin for ``LegacyAgentEnvironmentServer`` (listed before it): each relay is a restart episode."""
+
+    _ng_relay_book: EpisodeBook | None = None
+
+    def bind_relay_book(self, book: EpisodeBook) -> None:
+        """Checkpointing is on: register every relay with ``book`` as a restart."""
+        self._ng_relay_book = book
+
+    async def run_legacy(self, request: Request) -> Response:
+        book = self._ng_relay_book
+        if book is None:
+            return await super().run_legacy(request)  # type: ignore[misc]
+        episode_id = relayed_episode_id(await request.body())
+        if episode_id is None:
+            return await super().run_legacy(request)  # type: ignore[misc]
+        marks = getattr(request.app.state, "checkpoint_control", None)
+        marks = getattr(marks, "marks", None)
+        # The gate reads only an ``episode_id`` body; a legacy row's retired attempt is refused here.
+        if marks is not None and marks.is_retired(episode_id.rollout_id, episode_id.attempt):
+            return _error(_stale(episode_id, marks.retired_up_to(episode_id.rollout_id)))
+        try:
+            episode = book.begin(episode_id)
+        except ValueError:
+            return _error(
+                CheckpointConflict(
+                    f"attempt {episode_id.attempt} of rollout {episode_id.rollout_id!r} is already being relayed",
+                    rollout_id=episode_id.rollout_id,
+                    attempt=episode_id.attempt,
+                )
+            )
+        try:
+            # Entered while a checkpoint holds admission closed: wait unrelayed, then become a restart.
+            await book.park(episode)
+            book.declare_restart(episode)
+            return await super().run_legacy(request)  # type: ignore[misc]
+        except asyncio.CancelledError:
+            if not episode.retiring:
+                raise
+            # Retired by the controller: the relay stopped; answer as the gate answers a retired attempt.
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            return _error(_stale(episode_id, None))
+        finally:
+            book.end(episode)
+
+
+def _stale(episode_id: EpisodeId, up_to: int | None) -> StaleAttempt:
+    retired = "" if up_to is None else f" (retired up to attempt {up_to})"
+    return StaleAttempt(
+        f"attempt {episode_id.attempt} of rollout {episode_id.rollout_id!r} was retired{retired}",
+        rollout_id=episode_id.rollout_id,
+        attempt=episode_id.attempt,
+    )
