@@ -124,7 +124,8 @@ def install(checkpoint_id: str, manifest: Mapping[str, Any], records: list[Resto
     """Install restored records as their replacement attempts (``checkpointed.attempt + 1``).
 
     Called by ``restore`` in phase ``restored``, after the scope was marked retired up to
-    the checkpointed attempts and the records were read and verified. Only records in the
+    the checkpointed attempts, the records were read and verified, and ``retire`` was
+    called for the checkpointed attempts read (a process that did not crash frees them). Only records in the
     restore's scope are passed; ``checkpoint_id`` is the restore operation's id. An install
     that outlives the restore's deadline keeps running and is kept; a retire or the next
     restore waits for it and admission reopens only once it finished. Raise

@@ -47,6 +47,18 @@ async def test_hook_install_restore_marks_reads_installs_and_replies(h: Harness)
     assert h.plane.admission.is_open
 
 
+async def test_restore_into_a_live_process_retires_the_checkpointed_attempts_before_installing(h: Harness) -> None:
+    await committed(h, "r1", "r2")
+    # This process did not crash: it still holds r1's checkpointed attempt (say, an open session).
+    h.participant.add("r1", step=9)
+    await h.call("restore", checkpoint_id="restore-1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")])
+    hooks = [name for name, _ in h.participant.calls if name in ("retire", "install")]
+    assert hooks == ["retire", "install"]
+    assert h.participant.called("retire")[0]["episode_ids"] == ["r1"]
+    assert "r1" not in h.participant.episodes and h.participant.episodes["r1-a1"]["step"] == 3
+    await h.call("resume", checkpoint_id="restore-1")
+
+
 async def test_restore_replays_and_fences(h: Harness) -> None:
     await committed(h, "r1")
     body = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
@@ -111,10 +123,11 @@ async def test_hook_retire_waits_for_a_running_install(h: Harness) -> None:
     retire = asyncio.create_task(h.call("retire", checkpoint_id="restore-1", episode_ids=[wire("r1-a1")]))
     # Marked at once, before the deadline-bound wait; the retire hook waits for the install.
     await wait_until(lambda: h.plane.marks.is_retired("r1", 1), what="the retire mark")
-    assert h.participant.called("retire") == []
+    # Only the restore's own retire of the checkpointed attempt ran, before its install.
+    assert h.participant.called("retire") == [{"episode_ids": ["r1"]}]
     gate.release()
     assert (await retire) == {"retired_count": 1}
-    assert h.participant.called("retire") == [{"episode_ids": ["r1-a1"]}]
+    assert h.participant.called("retire") == [{"episode_ids": ["r1"]}, {"episode_ids": ["r1-a1"]}]
     assert "r1-a1" not in h.participant.episodes
 
 

@@ -4,7 +4,9 @@ Rules (PROTOCOL "Retire, forget, restore marks"):
 
 - restore marks every scoped episode retired up to its checkpointed attempt *before*
   any deadline-bound work, closes admission, reads and verifies the records in a
-  thread, and installs them as the replacement attempts (attempt + 1). An install
+  thread, retires the checkpointed attempts it read (stop and free what a process that
+  did not crash still holds of them) and installs them as the replacement attempts
+  (attempt + 1). An install
   that outlives the restore's deadline is kept: a retire or the next restore waits for
   it and admission reopens only once it finished. A failed read or install reopens
   admission (the marks stay); a failed install also deletes what it may have left;
@@ -100,6 +102,9 @@ class RestoreMixin:
 
     async def _install(self: ControlPlane, checkpoint_id: str, manifest: Mapping[str, Any], records: list) -> None:
         try:
+            # The checkpointed attempts are retired (marked above). A process that did not crash may
+            # still run or hold them: stop and free them first, so their replacements install cleanly.
+            await self.participants.retire([r.checkpointed for r in records])
             await self.participants.install(checkpoint_id, manifest, records)
         except BaseException as exc:
             # Never half-installed: whatever an install left behind goes before the error is reported.
