@@ -9,6 +9,9 @@ relayed ``/run`` until the test releases it, and records cancellations.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +21,12 @@ import httpx
 import orjson
 import pytest
 from environment_servers.legacy_agent.app import LegacyAgentEnvironmentServer, LegacyAgentEnvironmentServerConfig
+from gym_harness import (
+    HARNESS_TOKEN,
+    GymHarness,
+    gym_deployment_fixture,  # noqa: F401 - provides the gym_deployment fixture
+    wait_until_async,
+)
 from multidict import CIMultiDict
 from nemo_gym.config_types import AgentServerRef
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
@@ -283,3 +292,114 @@ def test_install_accepts_only_records_without_a_boundary() -> None:
     assert book.restored_pending() == []
     book.install("c1", {}, [record(None)])
     assert book.restored_pending() == ["r-a1"]
+
+
+# -- process level: the real deployment's simple_agent behind a wrapped legacy_agent process --------------
+
+
+def _legacy_process(deployment: Any, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """Start ``legacy_env`` (the wheel's legacy_agent through the wrapper) relaying to the deployment's agent."""
+    from nemo_gym import _resolve_under_cwd_or_install
+
+    from nemo_gym_checkpoint_plugin.gym_config import AGENT, HOST, WRAP_ENTRYPOINT
+
+    block = {
+        "legacy_env": {
+            "environment_servers": {
+                "legacy_agent": {
+                    "host": HOST,
+                    "port": port,
+                    "entrypoint": WRAP_ENTRYPOINT,
+                    "agent_server": {"type": "responses_api_agents", "name": AGENT},
+                }
+            }
+        }
+    }
+    config = OmegaConf.merge(deployment.config, OmegaConf.create(block))
+    server_dir = _resolve_under_cwd_or_install(
+        Path("environment_servers", "legacy_agent"), validator=lambda d: (d / "requirements.txt").exists()
+    )
+    env = {
+        **os.environ,
+        **deployment.extra_env,
+        "NEMO_GYM_CONFIG_DICT": OmegaConf.to_yaml(config),
+        "NEMO_GYM_CONFIG_PATH": "legacy_env",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(server_dir), os.environ.get("PYTHONPATH")) if p),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "NO_PROXY": f"{HOST},localhost",
+        "no_proxy": f"{HOST},localhost",
+    }
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            (sys.executable, "-m", WRAP_ENTRYPOINT),
+            cwd=server_dir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.slow
+async def test_process_level_relay_to_simple_agent_is_a_restart_refused_in_scope_and_retired(
+    gym_deployment: GymHarness, tmp_path: Path
+) -> None:
+    from nemo_gym_checkpoint_plugin.deployment import free_port_base
+    from nemo_gym_checkpoint_plugin.gym_config import rollout_body
+
+    port = free_port_base(span=1)
+    proc = _legacy_process(gym_deployment.deployment, port, tmp_path / "legacy_env.log")
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {HARNESS_TOKEN}"}
+    rid = "legacy-relay"
+    row = {
+        "responses_create_params": rollout_body(rid)["task"]["task_input"]["responses_create_params"],
+        "_ng_rollout_id": rid,
+    }
+    fake = gym_deployment.fake
+    try:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http:
+
+            async def ready() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"legacy_env exited: {(tmp_path / 'legacy_env.log').read_text()[-3000:]}")
+                try:
+                    return (await http.get(url + "/readyz")).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            await wait_until_async(ready, 60, "legacy_env ready")
+            await fake.hold(match=f"(rollout {rid})", count=1, step=1)
+            run = asyncio.ensure_future(http.post(url + "/run", json=row))
+            await fake.wait_for(lambda s: s["held"] == 1, timeout=60, what="the relayed run held at the model")
+
+            def control(op: str, **body: Any) -> Any:
+                return http.post(f"{url}{CONTROL}/{op}", headers=auth, json={"deadline_ts": _deadline(), **body})
+
+            prepare = await control("prepare", checkpoint_id="p1")
+            assert prepare.status_code == 200, prepare.text
+            assert prepare.json()["report"]["restarts"] == [rid]
+            assert prepare.json()["report"]["blockers"] == []
+            scope = [{"rollout_id": rid, "attempt": 0}]
+            commit = await control("commit", checkpoint_id="p1", checkpoint_dir=str(tmp_path / "c"), episode_ids=scope)
+            assert commit.status_code == 409 and commit.json()["error"]["code"] == "restart_in_scope"
+            assert (await control("resume", checkpoint_id="p1")).status_code == 200
+            assert not run.done()  # the relay ran through the checkpoint, still held at the model
+
+            retire = await control("retire", checkpoint_id="r1", episode_ids=scope)
+            assert retire.status_code == 200, retire.text
+            stopped = await asyncio.wait_for(run, 30)
+            assert stopped.status_code == 409 and stopped.json()["error"]["code"] == "stale_attempt"
+            again = await http.post(url + "/run", json=row)
+            assert again.status_code == 409 and again.json()["error"]["code"] == "stale_attempt"
+            status = (await http.get(f"{url}{CONTROL}/status", headers=auth)).json()
+            assert (status["kind"], status["episodes"], status["retired_rollouts"]) == ("environment", 0, 1)
+    finally:
+        await fake.release()
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
