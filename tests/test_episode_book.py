@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
+from control_support import wait_until
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
 
@@ -25,14 +25,6 @@ from nemo_gym_checkpoint_plugin.settings import SettingsError, settings_from_glo
 
 def _plane(book: EpisodeBook) -> ControlPlane:
     return ControlPlane(make_plugin_manager([book], load_entry_points=False), kind="environment", instance="env")
-
-
-async def _until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
 
 
 class Run:
@@ -67,7 +59,7 @@ class Run:
             self.book.end(episode)
 
     async def in_step(self, name: str) -> None:
-        await _until(lambda: self.episode is not None and self.episode.step == name, f"step {name}")
+        await wait_until(lambda: self.episode is not None and self.episode.step == name, what=f"step {name}")
 
 
 def _deadline() -> float:
@@ -81,11 +73,11 @@ async def test_wait_mode_prepare_waits_for_steps_in_flight_then_every_episode_is
     for run in runs:
         await run.in_step("work")
     preparing = asyncio.ensure_future(plane.prepare("c1", _deadline()))
-    await _until(lambda: plane.phase == "preparing", "preparing")
+    await wait_until(lambda: plane.phase == "preparing", what="preparing")
     report = (await plane.status())["report"]
     assert report["ready"] is False and report["blockers"] == ["r0", "r1", "r2"]
     runs[0].gate.set()
-    await _until(lambda: runs[0].episode.parked, "r0 parked")
+    await wait_until(lambda: runs[0].episode.parked, what="r0 parked")
     assert (await plane.status())["report"]["blockers"] == ["r1", "r2"]
     assert not preparing.done()
     for run in runs[1:]:
@@ -121,7 +113,7 @@ async def test_report_lists_at_most_100_blockers_with_the_full_count() -> None:
     book = EpisodeBook(StepMode.WAIT)
     plane = _plane(book)
     runs = [Run(book, f"r{i:03d}") for i in range(150)]
-    await _until(lambda: all(r.episode is not None and r.episode.step == "work" for r in runs), "all in step")
+    await wait_until(lambda: all(r.episode is not None and r.episode.step == "work" for r in runs), what="all in step")
     reply = await plane.prepare("c1", time.time() + 0.3)
     assert reply["phase"] == "preparing"
     assert len(reply["report"]["blockers"]) == 100 and reply["report"]["blocker_count"] == 150
@@ -194,9 +186,9 @@ async def test_episode_being_retired_blocks_and_is_not_exported_until_its_task_e
             book.end(episode)
 
     task = asyncio.ensure_future(episode_with_slow_cleanup())
-    await _until(lambda: "e" in book_episode and book_episode["e"].step == "work", "in step")
+    await wait_until(lambda: "e" in book_episode and book_episode["e"].step == "work", what="in step")
     retiring = asyncio.ensure_future(book.retire([EpisodeId(rollout_id="r", attempt=0)]))
-    await _until(lambda: book_episode["e"].retiring, "retiring")
+    await wait_until(lambda: book_episode["e"].retiring, what="retiring")
     book.close_admission("c1")
     assert list(book.ready("c1").blockers) == ["r"]  # replay mode, but retiring blocks
     assert list(book.export("c1", None).records) == []
@@ -214,14 +206,14 @@ async def test_time_parked_does_not_count_against_the_episode_deadline() -> None
     run = Run(book, "r", timeout=0.5)
     await run.in_step("work")
     preparing = asyncio.ensure_future(plane.prepare("c1", _deadline()))
-    await _until(lambda: plane.phase == "preparing", "preparing")
+    await wait_until(lambda: plane.phase == "preparing", what="preparing")
     run.gate.set()
     await preparing
     loop = asyncio.get_running_loop()
     parked_from = loop.time()
     assert run.episode.parked
     # Parked past the whole episode deadline: it must not fire.
-    await _until(lambda: loop.time() - parked_from > 0.8, "the deadline's span to pass", timeout=5.0)
+    await wait_until(lambda: loop.time() - parked_from > 0.8, what="the deadline's span to pass", timeout=5.0)
     assert not run.task.done()
     await plane.resume("c1", _deadline())
     assert await run.task == "done"
@@ -285,4 +277,3 @@ def test_step_mode_comes_from_the_checkpoint_block_and_is_validated() -> None:
     assert settings_from_global_config({"checkpoint": {"step_mode": "replay"}}).step_mode == StepMode.REPLAY
     with pytest.raises(SettingsError, match="checkpoint.step_mode"):
         settings_from_global_config({"checkpoint": {"step_mode": "later"}})
-

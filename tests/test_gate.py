@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 import pytest
+from control_support import wait_until
 from fastapi import FastAPI, Request, Response
 from nemo_gym.rollout_correlation import RolloutContextMiddleware, current_rollout_id
 from pydantic import BaseModel, ConfigDict
@@ -91,15 +92,6 @@ async def gated() -> AsyncIterator[Gated]:
     counters = install_gate(app, admission, marks)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gym") as client:
         yield Gated(admission, marks, counters, client, entered)
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.001)  # wait-ok: poll interval of a bounded wait on a condition
 
 
 async def bounded(awaitable: Awaitable[T]) -> T:

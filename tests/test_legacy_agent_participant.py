@@ -13,13 +13,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+from control_support import wait_until
 from environment_servers.legacy_agent.app import LegacyAgentEnvironmentServer, LegacyAgentEnvironmentServerConfig
 from gym_harness import (
     HARNESS_TOKEN,
@@ -49,14 +49,6 @@ CONTROL = "/ng-control/v1/checkpoint"
 @pytest.fixture(autouse=True)
 def _token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-
-
-async def _until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
 
 
 class _Upstream:
@@ -155,7 +147,7 @@ async def test_relays_in_flight_are_restarts_never_block_never_export_and_run_th
     keys = [f"r{i}" for i in range(120)]  # more than the 100 blockers a report lists: restarts are never capped
     async with _asgi(app) as http:
         runs = {key: asyncio.ensure_future(http.post("/run", json=_row(key))) for key in keys}
-        await _until(lambda: len(agent.started) == len(keys), "every relay reached the agent")
+        await wait_until(lambda: len(agent.started) == len(keys), what="every relay reached the agent")
 
         prepare = await http.post(
             f"{CONTROL}/prepare", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": _deadline()}
@@ -168,7 +160,7 @@ async def test_relays_in_flight_are_restarts_never_block_never_export_and_run_th
         # A new /run parks at the gate; the relays already in flight keep running and may finish.
         parked = asyncio.ensure_future(http.post("/run", json=_row("late")))
         gate = getattr(app.state, ATTACHMENT_STATE).gate_counters
-        await _until(lambda: gate.parked == 1, "the new /run parked at the gate")
+        await wait_until(lambda: gate.parked == 1, what="the new /run parked at the gate")
         agent.release["r0"].set()
         finished = await runs.pop("r0")
         assert finished.status_code == 200 and finished.json() == {"reward": 1.0, "rollout": "r0"}
@@ -193,8 +185,8 @@ async def test_relays_in_flight_are_restarts_never_block_never_export_and_run_th
             f"{CONTROL}/resume", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": _deadline()}
         )
         assert resume.status_code == 200, resume.text
-        await _until(lambda: "late" in agent.started, "the parked /run was relayed after resume")
-        await _until(lambda: "late" in book.ready(None).restarts, "the late relay is a restart")
+        await wait_until(lambda: "late" in agent.started, what="the parked /run was relayed after resume")
+        await wait_until(lambda: "late" in book.ready(None).restarts, what="the late relay is a restart")
         for event in [agent.release.setdefault(key, asyncio.Event()) for key in [*runs, "late"]]:
             event.set()
         replies = await asyncio.gather(*runs.values(), parked)
@@ -207,7 +199,7 @@ async def test_retire_stops_the_relay_waits_for_it_then_the_attempt_is_refused()
     async with _asgi(app) as http:
         run = asyncio.ensure_future(http.post("/run", json=_row("r")))
         other = asyncio.ensure_future(http.post("/run", json=_row("s")))
-        await _until(lambda: sorted(agent.started) == ["r", "s"], "both relays reached the agent")
+        await wait_until(lambda: sorted(agent.started) == ["r", "s"], what="both relays reached the agent")
 
         retire = await http.post(
             f"{CONTROL}/retire",
@@ -243,13 +235,13 @@ async def test_a_relay_entering_while_admission_is_closed_waits_unrelayed_and_is
         # It passed the gate just before the checkpoint closed the book: the book alone is closed here.
         book.close_admission("c1")
         run = asyncio.ensure_future(http.post("/run", json=_row("r")))
-        await _until(lambda: book.ready("c1").counts["parked"] == 1, "the relay waits in the handler")
+        await wait_until(lambda: book.ready("c1").counts["parked"] == 1, what="the relay waits in the handler")
         assert agent.started == []
         assert book.ready("c1").restarts == []  # the prepare's restarts cannot change before its commit
         (record,) = book.export("c1", None).records
         assert record["boundary"] is None  # nothing relayed yet: it starts over from its input
         book.open_admission("c1")
-        await _until(lambda: agent.started == ["r"], "relayed once admission reopened")
+        await wait_until(lambda: agent.started == ["r"], what="relayed once admission reopened")
         assert book.ready(None).restarts == ["r"]
         agent.release["r"].set()
         assert (await run).status_code == 200
@@ -261,12 +253,12 @@ async def test_an_unnamed_body_is_relayed_untracked_and_a_duplicate_attempt_is_r
     async with _asgi(app) as http:
         # A body naming no episode (no rollout id, no indices): relayed, nothing to report or retire.
         unnamed = asyncio.ensure_future(http.post("/run", json={"responses_create_params": {}}))
-        await _until(lambda: agent.started == ["unnamed"], "the unnamed body was relayed")
+        await wait_until(lambda: agent.started == ["unnamed"], what="the unnamed body was relayed")
         assert book.ready(None).counts["episodes"] == 0
         agent.release["unnamed"].set()
         assert (await unnamed).status_code == 200
         first = asyncio.ensure_future(http.post("/run", json=_row("d")))
-        await _until(lambda: agent.started.count("d") == 1, "the first relay started")
+        await wait_until(lambda: agent.started.count("d") == 1, what="the first relay started")
         duplicate = await http.post("/run", json=_row("d"))
         assert duplicate.status_code == 409 and duplicate.json()["error"]["code"] == "checkpoint_conflict"
         assert book.ready(None).restarts == ["d"]
