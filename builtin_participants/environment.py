@@ -194,6 +194,21 @@ class EpisodeBook:
             return
         self._make_restart(episode)
 
+    @staticmethod
+    def absorb_retirement(episode: Episode) -> bool:
+        """In an ``except asyncio.CancelledError`` of the attempt's own task: was it retired?
+
+        True when the controller retired ``episode`` (its task was cancelled by ``retire``): the
+        cancellation is absorbed (``uncancel``) so the handler can still answer. False for any
+        other cancellation, which the caller re-raises.
+        """
+        if not episode.retiring:
+            return False
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
+        return True
+
     # -- internals -------------------------------------------------------------------------------
 
     def _make_restart(self, episode: Episode) -> None:

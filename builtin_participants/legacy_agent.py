@@ -116,12 +116,9 @@ class LegacyAgentRelay:
             book.declare_restart(episode)
             return await super().run_legacy(request)  # type: ignore[misc]
         except asyncio.CancelledError:
-            if not episode.retiring:
+            if not book.absorb_retirement(episode):
                 raise
             # Retired by the controller: the relay stopped; answer as the gate answers a retired attempt.
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()
             return _error(_stale(episode_id, None))
         finally:
             book.end(episode)

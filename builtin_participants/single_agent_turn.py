@@ -136,12 +136,9 @@ class SingleAgentTurnSteps:
                     request, EpisodeFailure(failure_reason="Episode timed out", terminal=False)
                 )
             except asyncio.CancelledError:
-                if not episode.retiring:
+                if not book.absorb_retirement(episode):
                     raise
                 # Retired by the controller: this attempt ends with a failure reply, not a dropped connection.
-                current = asyncio.current_task()
-                if current is not None:
-                    current.uncancel()
                 return self.failure_response(  # type: ignore[attr-defined]
                     request,
                     EpisodeFailure(

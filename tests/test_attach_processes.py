@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +19,12 @@ from gym_harness import (
     GymHarness,
     free_port_base,
     gym_deployment_factory_fixture,  # noqa: F401 - provides the gym_deployment_factory fixture
+    send_rollout,
     send_wave,
 )
 from omegaconf import OmegaConf
 
+from nemo_gym_checkpoint_plugin.deployment import rollout_body
 from nemo_gym_checkpoint_plugin.gym_config import (
     DEFAULT_CHECKPOINT_BLOCK,
     GYM_SERVERS,
@@ -35,7 +39,8 @@ from nemo_gym_checkpoint_plugin.wrap import find_server_class, relative_entrypoi
 
 pytestmark = pytest.mark.slow
 
-STATUS = "/ng-control/v1/checkpoint/status"
+CONTROL = "/ng-control/v1/checkpoint"
+STATUS = f"{CONTROL}/status"
 KINDS = {"policy_model": "model", "simple_agent": "agent", RESOURCES: "resources", "single_agent_turn": "environment"}
 # Values that differ run to run: generated ids and clocks. Everything else must match exactly.
 _VOLATILE_KEYS = {"id", "created_at", "call_id", "response_id", "completed_at"}
@@ -97,6 +102,41 @@ async def test_enabled_wrapped_servers_are_participants_and_still_serve(gym_depl
         unwrapped = find_server_class(importlib.import_module(f"resources_servers.{RESOURCES}.app"))
         seeded = http.post(harness.urls[RESOURCES] + "/seed_session", json={})
         assert list(seeded.cookies.keys()) == [f"{unwrapped.__name__}___{RESOURCES}"]
+
+
+async def test_retiring_an_episode_in_flight_ends_its_run_with_a_cancelled_failure(gym_deployment_factory) -> None:  # noqa: F811
+    harness: GymHarness = gym_deployment_factory(checkpoint=DEFAULT_CHECKPOINT_BLOCK, entrypoints=wrapped_entrypoints())
+    env = harness.env_url
+    # Hold the rollout at its agent step (the model's second call), so the episode is in flight.
+    await harness.fake.hold(match="(rollout retire-me)", count=1, step=1)
+    run = asyncio.create_task(send_rollout(env, "retire-me"))
+    auth = {"Authorization": f"Bearer {HARNESS_TOKEN}"}
+    episode = {"rollout_id": "retire-me", "attempt": 0}
+    try:
+        await harness.fake.wait_for(lambda s: s["held"] == 1, timeout=60, what="the held agent step")
+        async with httpx.AsyncClient(base_url=env, timeout=30, trust_env=False) as client:
+            retired = await client.post(
+                f"{CONTROL}/retire",
+                headers=auth,
+                json={"checkpoint_id": "retire-live", "deadline_ts": time.time() + 30, "episode_ids": [episode]},
+            )
+            assert retired.status_code == 200, retired.text
+            assert retired.json() == {"retired_count": 1}
+            # The attempt's /run answers (not a dropped connection): a non-terminal failure naming the retire.
+            reply = await asyncio.wait_for(run, timeout=30)
+            assert reply["episode_id"] == episode
+            assert reply["failure"]["failure_kind"] == "cancelled"
+            assert reply["failure"]["terminal"] is False
+            assert "retired by the controller" in reply["failure"]["failure_reason"]
+            # The book no longer holds it, and the attempt is refused at the gate from now on.
+            status = (await client.get(f"{CONTROL}/status", headers=auth)).json()
+            assert status["episodes"] == 0 and status["retired_rollouts"] == 1, status
+            again = await client.post("/run", json=rollout_body("retire-me"))
+            assert again.status_code == 409 and again.json()["error"]["code"] == "stale_attempt"
+    finally:
+        await harness.fake.release(match="(rollout retire-me)")
+        if not run.done():
+            run.cancel()
 
 
 def _start_wrapped_resources(tmp_path: Path, checkpoint: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
