@@ -112,8 +112,9 @@ class Participant:
     def ready(self, checkpoint_id: str | None) -> Readiness:
         if self.ready_error is not None:
             raise self.ready_error
-        return Readiness(blockers=set(self.blockers), restarts=set(self.restarts),
-                         counts={"episodes": len(self.episodes)})
+        return Readiness(
+            blockers=set(self.blockers), restarts=set(self.restarts), counts={"episodes": len(self.episodes)}
+        )
 
     @hookimpl
     async def wait_ready(self, checkpoint_id: str) -> None:
@@ -250,6 +251,7 @@ async def make_harness(
     retry_seconds: float = 30.0,
     grace_seconds: float = 600.0,
     extra_plugins: tuple[Any, ...] = (),
+    clock: Callable[[], float] = time.time,
 ) -> Harness:
     participant = participant or Participant()
     pm = make_plugin_manager([participant, *extra_plugins], load_entry_points=False)
@@ -259,6 +261,7 @@ async def make_harness(
         kind=KIND,
         instance=INSTANCE,
         lease_policy=LeasePolicy(grace_seconds=grace_seconds, retry_seconds=retry_seconds),
+        clock=clock,
     )
     app = FastAPI()
     attach(app, plane, TOKEN)
