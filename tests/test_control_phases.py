@@ -207,6 +207,9 @@ async def test_a_failed_export_ends_the_checkpoint_for_good(h: Harness) -> None:
     assert "disk of the sandbox vanished" in first["detail"]
     h.participant.export_error = None
     await h.error("commit", "export_failed", **body)
+    # Every later commit of the id, even with other arguments (not checkpoint_conflict).
+    await h.error("commit", "export_failed", **{**body, "checkpoint_dir": str(h.directory / "elsewhere")})
+    await h.error("commit", "export_failed", **{**body, "episode_ids": []})
     assert len(h.participant.called("export")) == 1
     assert not (h.directory / "gym" / "environment" / "env_one" / "manifest.json").exists()
 

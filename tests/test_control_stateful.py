@@ -34,6 +34,7 @@ STATUS_OF = {
     "checkpoint_conflict": 409,
     "invalid_phase": 409,
     "restart_in_scope": 409,
+    "export_failed": 409,
     "invalid_checkpoint_state": 422,
 }
 # A prepare that must wait on a blocker gets this long (real time) before it replies "preparing".
@@ -58,6 +59,7 @@ class Model:
     commit: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     restore: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     reported_restarts: set[str] = field(default_factory=set)
+    export_failed: bool = False
     # The in-test participant's own state (control_support.Participant).
     held: set[str] = field(default_factory=set)
     pending: set[str] = field(default_factory=set)
@@ -83,6 +85,7 @@ class Model:
         self.phase, self.active, self.operation = "idle", None, None
         self.prepare_reply = self.commit = self.restore = None
         self.reported_restarts = set()
+        self.export_failed = False
 
 
 class ControlPlaneMachine(RuleBasedStateMachine):
@@ -238,6 +241,8 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         code = m.fence(checkpoint_id)
         if code is None and (m.active is None or m.operation != "checkpoint"):
             code = "invalid_phase"
+        if code is None and m.export_failed:
+            code = "export_failed"  # every later commit of the id, whatever its arguments
         if code is None and m.commit is not None:
             code = None if m.commit[0] == args else "checkpoint_conflict"
             if code is None:
@@ -266,6 +271,25 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             m.pending -= dropped
         m.phase, m.commit = "committed", (args, reply)
         self.published[directory] = (checkpoint_id, sorted(exported))
+
+    @precondition(lambda self: self.model.phase == "prepared" and self.model.commit is None)
+    @rule(everything=st.booleans(), data=st.data())
+    def an_export_that_fails(self, everything: bool, data: st.DataObject) -> None:
+        """The participant's export raises: this commit and every later one of the id get export_failed."""
+        m = self.model
+        scope = self.draw_scope(data, everything)
+        if scope is not None and set(scope) & m.reported_restarts:
+            return
+        directory = self.commit_dir(m.active)
+        self.h.participant.export_error = RuntimeError("the sandbox vanished")
+        try:
+            episode_ids = None if scope is None else [wire(k) for k in scope]
+            self.expect(
+                "commit", "export_failed", checkpoint_id=m.active, checkpoint_dir=directory, episode_ids=episode_ids
+            )
+        finally:
+            self.h.participant.export_error = None
+        m.export_failed = True  # the phase stays prepared; nothing was published
 
     @rule(data=st.data())
     def resume(self, data: st.DataObject) -> None:

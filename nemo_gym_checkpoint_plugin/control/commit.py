@@ -79,10 +79,11 @@ class CommitMixin:
                 raise InvalidPhase(f"commit of {checkpoint_id} needs it prepared; phase is {self.phase}")
             self.lease.extend(deadline_ts)
             if active.commit is not None:
-                active.commit.check_args("commit", checkpoint_id, args)
                 task = active.commit.task
                 if active.export_error is not None and task.done():
+                    # PROTOCOL: every later commit of the id gets export_failed, whatever its arguments.
                     raise active.export_error
+                active.commit.check_args("commit", checkpoint_id, args)
             else:
                 if self.phase is not Phase.PREPARED:
                     raise InvalidPhase(f"commit of {checkpoint_id} needs phase prepared; phase is {self.phase}")
