@@ -349,7 +349,20 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         if resume and self.model.phase == "restored":
             self.do_resume(fresh[0])
 
-    def do_restore(self, checkpoint_id: str, data: st.DataObject) -> None:
+    @precondition(lambda self: bool(self.published) and self.model.phase == "idle")
+    @rule(data=st.data())
+    def a_restore_whose_install_fails(self, data: st.DataObject) -> None:
+        """The participant refuses a record: invalid_checkpoint_state, nothing half-installed, marks kept."""
+        fresh = [c for c in CHECKPOINT_IDS if c not in self.model.resumed]
+        if not fresh:
+            return
+        self.h.participant.install_error = ValueError("a record this participant cannot take")
+        try:
+            self.do_restore(fresh[0], data, install_fails=True)
+        finally:
+            self.h.participant.install_error = None
+
+    def do_restore(self, checkpoint_id: str, data: st.DataObject, *, install_fails: bool = False) -> None:
         m = self.model
         directory = data.draw(st.sampled_from(sorted(self.published)), label="checkpoint_dir")
         source, written = self.published[directory]
@@ -376,6 +389,12 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         replacements = sorted(
             EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt + 1).capture_key for e in map(from_capture_key, read)
         )
+        if install_fails:
+            self.expect("restore", "invalid_checkpoint_state", **body)
+            # The checkpointed attempts were retired before the install; what it left is deleted.
+            m.held -= set(read) | set(replacements)
+            m.pending -= set(replacements)
+            return  # back to idle (the phase invariant checks it)
         reply = self.expect("restore", None, **body)
         event("restore installed" if replacements else "restore of nothing held")
         if set(read) & m.held:
