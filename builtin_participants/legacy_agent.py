@@ -33,13 +33,13 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 
 from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, StaleAttempt
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin.gate import episode_of_run_body
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
 __all__ = ["LegacyAgentRelay", "relay_book", "relayed_episode_id", "validate_relay_state"]
 
@@ -56,23 +56,12 @@ def relay_book(step_mode: StepMode | str = StepMode.WAIT) -> EpisodeBook:
 
 
 def relayed_episode_id(body: bytes) -> EpisodeId | None:
-    """The episode a ``/run`` body names (its ``episode_id``, else the legacy row's identity); None if none."""
-    from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+    """The episode a ``/run`` body names (its ``episode_id``, else the legacy row's identity); None if none.
 
-    try:
-        data = orjson.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(data, dict):
-        return None
-    try:
-        if "episode_id" in data:
-            return episode_from_wire(data["episode_id"])
-        key = maybe_rollout_id_from_run_body(data)
-        return None if key is None else from_capture_key(key)
-    except (ValueError, TypeError):
-        # A malformed identity stays unattributed; the agent validates the body it receives.
-        return None
+    The gate attributes ``/run`` bodies the same way, so a retired attempt's row is refused
+    there, before it parks during a checkpoint.
+    """
+    return episode_of_run_body(body)
 
 
 def _error(error: CheckpointError) -> Response:

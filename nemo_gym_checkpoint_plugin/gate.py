@@ -16,9 +16,10 @@ Attribution of a request to an episode attempt:
   server's ``setup_webserver()`` built the app. The gate never rewrites the scope, so the
   prefix still reaches Gym's middleware and routes unchanged.
 - For ``POST /run`` (an environment server's episode route) the JSON body's
-  ``episode_id`` ``{"rollout_id", "attempt"}``. Only that route's body is buffered, and
+  ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the capture
+  key Gym derives from it (``_ng_rollout_id``, or task and rollout indices). Only that route's body is buffered, and
   only when the gate has something to decide; the app then receives the very same ASGI
-  messages. A body that is not JSON or has no valid ``episode_id`` is not attributed and
+  messages. A body that is not JSON or names no valid episode is not attributed and
   goes to the app, whose validation answers (422): the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
@@ -40,7 +41,7 @@ import orjson
 
 from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin.errors import StaleAttempt
-from nemo_gym_checkpoint_plugin.identity import episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
 
 __all__ = [
     "AdmissionGate",
@@ -49,6 +50,7 @@ __all__ = [
     "is_exempt",
     "attempt_from_path",
     "attempt_from_run_body",
+    "episode_of_run_body",
     "ROLLOUT_PATH_PREFIX",
     "CONTROL_PATH_PREFIX",
 ]
@@ -108,19 +110,34 @@ def attempt_from_path(path: str) -> Attempt | None:
     return _parse_capture_key(path[_KEY_START:end])
 
 
-def attempt_from_run_body(body: bytes) -> Attempt | None:
-    """``(rollout_id, attempt)`` of a ``/run`` body's ``episode_id``; None for anything malformed."""
+def episode_of_run_body(body: bytes) -> EpisodeId | None:
+    """The episode attempt a ``/run`` body names; None for anything malformed or unnamed.
+
+    Its ``episode_id`` when it has one; else, for a legacy row (``legacy_agent``), the capture
+    key Gym derives for it (``_ng_rollout_id``, or the task and rollout indices).
+    """
     try:
         data = orjson.loads(body)
     except ValueError:  # orjson.JSONDecodeError: not JSON, bad UTF-8, nested too deep
         return None
-    if not isinstance(data, dict) or "episode_id" not in data:
+    if not isinstance(data, dict):
         return None
     try:
-        episode = episode_from_wire(data["episode_id"])
-    except ValueError:  # pydantic's ValidationError
+        if "episode_id" in data:
+            return episode_from_wire(data["episode_id"])
+        # Imported here: only legacy rows need it, and it loads Gym's global config module (~1 s).
+        from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+
+        key = maybe_rollout_id_from_run_body(data)
+        return None if key is None else from_capture_key(key)
+    except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
         return None
-    return episode.rollout_id, episode.attempt
+
+
+def attempt_from_run_body(body: bytes) -> Attempt | None:
+    """``(rollout_id, attempt)`` of ``episode_of_run_body``; None for anything malformed or unnamed."""
+    episode = episode_of_run_body(body)
+    return None if episode is None else (episode.rollout_id, episode.attempt)
 
 
 async def _read_body(receive: Receive) -> list[Message]:

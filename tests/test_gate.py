@@ -159,6 +159,11 @@ def test_attempt_from_path(path: str, expected: tuple[str, int] | None) -> None:
         (b'{"episode_id": {"rollout_id": "r-a2", "attempt": 1}}', None),
         (b'{"episode_id": {"rollout_id": "r", "attempt": -1}}', None),
         (b"[" * 5000, None),
+        # Legacy rows (legacy_agent) name their episode the way Gym derives its capture key.
+        (b'{"_ng_rollout_id": "r-a2"}', ("r", 2)),
+        (b'{"_ng_task_index": 3, "_ng_rollout_index": 1}', ("3-1", 0)),
+        (b'{"_ng_rollout_id": "bad id!"}', None),
+        (b'{"_ng_rollout_id": 7}', None),
     ],
 )
 def test_attempt_from_run_body(body: bytes, expected: tuple[str, int] | None) -> None:

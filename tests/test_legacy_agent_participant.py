@@ -228,6 +228,37 @@ async def test_retire_stops_the_relay_waits_for_it_then_the_attempt_is_refused()
         assert next_attempt.status_code == 200, next_attempt.text
 
 
+async def test_a_retired_legacy_row_is_refused_at_the_gate_even_while_a_checkpoint_holds_admission() -> None:
+    server, app, agent = _server()
+    async with _asgi(app) as http:
+        body = {
+            "checkpoint_id": "c-retire",
+            "deadline_ts": _deadline(),
+            "episode_ids": [{"rollout_id": "r", "attempt": 0}],
+        }
+        assert (await http.post(f"{CONTROL}/retire", headers=AUTH, json=body)).status_code == 200
+        prepare = await http.post(
+            f"{CONTROL}/prepare", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": _deadline()}
+        )
+        assert prepare.status_code == 200 and prepare.json()["phase"] == "prepared", prepare.text
+        # The row names attempt 0 of r only through its legacy fields: refused at once, never parked.
+        refused = await asyncio.wait_for(http.post("/run", json=_row("r")), timeout=5)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "stale_attempt"
+        assert agent.started == []
+        # The next attempt is not retired: it parks until the checkpoint resumes, then relays.
+        gate = getattr(app.state, ATTACHMENT_STATE).gate_counters
+        parked = asyncio.ensure_future(http.post("/run", json=_row("r", 1)))
+        await wait_until(lambda: gate.parked == 1, what="the next attempt parked at the gate")
+        assert gate.refused == 1
+        resume = await http.post(
+            f"{CONTROL}/resume", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": _deadline()}
+        )
+        assert resume.status_code == 200
+        await wait_until(lambda: agent.started == ["r"], what="the next attempt relayed after resume")
+        agent.release["r"].set()
+        assert (await parked).status_code == 200
+
+
 async def test_a_relay_entering_while_admission_is_closed_waits_unrelayed_and_is_not_yet_a_restart() -> None:
     server, app, agent = _server()
     book = server._ng_relay_book
