@@ -1,0 +1,175 @@
+"""The environment-kind contract suite, run by the built-in ``EpisodeBook`` on the wheel's ``single_agent_turn``.
+
+The server is built in process with its checkpointable run logic; its Gym client is
+replaced by ``FakeGymPeers``, which answers the resources and agent calls of an episode
+as those servers would and holds each agent turn (``/v1/responses``) until the test
+releases it, so ``start`` leaves the episode in flight inside its agent step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from contracts import MakeHarness
+from contracts import environment as environment_contract
+from contracts.gym_inprocess import GymServers, InProcessServer
+from multidict import CIMultiDict
+from nemo_gym.rollout_correlation import current_rollout_id
+from nemo_gym.server_utils import ServerClient
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER, RESTART_HEADER
+from pydantic import ConfigDict
+
+from nemo_gym_checkpoint_plugin.gym_config import ENVIRONMENT, rollout_body
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+_BOUND_SECONDS = 10.0
+_RESPONSE = {
+    "id": "resp-contract",
+    "created_at": 0,
+    "model": "contract",
+    "object": "response",
+    "output": [],
+    "parallel_tool_calls": False,
+    "tool_choice": "auto",
+    "tools": [],
+}
+
+
+class _Reply:
+    """What Gym's run logic reads of an aiohttp reply: status, headers, cookies, body."""
+
+    status = 200
+    ok = True
+
+    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, cookies: Any = None) -> None:
+        self._body = orjson.dumps(dict(body))
+        self.headers = CIMultiDict(headers or {})
+        self.cookies = dict(cookies or {})
+
+    async def read(self) -> bytes:
+        return self._body
+
+
+class FakeGymPeers(ServerClient):
+    """The resources and agent servers of ``single_agent_turn``, as far as one episode's calls go."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    restart_rollouts: set[str]
+    in_agent_turn: set[str]
+    turns: dict[str, asyncio.Event]
+
+    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> _Reply:
+        body = kwargs.get("json") or {}
+        key = current_rollout_id() or "unattributed"
+        if url_path == "/seed_session":
+            episode = EpisodeId.model_validate(body["episode_id"])
+            headers = {RESTART_HEADER: "1"} if episode.rollout_id in self.restart_rollouts else {}
+            reply = {"resources_session_id": body["resources_session_id"]}
+            return _Reply(reply, headers, {"resources": f"resources-{key}"})
+        if url_path == "/v1/agent_sessions":
+            reply = {"agent_session_id": body["agent_session_id"]}
+            return _Reply(reply, {AGENT_CAPTURE_HEADER: "capture"}, {"agent": f"agent-{key}"})
+        if url_path.endswith("/v1/responses"):
+            turn = self.turns.setdefault(key, asyncio.Event())
+            self.in_agent_turn.add(key)
+            try:
+                await turn.wait()
+            finally:
+                self.in_agent_turn.discard(key)
+            return _Reply(_RESPONSE)
+        if url_path == "/v1/agent_sessions/close":
+            return _Reply({"agent_session_id": body["agent_session_id"]})
+        if url_path == "/verify":
+            return _Reply(
+                {
+                    "responses_create_params": body["responses_create_params"],
+                    "response": body["response"],
+                    "reward": 1.0,
+                }
+            )
+        if url_path == "/close_session":
+            return _Reply({})
+        raise AssertionError(f"unexpected call {server_name} {url_path}")
+
+
+class SingleAgentTurnHarness:
+    """Episodes are ``/run`` calls held in their agent turn; their tasks end at teardown."""
+
+    def __init__(self, built: InProcessServer) -> None:
+        self.built = built
+        self.participant: EpisodeBook = built.participant
+        original = built.server.server_client
+        self.peers = FakeGymPeers(
+            head_server_config=original.head_server_config,
+            global_config_dict=original.global_config_dict,
+            restart_rollouts=set(),
+            in_agent_turn=set(),
+            turns={},
+        )
+        built.server.server_client = self.peers
+        self.runs: list[asyncio.Task[Any]] = []
+
+    async def _run(self, episode: EpisodeId) -> None:
+        body = rollout_body(episode.rollout_id, attempt=episode.attempt)
+        run = asyncio.ensure_future(self.built.post("/run", body))
+        self.runs.append(run)
+        async with asyncio.timeout(_BOUND_SECONDS):
+            while episode.capture_key not in self.peers.in_agent_turn:
+                # A /run that ended early (refused, failed) never reaches its turn: say so at once.
+                if run.done():
+                    raise AssertionError(
+                        f"/run of {episode.capture_key} ended before its agent turn: {run.result().text}"
+                    )
+                await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+
+    async def start(self, episode: EpisodeId) -> None:
+        await self._run(episode)
+
+    async def start_restart(self, episode: EpisodeId) -> None:
+        self.peers.restart_rollouts.add(episode.rollout_id)
+        await self._run(episode)
+
+    async def finish_step(self, episode: EpisodeId) -> None:
+        self.peers.turns.setdefault(episode.capture_key, asyncio.Event()).set()
+
+    def available(self, episode: EpisodeId) -> bool:
+        key = episode.capture_key
+        return key in self.participant._episodes or key in self.participant._restored
+
+    def bad_record(self, episode: EpisodeId) -> Mapping[str, Any]:
+        return {
+            "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+            "boundary": "seeded",
+            "state": {},
+        }
+
+    async def status(self) -> Mapping[str, Any]:
+        return await self.built.status()
+
+    async def aclose(self) -> None:
+        for task in self.runs:
+            task.cancel()
+        await asyncio.gather(*self.runs, return_exceptions=True)
+
+
+class TestSingleAgentTurnEpisodes(environment_contract.TestEnvironmentContract):
+    @pytest.fixture
+    async def make_harness(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeHarness]:
+        servers = GymServers(tmp_path, monkeypatch, ENVIRONMENT)
+        made: list[SingleAgentTurnHarness] = []
+
+        async def make() -> SingleAgentTurnHarness:
+            made.append(SingleAgentTurnHarness(servers.build(EpisodeBook)))
+            return made[-1]
+
+        yield make
+        for harness in made:
+            await harness.aclose()
+        await servers.aclose()
