@@ -13,12 +13,11 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from contracts import MakeHarness
 from contracts import environment as environment_contract
 from contracts.gym_inprocess import GymServers, InProcessServer
-from multidict import CIMultiDict
+from gym_fakes import FakeReply
 from nemo_gym.rollout_correlation import current_rollout_id
 from nemo_gym.server_utils import ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
@@ -41,21 +40,6 @@ _RESPONSE = {
 }
 
 
-class _Reply:
-    """What Gym's run logic reads of an aiohttp reply: status, headers, cookies, body."""
-
-    status = 200
-    ok = True
-
-    def __init__(self, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, cookies: Any = None) -> None:
-        self._body = orjson.dumps(dict(body))
-        self.headers = CIMultiDict(headers or {})
-        self.cookies = dict(cookies or {})
-
-    async def read(self) -> bytes:
-        return self._body
-
-
 class FakeGymPeers(ServerClient):
     """The resources and agent servers of ``single_agent_turn``, as far as one episode's calls go."""
 
@@ -65,17 +49,17 @@ class FakeGymPeers(ServerClient):
     in_agent_turn: set[str]
     turns: dict[str, asyncio.Event]
 
-    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> _Reply:
+    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> FakeReply:
         body = kwargs.get("json") or {}
         key = current_rollout_id() or "unattributed"
         if url_path == "/seed_session":
             episode = EpisodeId.model_validate(body["episode_id"])
             headers = {RESTART_HEADER: "1"} if episode.rollout_id in self.restart_rollouts else {}
             reply = {"resources_session_id": body["resources_session_id"]}
-            return _Reply(reply, headers, {"resources": f"resources-{key}"})
+            return FakeReply(reply, headers, {"resources": f"resources-{key}"})
         if url_path == "/v1/agent_sessions":
             reply = {"agent_session_id": body["agent_session_id"]}
-            return _Reply(reply, {AGENT_CAPTURE_HEADER: "capture"}, {"agent": f"agent-{key}"})
+            return FakeReply(reply, {AGENT_CAPTURE_HEADER: "capture"}, {"agent": f"agent-{key}"})
         if url_path.endswith("/v1/responses"):
             turn = self.turns.setdefault(key, asyncio.Event())
             self.in_agent_turn.add(key)
@@ -83,11 +67,11 @@ class FakeGymPeers(ServerClient):
                 await turn.wait()
             finally:
                 self.in_agent_turn.discard(key)
-            return _Reply(_RESPONSE)
+            return FakeReply(_RESPONSE)
         if url_path == "/v1/agent_sessions/close":
-            return _Reply({"agent_session_id": body["agent_session_id"]})
+            return FakeReply({"agent_session_id": body["agent_session_id"]})
         if url_path == "/verify":
-            return _Reply(
+            return FakeReply(
                 {
                     "responses_create_params": body["responses_create_params"],
                     "response": body["response"],
@@ -95,7 +79,7 @@ class FakeGymPeers(ServerClient):
                 }
             )
         if url_path == "/close_session":
-            return _Reply({})
+            return FakeReply({})
         raise AssertionError(f"unexpected call {server_name} {url_path}")
 
 

@@ -21,13 +21,13 @@ import orjson
 import pytest
 from control_support import wait_until
 from environment_servers.legacy_agent.app import LegacyAgentEnvironmentServer, LegacyAgentEnvironmentServerConfig
+from gym_fakes import FakeReply
 from gym_harness import (
     HARNESS_TOKEN,
     GymHarness,
     gym_deployment_fixture,  # noqa: F401 - provides the gym_deployment fixture
     wait_until_async,
 )
-from multidict import CIMultiDict
 from nemo_gym.config_types import AgentServerRef
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants import checkpointable_bases
@@ -51,18 +51,6 @@ def _token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
 
 
-class _Upstream:
-    ok = True
-    status = 200
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.headers = CIMultiDict({"content-type": "application/json"})
-
-    async def read(self) -> bytes:
-        return self.body
-
-
 class FakeAgent(ServerClient):
     """The agent side of the relay: each ``/run`` waits for its rollout to be released."""
 
@@ -72,7 +60,7 @@ class FakeAgent(ServerClient):
     cancelled: list[str]
     release: dict[str, asyncio.Event]
 
-    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> _Upstream:
+    async def post(self, server_name: str, url_path: str, **kwargs: Any) -> FakeReply:
         assert (server_name, url_path) == ("agent", "/run")
         key = str(orjson.loads(kwargs["data"]).get("_ng_rollout_id", "unnamed"))
         self.started.append(key)
@@ -82,7 +70,7 @@ class FakeAgent(ServerClient):
         except asyncio.CancelledError:
             self.cancelled.append(key)
             raise
-        return _Upstream(orjson.dumps({"reward": 1.0, "rollout": key}))
+        return FakeReply({"reward": 1.0, "rollout": key})
 
 
 def _server(checkpoint: Any = DEFAULT_CHECKPOINT_BLOCK) -> tuple[Any, Any, FakeAgent]:
