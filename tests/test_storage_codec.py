@@ -57,6 +57,48 @@ def test_nan_infinities_and_big_integers_survive() -> None:
     assert back["big"] == 2**64 and type(back["big"]) is int and back["neg"] == -(2**63) - 1
 
 
+@pytest.mark.parametrize(
+    "numbers",
+    [
+        [math.nan],
+        [1.0, math.inf],
+        [math.inf, -math.inf],  # fsum raises ValueError on this pair
+        [1e308, 1e308, math.nan],  # fsum overflows before it meets the NaN
+        [2**2000, -math.inf],  # an integer too large for a float, then an infinity
+        [1, 2, 3, -math.inf],
+        [True, 0.5, [math.nan]],
+    ],
+)
+def test_a_non_finite_number_in_a_list_of_numbers_is_kept(numbers: list) -> None:
+    record = {"episode_id": {"rollout_id": "r", "attempt": 0}, "logprobs": numbers}
+    back = decode_line(encode_line(record))
+    assert same(back, record)
+
+
+@pytest.mark.parametrize("numbers", [[1e308, 1e308], [2**70, 1.5], list(range(5000)), [-0.0, 0.5, True]])
+def test_finite_lists_whose_sum_fails_still_take_orjson_output(numbers: list) -> None:
+    record = {"n": numbers}
+    line = encode_line(record)
+    if all(type(x) is not int or abs(x) < 2**63 for x in numbers):
+        assert line == orjson.dumps(record) + b"\n"
+    assert same(decode_line(line), record)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True),
+            st.integers(min_value=-(2**70), max_value=2**70),
+            st.booleans(),
+        ),
+        max_size=40,
+    )
+)
+def test_lists_of_numbers_round_trip(numbers: list) -> None:
+    record = {"numbers": numbers}
+    assert same(decode_line(encode_line(record)), record)
+
+
 def test_plain_records_take_orjson_output() -> None:
     record = {"b": 1, "a": [1.5, None, "null"], "c": {"d": 2**63 - 1}}
     assert encode_line(record) == orjson.dumps(record) + b"\n"

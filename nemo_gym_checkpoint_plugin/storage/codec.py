@@ -3,10 +3,10 @@
 A record must come back exactly: key order, NaN and infinities, and integers
 beyond 64 bits. orjson is used first (it is the fast path and keeps key order);
 it cannot encode integers beyond 64 bits and it silently writes NaN and the
-infinities as ``null``, so only where that can have happened (orjson raised, or
-its output contains ``null``) is the record checked and, if needed, encoded by
-the standard library instead, which writes ``NaN``/``Infinity``/``-Infinity``
-and exact big integers. Decoding mirrors it: orjson first, the standard library
+infinities as ``null``. So where orjson raised, or where a walk of the record's
+containers finds a NaN or an infinity, the record is encoded by the standard
+library instead, which writes ``NaN``/``Infinity``/``-Infinity`` and exact big
+integers. Decoding mirrors it: orjson first, the standard library
 for the lines orjson refuses.
 
 Values that are not JSON (a ``datetime``, a ``set``, a dataclass, bytes) are
@@ -41,7 +41,11 @@ def _refuse(value: Any) -> Any:
 
 
 def _needs_fallback(value: Any) -> bool:
-    """True when orjson would have changed the value: a NaN or infinity somewhere."""
+    """True when orjson would have changed the value: a NaN or infinity somewhere.
+
+    Walks containers only; a list of plain numbers (token ids, logprobs) is checked in one
+    C-level pass, so the cost follows the record's structure, not its size in bytes.
+    """
     stack = [value]
     while stack:
         item = stack.pop()
@@ -52,8 +56,23 @@ def _needs_fallback(value: Any) -> bool:
         elif kind is dict:
             stack.extend(item.values())
         elif kind is list or kind is tuple:
-            stack.extend(item)
+            if not _all_finite_numbers(item):
+                stack.extend(item)
     return False
+
+
+def _all_finite_numbers(items: list[Any] | tuple[Any, ...]) -> bool:
+    """True when every item is a number and none is NaN or infinite; False means "look closer".
+
+    ``math.fsum`` propagates NaN and infinities, so a finite sum proves every term finite.
+    It raises for non-numbers (TypeError), for +inf with -inf (ValueError), and for integers
+    too large for a float or sums that overflow (OverflowError): those lists are walked item
+    by item.
+    """
+    try:
+        return math.isfinite(math.fsum(items))
+    except (TypeError, ValueError, OverflowError):
+        return False
 
 
 def _check_plain(value: Any) -> None:
@@ -81,7 +100,7 @@ def _stdlib_line(value: Any) -> bytes:
     try:
         return text.encode("utf-8") + b"\n"
     except UnicodeEncodeError as exc:
-        raise NotJSON(f"a string holds {exc.object[exc.start:exc.end]!r}, which is not valid Unicode") from None
+        raise NotJSON(f"a string holds {exc.object[exc.start : exc.end]!r}, which is not valid Unicode") from None
 
 
 def encode_record(value: Any) -> tuple[bytes, bool]:
@@ -97,7 +116,7 @@ def encode_record(value: Any) -> tuple[bytes, bool]:
             raise exc.__cause__ from None
         # Integers beyond 64 bits (and nothing else) are what the standard library adds.
         return _stdlib_line(value), True
-    if b"null" in line and _needs_fallback(value):
+    if _needs_fallback(value):
         return _stdlib_line(value), True
     return line, False
 
@@ -129,5 +148,3 @@ def decode_line(line: bytes, *, screen: bool = True) -> Any:
     except orjson.JSONDecodeError:
         # NaN and Infinity tokens: only the standard library reads them.
         return json.loads(line)
-
-
