@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from contracts import MakeHarness, call_hook
+from contracts import Harness, MakeHarness, call_hook
 from contracts.base import ParticipantContract, _episode, _export, _exported_episodes, _next, _restored, _round_trip
 
 __all__ = ["TestEnvironmentContract"]
@@ -19,15 +19,15 @@ __all__ = ["TestEnvironmentContract"]
 _BOUND_SECONDS = 10.0
 
 
-async def _blockers(harness: object, checkpoint_id: str | None) -> set[str]:
-    readiness = await call_hook(harness.participant, "ready", checkpoint_id=checkpoint_id)  # type: ignore[attr-defined]
+async def _blockers(harness: Harness, checkpoint_id: str | None) -> set[str]:
+    readiness = await call_hook(harness.participant, "ready", checkpoint_id=checkpoint_id)
     return set(readiness.blockers) if readiness is not None else set()
 
 
-async def _until_no_blockers(harness: object, checkpoint_id: str) -> None:
+async def _until_no_blockers(harness: Harness, checkpoint_id: str) -> None:
     async with asyncio.timeout(_BOUND_SECONDS):
         while await _blockers(harness, checkpoint_id):
-            await call_hook(harness.participant, "wait_ready", checkpoint_id=checkpoint_id)  # type: ignore[attr-defined]
+            await call_hook(harness.participant, "wait_ready", checkpoint_id=checkpoint_id)
 
 
 class TestEnvironmentContract(ParticipantContract):
