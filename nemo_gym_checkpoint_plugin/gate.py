@@ -16,11 +16,12 @@ Attribution of a request to an episode attempt:
   server's ``setup_webserver()`` built the app. The gate never rewrites the scope, so the
   prefix still reaches Gym's middleware and routes unchanged.
 - For ``POST /run`` (an environment server's episode route) the JSON body's
-  ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the capture
-  key Gym derives from it (``_ng_rollout_id``, or task and rollout indices). Only that route's body is buffered, and
-  only when the gate has something to decide; the app then receives the very same ASGI
-  messages. A body that is not JSON or names no valid episode is not attributed and
-  goes to the app, whose validation answers (422): the gate never fails a request itself.
+  ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the
+  capture key Gym derives from it (``_ng_rollout_id``, or task and rollout indices).
+  Only that route's body is buffered, and only when the gate has something to decide;
+  the app then receives the very same ASGI messages. A body that is not JSON or names no
+  valid episode is not attributed and goes to the app, whose validation answers (422):
+  the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
 property read and one ``len`` before it is handed on (the fast path in ``__call__``).

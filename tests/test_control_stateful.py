@@ -141,6 +141,10 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             favoured += [c for c in CHECKPOINT_IDS if c not in self.model.resumed and c != active][:1] * 20
         return data.draw(st.sampled_from([*favoured, *CHECKPOINT_IDS]), label="checkpoint_id")
 
+    def unused_id(self) -> str | None:
+        """The first checkpoint id this process has not resumed (None once all were)."""
+        return next((c for c in CHECKPOINT_IDS if c not in self.model.resumed), None)
+
     def commit_dir(self, checkpoint_id: str) -> str:
         return str(Path(self.tmp.name) / f"gen{self.generation}-{checkpoint_id}")
 
@@ -314,13 +318,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     @rule(everything=st.booleans(), resume=st.booleans(), data=st.data())
     def a_whole_checkpoint(self, everything: bool, resume: bool, data: st.DataObject) -> None:
         """What a controller does most: prepare, commit and (usually) resume an id never used."""
-        fresh = [c for c in CHECKPOINT_IDS if c not in self.model.resumed]
-        if not fresh:
+        fresh = self.unused_id()
+        if fresh is None:
             return
-        self.do_prepare(fresh[0], blocked=False)
-        self.do_commit(fresh[0], self.draw_scope(data, everything))
+        self.do_prepare(fresh, blocked=False)
+        self.do_commit(fresh, self.draw_scope(data, everything))
         if resume:
-            self.do_resume(fresh[0])
+            self.do_resume(fresh)
 
     @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
@@ -342,23 +346,23 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     @rule(resume=st.booleans(), data=st.data())
     def a_whole_restore(self, resume: bool, data: st.DataObject) -> None:
         """After a crash, or into a live process: restore with an id never used, then (usually) resume."""
-        fresh = [c for c in CHECKPOINT_IDS if c not in self.model.resumed]
-        if not fresh:
+        fresh = self.unused_id()
+        if fresh is None:
             return
-        self.do_restore(fresh[0], data)
+        self.do_restore(fresh, data)
         if resume and self.model.phase == "restored":
-            self.do_resume(fresh[0])
+            self.do_resume(fresh)
 
     @precondition(lambda self: bool(self.published) and self.model.phase == "idle")
     @rule(data=st.data())
     def a_restore_whose_install_fails(self, data: st.DataObject) -> None:
         """The participant refuses a record: invalid_checkpoint_state, nothing half-installed, marks kept."""
-        fresh = [c for c in CHECKPOINT_IDS if c not in self.model.resumed]
-        if not fresh:
+        fresh = self.unused_id()
+        if fresh is None:
             return
         self.h.participant.install_error = ValueError("a record this participant cannot take")
         try:
-            self.do_restore(fresh[0], data, install_fails=True)
+            self.do_restore(fresh, data, install_fails=True)
         finally:
             self.h.participant.install_error = None
 
