@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointParked",
     "RolloutIdRequired",
     "InvalidCheckpointState",
+    "WriteFailed",
     "ERRORS_BY_CODE",
     "error_body",
     "install_error_handler",
@@ -120,6 +121,15 @@ class InvalidCheckpointState(CheckpointError):
 
     code = "invalid_checkpoint_state"
     status = 422
+
+
+class WriteFailed(InvalidCheckpointState):
+    """Storing an export failed on the filesystem (full disk, read-only or unwritable directory...).
+
+    Same code as any ``invalid_checkpoint_state``; the detail names the cause and the path. The
+    export itself succeeded and is kept: a retried commit of the same checkpoint id, into the
+    same or another directory, stores the same records again (PROTOCOL "Phases").
+    """
 
 
 ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
