@@ -12,10 +12,14 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.errors import InvalidPhase
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
 __all__ = [
     "MAX_REPORTED_BLOCKERS",
+    "MAX_DEADLINE_AHEAD_SECONDS",
+    "DeadlineTooFar",
+    "AdmissionNotReopened",
     "Phase",
     "Readiness",
     "PrepareReport",
@@ -24,10 +28,38 @@ __all__ = [
     "SeedDeclaration",
     "LeasePolicy",
     "merge_readiness",
+    "EpisodeList",
+    "sorted_keys",
 ]
 
 # PROTOCOL: a report lists at most 100 blockers (the full count is reported beside them).
 MAX_REPORTED_BLOCKERS = 100
+
+# The furthest ahead a deadline_ts may be, from the plane's clock: 24 hours. Every control call extends
+# the lease to deadline_ts + lease_grace_seconds, so a deadline in milliseconds would make it endless.
+MAX_DEADLINE_AHEAD_SECONDS = 24 * 3600.0
+
+
+class DeadlineTooFar(ValueError):
+    """A ``deadline_ts`` more than ``MAX_DEADLINE_AHEAD_SECONDS`` ahead (seconds, not milliseconds).
+
+    A malformed argument, refused before anything changes; the routes render it as a 422 body
+    error on ``deadline_ts``, like a deadline that is not a finite number.
+    """
+
+    def __init__(self, deadline_ts: float, now: float) -> None:
+        super().__init__(
+            f"deadline_ts {deadline_ts!r} is {deadline_ts - now:.0f} s ahead; at most "
+            f"{MAX_DEADLINE_AHEAD_SECONDS:.0f} s (24 hours) ahead is accepted: an absolute Unix time in seconds"
+        )
+        self.deadline_ts = deadline_ts
+
+
+class AdmissionNotReopened(InvalidPhase):
+    """A resume could not reopen admission: a participant's ``open_admission`` hook raised (again).
+
+    The plane is idle and its own gate open; the reopening stays pending and the next resume retries it.
+    """
 
 
 class Phase(enum.StrEnum):
@@ -140,8 +172,18 @@ class LeasePolicy:
         return deadline_ts + self.grace_seconds
 
 
+class EpisodeList(list[EpisodeId]):
+    """Episode ids with their sorted, deduplicated capture keys computed once (off the event loop)."""
+
+    def __init__(self, episodes: Iterable[EpisodeId], sorted_capture_keys: tuple[str, ...]) -> None:
+        super().__init__(episodes)
+        self.sorted_capture_keys = sorted_capture_keys
+
+
 def sorted_keys(episodes: Sequence[EpisodeId] | None) -> tuple[str, ...] | None:
     """A scope as its sorted capture keys (``None`` stays ``None``): how retries are compared."""
     if episodes is None:
         return None
+    if isinstance(episodes, EpisodeList):
+        return episodes.sorted_capture_keys
     return tuple(sorted({episode.capture_key for episode in episodes}))
