@@ -123,7 +123,7 @@ _PARSING: dict[type[_Body], tuple[type[BaseModel], tuple[ListField, ...]]] = {
     ResumeBody: (ResumeBody, ()),
     CommitBody: (_CommitHead, (ListField("episode_ids", nullable=True),)),
     RestoreBody: (_DirBody, (ListField("episode_ids"),)),
-    RetireBody: (_Body, (ListField("episode_ids", min_length=1),)),
+    RetireBody: (_Body, (ListField("episode_ids", min_length=1, materialize=True),)),
     ForgetBody: (_Body, (ListField("rollout_ids", episodes=False, min_length=1),)),
 }
 

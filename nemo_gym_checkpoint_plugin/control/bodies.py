@@ -10,8 +10,9 @@ pydantic validated it item by item. Here:
   route's pydantic model, the id lists in bulk with plain checks (an item that fails them is
   validated by ``EpisodeId`` itself, for its exact error); a list longer than
   ``BodyLimits.max_ids`` is refused with **422** before any item is looked at;
-- an episode list comes back as an ``EpisodeList`` carrying its sorted capture keys, computed
-  in the thread too, so a commit or restore does not compute them on the loop.
+- an episode list comes back as ``EpisodeIds``: its pairs and sorted capture keys, computed in
+  the thread too (and its ``EpisodeId`` objects when the route hands them to hooks), so a
+  commit, restore or retire does no per-id work on the loop but marking.
 
 Every refusal has the shape of FastAPI's body errors: ``{"detail": [{"type", "loc", "msg"}]}``.
 """
@@ -29,7 +30,7 @@ from starlette.requests import Request
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
-from .types import EpisodeList
+from .types import EpisodeIds
 
 __all__ = ["BodyLimits", "BodyRefused", "ListField", "read_body", "parse_body"]
 
@@ -59,6 +60,8 @@ class ListField:
     episodes: bool = True
     nullable: bool = False
     min_length: int = 0
+    # Make the EpisodeId objects in the parsing thread (the route passes them to participant hooks).
+    materialize: bool = False
 
 
 class BodyRefused(Exception):
@@ -134,7 +137,10 @@ def _check_list(spec: ListField, value: Any, limits: BodyLimits, errors: list[di
         errors.append(_error("too_short", (spec.name,), f"List should have at least {spec.min_length} item"))
         return None
     if spec.episodes:
-        return _episodes(spec.name, value, errors)
+        episodes = _episodes(spec.name, value, errors)
+        if spec.materialize:
+            episodes.materialized()
+        return episodes
     for index, item in enumerate(value):
         if type(item) is not str or not item:
             errors.append(_error("string_type", (spec.name, index), "Input should be a non-empty string"))
@@ -143,30 +149,28 @@ def _check_list(spec: ListField, value: Any, limits: BodyLimits, errors: list[di
     return value
 
 
-def _episodes(name: str, items: list[Any], errors: list[dict[str, Any]]) -> EpisodeList:
-    """Wire episode ids as ``EpisodeId``s: plain checks for the usual shape, ``EpisodeId`` itself otherwise."""
-    construct = EpisodeId.model_construct
-    episodes: list[EpisodeId] = []
+def _episodes(name: str, items: list[Any], errors: list[dict[str, Any]]) -> EpisodeIds:
+    """Wire episode ids as pairs: plain checks for the usual shape, ``EpisodeId`` itself otherwise."""
+    pairs: list[tuple[str, int]] = []
     keys: set[str] = set()
     failed = 0
     for index, item in enumerate(items):
-        episode = None
         if type(item) is dict and item.keys() <= _EPISODE_KEYS:
             rollout_id = item.get("rollout_id")
             attempt = item.get("attempt", 0)
             # Exactly what EpisodeId accepts unchanged; anything else goes through EpisodeId below.
             if (type(rollout_id) is str and type(attempt) is int and attempt >= 0 and _ROLLOUT_ID(rollout_id)
                     and ("-a" not in rollout_id or not _RESERVED_SUFFIX(rollout_id))):
-                episode = construct(rollout_id=rollout_id, attempt=attempt)
+                pairs.append((rollout_id, attempt))
                 keys.add(rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}")
-        if episode is None:
-            try:
-                episode = EpisodeId.model_validate(item)
-            except ValidationError as exc:
-                failed += 1
-                if failed <= _MAX_ITEM_ERRORS:
-                    errors.extend(_error(str(e["type"]), (name, index, *e["loc"]), str(e["msg"])) for e in exc.errors())
                 continue
-            keys.add(episode.capture_key)
-        episodes.append(episode)
-    return EpisodeList(episodes, tuple(sorted(keys)))
+        try:
+            episode = EpisodeId.model_validate(item)
+        except ValidationError as exc:
+            failed += 1
+            if failed <= _MAX_ITEM_ERRORS:
+                errors.extend(_error(str(e["type"]), (name, index, *e["loc"]), str(e["msg"])) for e in exc.errors())
+            continue
+        pairs.append((episode.rollout_id, episode.attempt))
+        keys.add(episode.capture_key)
+    return EpisodeIds(pairs, tuple(sorted(keys)))

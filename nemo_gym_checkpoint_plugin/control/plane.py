@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pluggy
@@ -41,6 +41,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     InvalidPhase,
     StaleCheckpoint,
 )
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
 
 from .commit import CommitMixin
@@ -48,11 +49,22 @@ from .facade import Participants
 from .lease import Lease
 from .memory import Active, ResumedIds
 from .restore import RestoreMixin
-from .types import MAX_DEADLINE_AHEAD_SECONDS, AdmissionNotReopened, DeadlineTooFar, LeasePolicy, Phase, PrepareReport
+from .types import (
+    MAX_DEADLINE_AHEAD_SECONDS,
+    AdmissionNotReopened,
+    DeadlineTooFar,
+    LeasePolicy,
+    Phase,
+    PrepareReport,
+    rollout_attempts,
+)
 
 __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
+
+# Marks set between two yields to the event loop: a retire of 200,000 ids never holds data traffic long.
+_MARKS_PER_YIELD = 4096
 
 
 class ControlPlane(CommitMixin, RestoreMixin):
@@ -112,6 +124,13 @@ class ControlPlane(CommitMixin, RestoreMixin):
         if deadline_ts - now > MAX_DEADLINE_AHEAD_SECONDS:
             # A deadline in milliseconds (1.7e12) would make the lease, deadline + grace, endless.
             raise DeadlineTooFar(deadline_ts, now)
+
+    async def _mark_all(self, episodes: Sequence[EpisodeId]) -> None:
+        """Mark each episode retired up to its attempt (under the lock), yielding to other work in between."""
+        for count, (rollout_id, attempt) in enumerate(rollout_attempts(episodes), 1):
+            self.marks.mark(rollout_id, attempt)
+            if count % _MARKS_PER_YIELD == 0:
+                await asyncio.sleep(0)
 
     def _remaining(self, deadline_ts: float) -> float:
         return max(0.0, deadline_ts - self._clock())

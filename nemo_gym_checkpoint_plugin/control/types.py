@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,8 @@ __all__ = [
     "SeedDeclaration",
     "LeasePolicy",
     "merge_readiness",
-    "EpisodeList",
+    "EpisodeIds",
+    "rollout_attempts",
     "sorted_keys",
 ]
 
@@ -172,18 +173,49 @@ class LeasePolicy:
         return deadline_ts + self.grace_seconds
 
 
-class EpisodeList(list[EpisodeId]):
-    """Episode ids with their sorted, deduplicated capture keys computed once (off the event loop)."""
+class EpisodeIds(Sequence[EpisodeId]):
+    """Episode ids validated in bulk (``control/bodies.py``): ``(rollout_id, attempt)`` pairs and their
+    sorted, deduplicated capture keys, computed off the event loop.
 
-    def __init__(self, episodes: Iterable[EpisodeId], sorted_capture_keys: tuple[str, ...]) -> None:
-        super().__init__(episodes)
+    A commit or restore needs only those; ``EpisodeId`` objects (costly by the hundred thousand) are
+    made on first use, or up front in the parsing thread when the route hands them to hooks (retire).
+    """
+
+    def __init__(self, pairs: list[tuple[str, int]], sorted_capture_keys: tuple[str, ...]) -> None:
+        self.pairs = pairs
         self.sorted_capture_keys = sorted_capture_keys
+        self._episodes: list[EpisodeId] | None = None
+
+    def materialized(self) -> list[EpisodeId]:
+        if self._episodes is None:
+            construct = EpisodeId.model_construct  # the pairs were validated as EpisodeId would
+            self._episodes = [construct(rollout_id=rollout_id, attempt=attempt) for rollout_id, attempt in self.pairs]
+        return self._episodes
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.materialized()[index]
+
+    def __iter__(self) -> Iterator[EpisodeId]:
+        return iter(self.materialized())
+
+    def __repr__(self) -> str:
+        return f"EpisodeIds({len(self.pairs)} episodes)"
+
+
+def rollout_attempts(episodes: Sequence[EpisodeId]) -> Iterable[tuple[str, int]]:
+    """``(rollout_id, attempt)`` of each episode, without making ``EpisodeId`` objects when not needed."""
+    if isinstance(episodes, EpisodeIds):
+        return episodes.pairs
+    return [(episode.rollout_id, episode.attempt) for episode in episodes]
 
 
 def sorted_keys(episodes: Sequence[EpisodeId] | None) -> tuple[str, ...] | None:
     """A scope as its sorted capture keys (``None`` stays ``None``): how retries are compared."""
     if episodes is None:
         return None
-    if isinstance(episodes, EpisodeList):
+    if isinstance(episodes, EpisodeIds):
         return episodes.sorted_capture_keys
     return tuple(sorted({episode.capture_key for episode in episodes}))
