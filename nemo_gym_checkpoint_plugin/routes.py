@@ -1,9 +1,19 @@
 """The eight control routes under ``/ng-control/v1/checkpoint/`` (PROTOCOL.md "Routes").
 
+Every route checks ``Authorization: Bearer <token>`` before it reads the body, so without
+the token every answer is 401. The scheme is case-insensitive (RFC 7235: ``bearer``,
+``BEARER``); the token is compared in constant time.
+
 Bodies are strict (unknown fields: 422), ids match PROTOCOL's pattern and length,
-``deadline_ts`` is a finite number. Every route checks ``Authorization: Bearer <token>``
-in constant time before it reads the body, so without the token every answer is 401.
-Refusals are the JSON bodies of ``errors.py``.
+``deadline_ts`` is a finite number of seconds at most 24 hours ahead of the server's clock
+(``MAX_DEADLINE_AHEAD_SECONDS``; a millisecond timestamp is refused). Limits
+(``BodyLimits``, README "Control routes: limits"): a body over 64 MiB is refused with 413
+(from ``Content-Length`` before reading, or while it streams in), a list over 200,000 ids
+with 422. Bodies are parsed with orjson (UTF-8 only) and validated in a worker thread, ids in
+bulk (``control/bodies.py``), so a large body never holds the event loop. A refused body is
+``{"detail": [{"type", "loc", "msg"}]}`` (422, or 413 for its size); the deadline bound is a 422
+of that shape on ``deadline_ts``, like a deadline that is not a finite number: both are
+malformed arguments, not protocol states. Other refusals are the JSON bodies of ``errors.py``.
 ``attach(app, control_plane, token)`` is what a Gym attachment calls.
 """
 
@@ -12,7 +22,7 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -21,11 +31,13 @@ from fastapi.routing import APIRoute
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
 from starlette.exceptions import HTTPException
 
-from .control import ControlPlane
+from .control import ControlPlane, DeadlineTooFar
+from .control.bodies import BodyLimits, BodyRefused, ListField, parse_body, read_body
 from .errors import Unauthorized, install_error_handler
 from .identity import EpisodeId
 
 __all__ = [
+    "BodyLimits",
     "CONTROL_PREFIX",
     "CHECKPOINT_ID_PATTERN",
     "attach",
@@ -80,14 +92,19 @@ class ResumeBody(_Body):
     pass
 
 
-class CommitBody(_Body):
+class _DirBody(_Body):
     checkpoint_dir: CheckpointDir
-    episode_ids: list[EpisodeId] | None
+
+
+class _CommitHead(_DirBody):
     stop: StrictBool = False
 
 
-class RestoreBody(_Body):
-    checkpoint_dir: CheckpointDir
+class CommitBody(_CommitHead):
+    episode_ids: list[EpisodeId] | None
+
+
+class RestoreBody(_DirBody):
     episode_ids: list[EpisodeId]
 
 
@@ -99,6 +116,21 @@ class ForgetBody(_Body):
     rollout_ids: Annotated[list[RolloutId], Field(min_length=1)]
 
 
+# Each body: the model of its fields but the id lists (validated by pydantic), and the lists (checked in bulk).
+_PARSING: dict[type[_Body], tuple[type[BaseModel], tuple[ListField, ...]]] = {
+    PrepareBody: (PrepareBody, ()),
+    RenewBody: (RenewBody, ()),
+    ResumeBody: (ResumeBody, ()),
+    CommitBody: (_CommitHead, (ListField("episode_ids", nullable=True),)),
+    RestoreBody: (_DirBody, (ListField("episode_ids"),)),
+    RetireBody: (_Body, (ListField("episode_ids", min_length=1, materialize=True),)),
+    ForgetBody: (_Body, (ListField("rollout_ids", episodes=False, min_length=1),)),
+}
+
+
+_B = TypeVar("_B", bound=_Body)
+
+
 def _invalid_body(errors: Sequence[Any]) -> Response:
     """422 without echoing the input: FastAPI's own handler fails (a 500) on a body holding Infinity or NaN."""
     detail = [
@@ -108,8 +140,16 @@ def _invalid_body(errors: Sequence[Any]) -> Response:
     return JSONResponse({"detail": detail}, status_code=422)
 
 
+def _authorized(header: str, expected: bytes) -> bool:
+    """``<scheme> <token>``: the scheme compared case-insensitively (RFC 7235), the token in constant time."""
+    scheme, _, credentials = header.encode("utf-8", "surrogateescape").partition(b" ")
+    # compare_digest: the time taken does not tell how much of the token was right.
+    token_ok = hmac.compare_digest(credentials.lstrip(b" "), expected)
+    return scheme.lower() == b"bearer" and token_ok
+
+
 def _guarded_route_class(token: str) -> type[APIRoute]:
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     class GuardedRoute(APIRoute):
         """Checks the token before FastAPI reads the body, so a caller without it learns nothing (always 401)."""
@@ -118,12 +158,15 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
             handler = super().get_route_handler()
 
             async def guarded(request: Request) -> Response:
-                supplied = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-                # compare_digest: the time taken does not tell how much of the token was right.
-                if not hmac.compare_digest(supplied, expected):
+                if not _authorized(request.headers.get("authorization", ""), expected):
                     raise Unauthorized("missing or wrong bearer token")
                 try:
                     return await handler(request)
+                except BodyRefused as exc:
+                    return JSONResponse({"detail": exc.errors}, status_code=exc.status)
+                except DeadlineTooFar as exc:
+                    return _invalid_body([{"type": "deadline_too_far", "loc": ("body", "deadline_ts"),
+                                           "msg": str(exc)}])
                 except RequestValidationError as exc:
                     return _invalid_body(exc.errors())
                 except HTTPException as exc:
@@ -137,50 +180,63 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
     return GuardedRoute
 
 
-def make_router(control: ControlPlane, token: str) -> APIRouter:
-    """The control routes of ``control``, guarded by ``token`` (non-empty)."""
+def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = None) -> APIRouter:
+    """The control routes of ``control``, guarded by ``token`` (non-empty), bodies within ``limits``."""
     if not token:
         raise ValueError("the control routes need a non-empty bearer token")
+    limits = limits or BodyLimits()
     router = APIRouter(prefix=CONTROL_PREFIX, route_class=_guarded_route_class(token))
+
+    async def read(request: Request, model: type[_B]) -> _B:
+        head, lists = _PARSING[model]
+        raw = await read_body(request, limits)
+        return await parse_body(raw, model, head, lists, limits)
 
     @router.get("/status")
     async def status() -> dict[str, Any]:
         return await control.status()
 
     @router.post("/prepare")
-    async def prepare(body: PrepareBody) -> dict[str, Any]:
+    async def prepare(request: Request) -> dict[str, Any]:
+        body = await read(request, PrepareBody)
         return await control.prepare(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/renew")
-    async def renew(body: RenewBody) -> dict[str, Any]:
+    async def renew(request: Request) -> dict[str, Any]:
+        body = await read(request, RenewBody)
         return await control.renew(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/commit")
-    async def commit(body: CommitBody) -> dict[str, Any]:
+    async def commit(request: Request) -> dict[str, Any]:
+        body = await read(request, CommitBody)
         return await control.commit(body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids,
                                     body.stop)
 
     @router.post("/restore")
-    async def restore(body: RestoreBody) -> dict[str, Any]:
+    async def restore(request: Request) -> dict[str, Any]:
+        body = await read(request, RestoreBody)
         return await control.restore(body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids)
 
     @router.post("/resume")
-    async def resume(body: ResumeBody) -> dict[str, Any]:
+    async def resume(request: Request) -> dict[str, Any]:
+        body = await read(request, ResumeBody)
         return await control.resume(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/retire")
-    async def retire(body: RetireBody) -> dict[str, Any]:
+    async def retire(request: Request) -> dict[str, Any]:
+        body = await read(request, RetireBody)
         return await control.retire(body.checkpoint_id, body.deadline_ts, body.episode_ids)
 
     @router.post("/forget")
-    async def forget(body: ForgetBody) -> dict[str, Any]:
+    async def forget(request: Request) -> dict[str, Any]:
+        body = await read(request, ForgetBody)
         return await control.forget(body.checkpoint_id, body.deadline_ts, body.rollout_ids)
 
     return router
 
 
-def attach(app: FastAPI, control: ControlPlane, token: str) -> None:
+def attach(app: FastAPI, control: ControlPlane, token: str, *, limits: BodyLimits | None = None) -> None:
     """Serve ``control``'s routes on ``app`` with the protocol's error bodies; keep it on ``app.state``."""
-    app.include_router(make_router(control, token))
+    app.include_router(make_router(control, token, limits))
     install_error_handler(app)
     app.state.checkpoint_control = control

@@ -19,10 +19,12 @@ import pluggy
 from fastapi import FastAPI
 
 from nemo_gym_checkpoint_plugin.control import ControlPlane, LeasePolicy, ParticipantExport, Readiness, SeedDeclaration
+from nemo_gym_checkpoint_plugin.errors import WriteFailed
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, attach
+from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits, attach
+from nemo_gym_checkpoint_plugin.storage import LocalStorage
 
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -79,6 +81,7 @@ class Participant:
     export_error: BaseException | None = None
     install_error: BaseException | None = None
     close_error: BaseException | None = None
+    open_error: BaseException | None = None
     ready_error: BaseException | None = None
     release_error: BaseException | None = None
     records_outside_scope: bool = False
@@ -107,6 +110,8 @@ class Participant:
     @hookimpl
     async def open_admission(self, checkpoint_id: str) -> None:
         self.calls.append(("open_admission", {"checkpoint_id": checkpoint_id}))
+        if self.open_error is not None:
+            raise self.open_error
 
     @hookimpl
     def ready(self, checkpoint_id: str | None) -> Readiness:
@@ -187,6 +192,37 @@ class Participant:
         return {"held_episodes": len(self.episodes), "kind": "must-not-override"}
 
 
+class FailingStorage(LocalStorage):
+    """The local backend, except that the next ``fail_writes`` writes fail as a full disk would.
+
+    A failing writer consumes every record first (so a retry must replay what it consumed), then
+    raises ``WriteFailed``; ``consumed`` holds what each failed write was given.
+    """
+
+    def __init__(self, fail_writes: int = 0) -> None:
+        self.fail_writes = fail_writes
+        self.consumed: list[list[dict[str, Any]]] = []
+
+    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> Any:
+        if self.fail_writes <= 0:
+            return super().open_writer(checkpoint_dir, kind, instance, checkpoint_id)
+        self.fail_writes -= 1
+        return _FullDiskWriter(self, Path(checkpoint_dir))
+
+
+class _FullDiskWriter:
+    def __init__(self, storage: FailingStorage, checkpoint_dir: Path) -> None:
+        self._storage = storage
+        self._dir = checkpoint_dir
+
+    def stop(self) -> bool:
+        return False
+
+    def write(self, records: Iterable[Mapping[str, Any]], extras: Mapping[str, Any] | None = None) -> dict:
+        self._storage.consumed.append([dict(record) for record in records])
+        raise WriteFailed(f"{self._dir}: no space left on device (ENOSPC) while storing records", path=str(self._dir))
+
+
 class HookRecorder:
     """Every hook call on a manager, by name (pluggy's hook-call monitoring)."""
 
@@ -252,6 +288,8 @@ async def make_harness(
     grace_seconds: float = 600.0,
     extra_plugins: tuple[Any, ...] = (),
     clock: Callable[[], float] = time.time,
+    storage: Any = None,
+    limits: BodyLimits | None = None,
 ) -> Harness:
     participant = participant or Participant()
     pm = make_plugin_manager([participant, *extra_plugins], load_entry_points=False)
@@ -262,9 +300,10 @@ async def make_harness(
         instance=INSTANCE,
         lease_policy=LeasePolicy(grace_seconds=grace_seconds, retry_seconds=retry_seconds),
         clock=clock,
+        storage=storage,
     )
     app = FastAPI()
-    attach(app, plane, TOKEN)
+    attach(app, plane, TOKEN, limits=limits)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://control.test")
     return Harness(participant, pm, plane, app, client, recorder, tmp_path / "ckpt")
 

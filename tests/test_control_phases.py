@@ -190,13 +190,25 @@ async def test_commit_refuses_a_scope_naming_a_restart(h: Harness) -> None:
                          episode_ids=[wire("r1")]))["episode_ids"] == ["r1"]
 
 
-async def test_readiness_that_regressed_after_prepare_fails_the_commit(h: Harness) -> None:
+async def test_readiness_that_regressed_after_prepare_ends_the_checkpoint_for_good(h: Harness) -> None:
+    h.participant.add("r1")
     await h.call("prepare", checkpoint_id="c1")
     h.participant.blockers = {"r5"}
-    error = await h.error("commit", "invalid_phase", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                          episode_ids=None)
+    body = {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory), "episode_ids": None}
+    error = await h.error("commit", "export_failed", **body)
     assert "regressed" in error["detail"] and "r5" in error["detail"]
+    # Readiness recovers: a retry must not commit a later cut than the other participants did.
+    h.participant.blockers.clear()
+    await h.error("commit", "export_failed", **body)
+    # Every later commit of the id, whatever its arguments (not checkpoint_conflict).
+    await h.error("commit", "export_failed", **{**body, "checkpoint_dir": str(h.directory / "other")})
+    await h.error("commit", "export_failed", **{**body, "episode_ids": [wire("r1")], "stop": True})
     assert h.participant.called("export") == []
+    assert not (h.directory / "gym").exists()
+    assert h.plane.phase == "prepared" and not h.plane.admission.is_open
+    # The controller resumes and prepares again under a new id, which commits.
+    await h.call("resume", checkpoint_id="c1")
+    assert (await h.checkpoint("c2", None))["episode_ids"] == ["r1"]
 
 
 async def test_a_failed_export_ends_the_checkpoint_for_good(h: Harness) -> None:
@@ -214,13 +226,14 @@ async def test_a_failed_export_ends_the_checkpoint_for_good(h: Harness) -> None:
     assert not (h.directory / "gym" / "environment" / "env_one" / "manifest.json").exists()
 
 
-async def test_a_failed_write_reports_its_code_then_export_failed(h: Harness, tmp_path: Path) -> None:
+async def test_a_directory_that_cannot_hold_state_is_invalid_checkpoint_state(h: Harness, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     await h.call("prepare", checkpoint_id="c1")
-    body = {"checkpoint_id": "c1", "checkpoint_dir": str(blocker), "episode_ids": None}
-    await h.error("commit", "invalid_checkpoint_state", **body)
-    await h.error("commit", "export_failed", **body)
+    body = {"checkpoint_id": "c1", "checkpoint_dir": str(blocker / "under"), "episode_ids": None}
+    error = await h.error("commit", "invalid_checkpoint_state", **body)
+    assert str(blocker) in error["detail"]
+    assert blocker.read_text() == "not a directory"
 
 
 async def test_hook_restored_pending_and_delete_restored_after_the_write(h: Harness) -> None:

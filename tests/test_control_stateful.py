@@ -2,9 +2,12 @@
 
 A hypothesis state machine drives a participant's control routes over HTTP (in process)
 with prepare, commit, resume, restore, retire, forget, renew, new episodes, restarts,
-blocked prepares and crashes (the process state is dropped and a fresh plane starts over
-the same checkpoint directories). A small model of PROTOCOL.md ("Phases", "Retire,
-forget, restore marks", "Restarts", "Errors") predicts every reply; after every step the
+blocked prepares, readiness regressing between prepare and commit, writes that fail (and
+their retries, into the same or another directory), id lists at the body limit (a small
+``BodyLimits`` keeps them cheap), deadlines in milliseconds, and crashes (the process state
+is dropped and a fresh plane starts over the same checkpoint directories). A small model of
+PROTOCOL.md ("Phases", "Retire, forget, restore marks", "Restarts", "Errors") predicts every
+reply; after every step the
 invariants are checked: phase and admission never disagree, the status matches the
 model, marks only rise until forgotten, and no reply is a 500.
 """
@@ -12,6 +15,7 @@ model, marks only rise until forgotten, and no reply is a 500.
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -19,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
-from control_support import Harness, close_harness, make_harness, wait_until, wire
+from control_support import FailingStorage, Harness, close_harness, make_harness, wait_until, wire
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin.routes import BodyLimits
 
 ROLLOUTS = ("r0", "r1", "r2")
 CHECKPOINT_IDS = tuple(f"c{i}" for i in range(16))
@@ -40,6 +45,8 @@ STATUS_OF = {
 # A prepare that must wait on a blocker gets this long (real time) before it replies "preparing".
 # The plane's clock is frozen, so a deadline this short never passes before the call arrives.
 BLOCKED_PREPARE_SECONDS = 0.05
+# The machine's body limit: small, so lists at and over it cost nothing.
+LIMITS = BodyLimits(max_ids=6)
 
 
 def key_of(rollout_id: str, attempt: int) -> str:
@@ -60,6 +67,9 @@ class Model:
     restore: tuple[tuple[Any, ...], dict[str, Any]] | None = None
     reported_restarts: set[str] = field(default_factory=set)
     export_failed: bool = False
+    # After a write that failed: the scope of that commit, and the capture keys its export holds.
+    failed_write: tuple[tuple[str, ...] | None] | None = None
+    kept: list[str] = field(default_factory=list)
     # The in-test participant's own state (control_support.Participant).
     held: set[str] = field(default_factory=set)
     pending: set[str] = field(default_factory=set)
@@ -86,6 +96,7 @@ class Model:
         self.prepare_reply = self.commit = self.restore = None
         self.reported_restarts = set()
         self.export_failed = False
+        self.failed_write, self.kept = None, []
 
 
 class ControlPlaneMachine(RuleBasedStateMachine):
@@ -101,7 +112,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         self.h: Harness = self.new_harness()
 
     def new_harness(self) -> Harness:
-        return self.run(make_harness(Path(self.tmp.name), clock=lambda: self.now))
+        self.storage = FailingStorage()
+        return self.run(make_harness(Path(self.tmp.name), clock=lambda: self.now, storage=self.storage,
+                                     limits=LIMITS))
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -229,13 +242,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         candidates = sorted(self.model.held | self.model.restarts | {key_of("r0", 0)})
         return sorted(data.draw(st.sets(st.sampled_from(candidates), max_size=4), label="scope"))
 
-    @rule(everything=st.booleans(), data=st.data())
-    def commit(self, everything: bool, data: st.DataObject) -> None:
-        self.do_commit(self.pick_id(data), self.draw_scope(data, everything))
+    @rule(everything=st.booleans(), elsewhere=st.booleans(), data=st.data())
+    def commit(self, everything: bool, elsewhere: bool, data: st.DataObject) -> None:
+        self.do_commit(self.pick_id(data), self.draw_scope(data, everything), elsewhere=elsewhere)
 
-    def do_commit(self, checkpoint_id: str, scope: list[str] | None) -> None:
+    def do_commit(self, checkpoint_id: str, scope: list[str] | None, *, elsewhere: bool = False) -> None:
         m = self.model
-        directory = self.commit_dir(checkpoint_id)
+        directory = self.commit_dir(checkpoint_id) + ("-elsewhere" if elsewhere else "")
         body = {
             "checkpoint_id": checkpoint_id,
             "checkpoint_dir": directory,
@@ -252,17 +265,30 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             if code is None:
                 assert self.expect("commit", None, **body) == m.commit[1]  # replayed, never exported twice
                 return
-        if code is None and m.phase != "prepared":
+        retry = code is None and m.failed_write is not None
+        if retry and m.failed_write != args[1:]:
+            code = "checkpoint_conflict"  # after a failed write only the directory may differ
+        if code is None and not retry and m.phase != "prepared":
             code = "invalid_phase"
-        if code is None and scope is not None and set(scope) & m.reported_restarts:
+        if code is None and not retry and scope is not None and set(scope) & m.reported_restarts:
             code = "restart_in_scope"
+        if code is None and not retry and self.h.participant.blockers:
+            code = "export_failed"  # readiness regressed since prepare: final
+            m.export_failed = True
         if code is not None:
             self.expect("commit", code, **body)
             return
         exports_before = len(self.h.participant.called("export"))
         reply = self.expect("commit", None, **body)
-        assert len(self.h.participant.called("export")) == exports_before + 1
         exported = {k for k in m.held if k not in m.restarts and (scope is None or k in scope)}
+        if retry:
+            event("a failed write retried" + (" elsewhere" if elsewhere else " in place"))
+            exported = set(m.kept)  # the export kept from the failed write, whatever changed since
+            assert len(self.h.participant.called("export")) == exports_before
+            assert self.storage.consumed[-1] == self.stored(directory)
+            m.failed_write, m.kept = None, []
+        else:
+            assert len(self.h.participant.called("export")) == exports_before + 1
         event("commit wrote records" if exported else "commit wrote no records")
         assert reply["phase"] == "committed"
         assert reply["episode_ids"] == sorted(exported)
@@ -276,11 +302,65 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         m.phase, m.commit = "committed", (args, reply)
         self.published[directory] = (checkpoint_id, sorted(exported))
 
+    def stored(self, directory: str) -> list[dict[str, Any]]:
+        participant_dir = Path(directory) / "gym" / "environment" / "env_one"
+        (records,) = participant_dir.glob("records-*.jsonl")
+        return [json.loads(line) for line in records.read_text().splitlines()]
+
+    def can_start_commit(self) -> bool:
+        m = self.model
+        return m.phase == "prepared" and m.commit is None and not m.export_failed
+
+    @precondition(lambda self: self.can_start_commit())
+    @rule(everything=st.booleans(), elsewhere=st.booleans(), data=st.data())
+    def a_write_that_fails(self, everything: bool, elsewhere: bool, data: st.DataObject) -> None:
+        """The disk is full: invalid_checkpoint_state, the export is kept for a retry (even a failed one)."""
+        m = self.model
+        scope = self.draw_scope(data, everything) if m.failed_write is None else m.failed_write[0]
+        scope = None if scope is None else list(scope)
+        if m.failed_write is None and (
+            (scope is not None and set(scope) & m.reported_restarts) or self.h.participant.blockers
+        ):
+            return
+        directory = self.commit_dir(m.active) + ("-elsewhere" if elsewhere else "")
+        episode_ids = None if scope is None else [wire(k) for k in scope]
+        self.storage.fail_writes = 1
+        exports_before = len(self.h.participant.called("export"))
+        error = self.expect(
+            "commit", "invalid_checkpoint_state", checkpoint_id=m.active, checkpoint_dir=directory,
+            episode_ids=episode_ids,
+        )["error"]
+        assert self.storage.fail_writes == 0 and "no space left" in error["detail"]
+        written = sorted(k for k in m.held if k not in m.restarts and (scope is None or k in scope))
+        if m.failed_write is None:
+            assert len(self.h.participant.called("export")) == exports_before + 1
+            m.failed_write, m.kept = (None if scope is None else tuple(scope),), written
+        else:
+            event("a retried write failed again")
+            assert len(self.h.participant.called("export")) == exports_before
+        keys = [EpisodeId.model_validate(r["episode_id"]).capture_key for r in self.storage.consumed[-1]]
+        assert keys == m.kept
+        assert not Path(directory).exists()  # nothing published; the phase stays prepared
+
+    @precondition(lambda self: self.model.phase == "prepared" and self.model.commit is None)
+    @rule(everything=st.booleans(), data=st.data())
+    def readiness_regresses_before_the_commit(self, everything: bool, data: st.DataObject) -> None:
+        """A blocker appears after prepare: a commit that has not exported yet ends the checkpoint for good."""
+        m = self.model
+        self.h.participant.blockers.add(sorted(m.held)[0] if m.held else key_of("r0", 0))
+        try:
+            scope = self.draw_scope(data, everything) if m.failed_write is None else m.failed_write[0]
+            self.do_commit(m.active, None if scope is None else list(scope))
+        finally:
+            self.h.participant.blockers.clear()  # readiness recovers: a retry must still not commit
+
     @precondition(lambda self: self.model.phase == "prepared" and self.model.commit is None)
     @rule(everything=st.booleans(), data=st.data())
     def an_export_that_fails(self, everything: bool, data: st.DataObject) -> None:
         """The participant's export raises: this commit and every later one of the id get export_failed."""
         m = self.model
+        if m.failed_write is not None:
+            return  # the export already succeeded; a commit now retries its write
         scope = self.draw_scope(data, everything)
         if scope is not None and set(scope) & m.reported_restarts:
             return
@@ -433,14 +513,16 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             return "checkpoint_conflict"
         return None
 
+    def key_pool(self) -> st.SearchStrategy[str]:
+        pool = st.builds(key_of, st.sampled_from(ROLLOUTS), ATTEMPTS)
+        return st.sampled_from(sorted(self.model.held)) | pool if self.model.held else pool
+
     @rule(data=st.data())
     def retire(self, data: st.DataObject) -> None:
-        checkpoint_id = self.pick_id(data)
+        self.do_retire(self.pick_id(data), sorted(data.draw(st.sets(self.key_pool(), min_size=1, max_size=3))))
+
+    def do_retire(self, checkpoint_id: str, keys: list[str]) -> None:
         m = self.model
-        pool = st.builds(key_of, st.sampled_from(ROLLOUTS), ATTEMPTS)
-        if m.held:
-            pool = st.sampled_from(sorted(m.held)) | pool
-        keys = sorted(data.draw(st.sets(pool, min_size=1, max_size=3)))
         body = {"checkpoint_id": checkpoint_id, "episode_ids": [wire(k) for k in keys]}
         code = self.marks_allowed(checkpoint_id)
         reply = self.expect("retire", code, **body)
@@ -451,6 +533,48 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             m.mark(key)
         m.held -= set(keys)
         assert not set(keys) & set(self.h.participant.episodes)
+
+    def refused_body(self, route: str, field: str, **body: Any) -> None:
+        """A body error (422 ``{"detail": [...]}`` naming ``field``): nothing reaches the plane."""
+        body.setdefault("deadline_ts", self.now + 10)
+        response = self.run(self.h.post(route, body))
+        assert response.status_code == 422, (route, response.status_code, response.text)
+        assert [e["loc"] for e in response.json()["detail"]] == [["body", field]], response.text
+
+    @rule(over=st.booleans(), data=st.data())
+    def a_retire_at_the_id_limit(self, over: bool, data: st.DataObject) -> None:
+        """A list of exactly the limit is a retire like any other; one more id is refused before the plane."""
+        n = LIMITS.max_ids + over
+        keys = data.draw(st.lists(self.key_pool(), min_size=n, max_size=n), label="keys")
+        checkpoint_id = self.pick_id(data)
+        if over:
+            self.refused_body("retire", "episode_ids", checkpoint_id=checkpoint_id, episode_ids=[wire(k) for k in keys])
+            return
+        event("a retire at the id limit")
+        self.do_retire(checkpoint_id, keys)
+
+    @rule(route=st.sampled_from(["commit", "restore", "forget"]), data=st.data())
+    def a_list_over_the_id_limit(self, route: str, data: st.DataObject) -> None:
+        n = LIMITS.max_ids + 1
+        checkpoint_id = self.pick_id(data)
+        if route == "forget":
+            self.refused_body(route, "rollout_ids", checkpoint_id=checkpoint_id, rollout_ids=["r0"] * n)
+            return
+        keys = data.draw(st.lists(self.key_pool(), min_size=n, max_size=n), label="keys")
+        self.refused_body(route, "episode_ids", checkpoint_id=checkpoint_id, checkpoint_dir=self.commit_dir("x"),
+                          episode_ids=[wire(k) for k in keys])
+
+    @rule(route=st.sampled_from(["prepare", "renew", "resume", "commit", "retire", "forget"]), data=st.data())
+    def a_deadline_in_milliseconds(self, route: str, data: st.DataObject) -> None:
+        """Refused on the plane's (frozen) clock before anything changes, whatever the phase."""
+        body: dict[str, Any] = {"checkpoint_id": self.pick_id(data), "deadline_ts": self.now * 1000}
+        if route == "commit":
+            body.update(checkpoint_dir=self.commit_dir("x"), episode_ids=None)
+        if route == "retire":
+            body["episode_ids"] = [wire(key_of("r0", 0))]
+        if route == "forget":
+            body["rollout_ids"] = ["r0"]
+        self.refused_body(route, "deadline_ts", **body)
 
     @rule(rollouts=st.sets(st.sampled_from(ROLLOUTS), min_size=1), data=st.data())
     def forget(self, rollouts: set[str], data: st.DataObject) -> None:

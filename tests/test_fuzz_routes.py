@@ -2,9 +2,12 @@
 
 Properties: no response is a 500 (an unhandled error would also surface here, since the
 in-process transport re-raises app exceptions); a missing or wrong token is always a
-401 ``unauthorized``; every non-2xx reply with a valid token is either a 422 validation
-reply or a protocol error body. Bodies mix near-valid ones (which drive the phases:
-prepare, commit, restore, retire...) with arbitrary JSON and raw bytes.
+401 ``unauthorized`` and the scheme's case never matters (``bearer``, ``BEARER``); every
+non-2xx reply with a valid token is a 422 or 413 body refusal (``{"detail": [...]}``) or a
+protocol error body. Bodies mix near-valid ones (which drive the phases: prepare, commit,
+restore, retire...) with arbitrary JSON, raw bytes, near-valid bodies encoded as UTF-16 or
+UTF-32 (always 422: the routes read UTF-8 JSON only), id lists over the limit (422) and
+bodies over the byte limit (413); the harness's ``BodyLimits`` are small so these stay cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX
+from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits
+
+LIMITS = BodyLimits(max_body_bytes=4096, max_ids=16)
 
 ROUTES = ("status", "prepare", "renew", "commit", "restore", "resume", "retire", "forget")
 
@@ -50,8 +55,10 @@ dirs = st.one_of(
     st.tuples(st.just("under_tmp"), dir_names),
     st.tuples(st.just("raw"), st.one_of(st.text(max_size=12).filter(lambda s: not s.startswith("/")), st.integers())),
 )
+# Authorized spellings: the scheme is case-insensitive (RFC 7235).
+AUTHORIZED = {"valid": f"Bearer {TOKEN}", "lower": f"bearer {TOKEN}", "upper": f"BEARER {TOKEN}"}
 tokens = st.one_of(
-    st.just("valid"),
+    st.sampled_from(sorted(AUTHORIZED)),
     st.just("missing"),
     st.text(max_size=30).filter(lambda t: not set(t) & set("\r\n\x00")).map(lambda t: f"Bearer {t}"),
     st.just(f"Bearer {TOKEN[:-1]}"),
@@ -62,9 +69,10 @@ tokens = st.one_of(
 @st.composite
 def calls(draw: st.DrawFn) -> dict[str, Any]:
     route = draw(st.sampled_from(ROUTES))
-    shape = draw(st.sampled_from(["near_valid", "near_valid", "near_valid", "any_json", "raw_bytes"]))
+    shape = draw(st.sampled_from(["near_valid", "near_valid", "near_valid", "any_json", "raw_bytes", "wide",
+                                  "huge_list", "too_big"]))
     body: Any
-    if shape == "near_valid":
+    if shape in ("near_valid", "wide", "huge_list"):
         body = {"checkpoint_id": draw(ids), "deadline_ts": draw(deadlines)}
         if route in ("commit", "restore"):
             body["checkpoint_dir"] = draw(dirs)
@@ -76,6 +84,16 @@ def calls(draw: st.DrawFn) -> dict[str, Any]:
             body["rollout_ids"] = draw(st.one_of(st.lists(rollouts, max_size=3), json_values))
         if draw(st.integers(0, 9)) == 0:
             body[draw(st.text(max_size=8))] = draw(json_values)
+        if shape == "huge_list":
+            n = draw(st.integers(LIMITS.max_ids + 1, LIMITS.max_ids + 40))
+            if route == "forget":
+                body["rollout_ids"] = ["r1"] * n
+            else:
+                body["episode_ids"] = [{"rollout_id": "r1", "attempt": 0}] * n
+        if shape == "wide":
+            body = ("wide", draw(st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32"])), body)
+    elif shape == "too_big":
+        body = b" " * draw(st.integers(LIMITS.max_body_bytes + 1, LIMITS.max_body_bytes + 5000))
     elif shape == "any_json":
         body = draw(json_values)
     else:
@@ -86,6 +104,9 @@ def calls(draw: st.DrawFn) -> dict[str, Any]:
 def _resolve(value: Any, tmp: Path) -> Any:
     if isinstance(value, dict):
         return {k: _resolve(v, tmp) for k, v in value.items()}
+    if isinstance(value, tuple) and value[0] == "wide":
+        # Gym's json.loads would decode these; the control routes read UTF-8 only.
+        return json.dumps(_resolve(value[2], tmp), allow_nan=True).encode(value[1])
     if isinstance(value, tuple):
         tag, inner = value
         if tag == "offset":
@@ -97,8 +118,8 @@ def _resolve(value: Any, tmp: Path) -> Any:
 
 
 def _headers(token: str) -> dict[str, Any]:
-    if token == "valid":
-        return dict(AUTH)
+    if token in AUTHORIZED:
+        return {"Authorization": AUTHORIZED[token]}
     if token == "missing":
         return {}
     # Raw bytes: a header on the wire is bytes, not necessarily ASCII.
@@ -106,12 +127,12 @@ def _headers(token: str) -> dict[str, Any]:
 
 
 async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
-    harness = await make_harness(tmp, retry_seconds=0.05, grace_seconds=0.05)
+    harness = await make_harness(tmp, retry_seconds=0.05, grace_seconds=0.05, limits=LIMITS)
     harness.participant.add("r1", "r2", "r1-a1")
     try:
         for call in sequence:
             headers = _headers(call["token"])
-            authorized = call["token"] == "valid"
+            authorized = call["token"] in AUTHORIZED
             url = f"{CONTROL_PREFIX}/{call['route']}"
             body = _resolve(call["body"], tmp)
             if call["route"] == "status":
@@ -129,7 +150,13 @@ async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
                 assert response.status_code == 401, (call, response.text)
                 assert response.json()["error"]["code"] == "unauthorized"
                 continue
-            if response.status_code >= 400 and response.status_code != 422:
+            if isinstance(call["body"], tuple) and call["body"][0] == "wide" and call["route"] != "status":
+                assert response.status_code == 422, (call, response.text)
+            if call["route"] != "status" and isinstance(call["body"], bytes) and len(call["body"]) > 4096:
+                assert response.status_code == 413, (call, response.text)
+            if response.status_code in (413, 422):
+                assert isinstance(response.json()["detail"], list), response.text
+            elif response.status_code >= 400:
                 code = response.json()["error"]["code"]
                 assert ERRORS_BY_CODE[code].status == response.status_code
             if response.status_code == 200 and call["route"] != "status":

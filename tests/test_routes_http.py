@@ -40,8 +40,12 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
         {"Authorization": "Bearer wrong"},
         {"Authorization": TOKEN},
         {"Authorization": f"Bearer {TOKEN}x"},
-        {"Authorization": f"bearer {TOKEN}"},
         {"Authorization": f"Bearer {TOKEN[:-1]}"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearers {TOKEN}"},
+        {"Authorization": f"bearer{TOKEN}"},
+        {"Authorization": f"bearer {TOKEN.upper()}"},
+        {"Authorization": "Bearer"},
     ],
 )
 async def test_every_route_refuses_a_missing_or_wrong_token(h: Harness, headers: dict[str, str]) -> None:
@@ -53,6 +57,37 @@ async def test_every_route_refuses_a_missing_or_wrong_token(h: Harness, headers:
         assert response.json() == {"error": {"code": "unauthorized", "detail": "missing or wrong bearer token"}}
     # Nothing reached the control plane.
     assert h.plane.phase == "idle" and h.participant.calls == [] and len(h.plane.marks) == 0
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR", "Bearer"])
+async def test_the_scheme_is_case_insensitive(h: Harness, scheme: str) -> None:
+    # RFC 7235: auth schemes are case-insensitive; the token itself is not.
+    headers = {"Authorization": f"{scheme} {TOKEN}"}
+    assert (await h.client.get(f"{CONTROL_PREFIX}/status", headers=headers)).status_code == 200
+    response = await h.post("prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()}, headers=headers)
+    assert response.status_code == 200 and response.json()["phase"] == "prepared"
+    wrong = await h.post("resume", {"checkpoint_id": "c1", "deadline_ts": deadline()},
+                         headers={"Authorization": f"{scheme} {TOKEN}x"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
+
+
+def test_the_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hmac
+
+    from nemo_gym_checkpoint_plugin import routes
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(routes.hmac, "compare_digest", spy)
+    assert routes._authorized(f"bearer {TOKEN}", TOKEN.encode())
+    # Even with a wrong scheme the token goes through compare_digest: no early exit to time.
+    assert not routes._authorized(f"Basic {TOKEN}", TOKEN.encode())
+    assert compared == [(TOKEN.encode(), TOKEN.encode())] * 2
 
 
 async def test_the_token_is_checked_before_the_body_is_read(h: Harness) -> None:

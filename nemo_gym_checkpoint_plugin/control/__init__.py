@@ -11,6 +11,9 @@ from .lease import DefaultLeasePolicy, Lease
 from .memory import RESUMED_MEMORY
 from .plane import ControlPlane
 from .types import (
+    MAX_DEADLINE_AHEAD_SECONDS,
+    AdmissionNotReopened,
+    DeadlineTooFar,
     LeasePolicy,
     ParticipantExport,
     Phase,
@@ -21,7 +24,10 @@ from .types import (
 )
 
 __all__ = [
+    "MAX_DEADLINE_AHEAD_SECONDS",
     "RESUMED_MEMORY",
+    "AdmissionNotReopened",
+    "DeadlineTooFar",
     "ControlPlane",
     "DefaultLeasePolicy",
     "Lease",

@@ -10,7 +10,15 @@ PROTOCOL.md's "Phases" section, exactly:
 - completed prepare/commit/restore are remembered on the active operation and replayed
   to a retry with the same arguments (a retry while the work runs joins it);
 - phase and admission never disagree: every path back to ``idle`` reopens admission,
-  except that it waits for an install still running.
+  except that it waits for an install still running. When a participant's
+  ``open_admission`` hook raises (the plane's own gate is open all the same), the reopening
+  stays pending: the next resume retries it, even a resume of an id already resumed or
+  while idle (then ``idempotent: false``), and a resume whose reopening failed replies
+  ``invalid_phase`` (``AdmissionNotReopened``) naming the hook's error, so the controller
+  resumes again;
+- ``deadline_ts`` must be ahead of the plane's clock (else ``deadline_exceeded``) and at most
+  ``MAX_DEADLINE_AHEAD_SECONDS`` (24 hours) ahead (else ``DeadlineTooFar``, a 422 body error on
+  the routes): a deadline in milliseconds would make the lease endless.
 
 This module holds the state and the checkpoint path (prepare, commit, renew, resume,
 status); ``restore.py`` adds restore, retire and forget.
@@ -21,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pluggy
@@ -33,6 +41,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     InvalidPhase,
     StaleCheckpoint,
 )
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
 
 from .commit import CommitMixin
@@ -40,11 +49,22 @@ from .facade import Participants
 from .lease import Lease
 from .memory import Active, ResumedIds
 from .restore import RestoreMixin
-from .types import LeasePolicy, Phase, PrepareReport
+from .types import (
+    MAX_DEADLINE_AHEAD_SECONDS,
+    AdmissionNotReopened,
+    DeadlineTooFar,
+    LeasePolicy,
+    Phase,
+    PrepareReport,
+    rollout_attempts,
+)
 
 __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
+
+# Marks set between two yields to the event loop: a retire of 200,000 ids never holds data traffic long.
+_MARKS_PER_YIELD = 4096
 
 
 class ControlPlane(CommitMixin, RestoreMixin):
@@ -86,6 +106,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self._active: Active | None = None
         self._resumed = ResumedIds()
         self._install_task: asyncio.Task[None] | None = None
+        # A participant's open_admission hook that raised: (checkpoint id, error), retried by the next resume.
+        self._reopen_failed: tuple[str, Exception] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- shared helpers --------------------------------------------------------------------------
@@ -96,8 +118,19 @@ class ControlPlane(CommitMixin, RestoreMixin):
 
     def _check_deadline(self, deadline_ts: float) -> None:
         # Refused before anything changes: a late prepare does not even close admission.
-        if deadline_ts <= self._clock():
+        now = self._clock()
+        if deadline_ts <= now:
             raise DeadlineExceeded(f"deadline_ts {deadline_ts} has already passed", deadline_ts=deadline_ts)
+        if deadline_ts - now > MAX_DEADLINE_AHEAD_SECONDS:
+            # A deadline in milliseconds (1.7e12) would make the lease, deadline + grace, endless.
+            raise DeadlineTooFar(deadline_ts, now)
+
+    async def _mark_all(self, episodes: Sequence[EpisodeId]) -> None:
+        """Mark each episode retired up to its attempt (under the lock), yielding to other work in between."""
+        for count, (rollout_id, attempt) in enumerate(rollout_attempts(episodes), 1):
+            self.marks.mark(rollout_id, attempt)
+            if count % _MARKS_PER_YIELD == 0:
+                await asyncio.sleep(0)
 
     def _remaining(self, deadline_ts: float) -> float:
         return max(0.0, deadline_ts - self._clock())
@@ -176,8 +209,24 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self.admission.open()
         try:
             await self.participants.open_admission(checkpoint_id)
-        except Exception:
-            logger.exception("open_admission hook failed after %s; admission is open", checkpoint_id)
+        except Exception as exc:
+            logger.exception("open_admission hook failed after %s; the next resume retries it", checkpoint_id)
+            self._reopen_failed = (checkpoint_id, exc)
+        else:
+            self._reopen_failed = None
+
+    async def _retry_open(self) -> None:
+        """Run a pending reopening again (under the lock); raise ``AdmissionNotReopened`` if it fails again."""
+        if self._reopen_failed is None:
+            return
+        await self._open(self._reopen_failed[0])
+        if self._reopen_failed is not None:
+            checkpoint_id, exc = self._reopen_failed
+            raise AdmissionNotReopened(
+                f"a participant's open_admission hook failed after {checkpoint_id} "
+                f"({type(exc).__name__}: {exc}); admission is still pending: resume again",
+                checkpoint_id=checkpoint_id,
+            )
 
     # -- prepare ---------------------------------------------------------------------------------
 
@@ -243,6 +292,10 @@ class ControlPlane(CommitMixin, RestoreMixin):
             if checkpoint_id in self._resumed or active is None:
                 # Remembered all the same, so a delayed prepare for it gets stale_checkpoint.
                 self._resumed.remember(checkpoint_id)
+                if active is None and self._reopen_failed is not None:
+                    # Not a no-op: an earlier reopening failed (e.g. a restore's rollback); retry it.
+                    await self._retry_open()
+                    return {"phase": self.phase.value, "idempotent": False}
                 return {"phase": self.phase.value, "idempotent": True}
             if active.checkpoint_id != checkpoint_id:
                 self._fence(checkpoint_id)
@@ -265,6 +318,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
                     ) from None
             self._resumed.remember(checkpoint_id)
             await self._back_to_idle(active)
+            if self._active is None and self._reopen_failed is not None:
+                await self._retry_open()  # this resume's own reopening failed: try once more, then report it
             return {"phase": Phase.IDLE.value, "idempotent": False}
 
     async def _self_resume(self) -> None:

@@ -66,8 +66,7 @@ class RestoreMixin:
                 task = active.restore.task
             else:
                 # Marks first: from here on the checkpointed attempts are refused, whatever happens next.
-                for episode in episode_ids:
-                    self.marks.mark(episode.rollout_id, episode.attempt)
+                await self._mark_all(episode_ids)
                 active = Active(checkpoint_id, "restore")
                 await self._begin(active, deadline_ts, Phase.RESTORED)
                 task = self._spawn(self._read_and_install(active, args[0], args[1] or ()), active)
@@ -132,8 +131,7 @@ class RestoreMixin:
         self._check_deadline(deadline_ts)
         async with self._lock:
             self._check_marks_allowed("retire", checkpoint_id)
-            for episode in episode_ids:
-                self.marks.mark(episode.rollout_id, episode.attempt)
+            await self._mark_all(episode_ids)
             if self.phase is Phase.RESTORED:
                 self.lease.extend(deadline_ts)
         work = self._spawn(self._stop_and_free(list(episode_ids)))

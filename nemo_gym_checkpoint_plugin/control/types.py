@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.errors import InvalidPhase
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
 __all__ = [
     "MAX_REPORTED_BLOCKERS",
+    "MAX_DEADLINE_AHEAD_SECONDS",
+    "DeadlineTooFar",
+    "AdmissionNotReopened",
     "Phase",
     "Readiness",
     "PrepareReport",
@@ -24,10 +28,39 @@ __all__ = [
     "SeedDeclaration",
     "LeasePolicy",
     "merge_readiness",
+    "EpisodeIds",
+    "rollout_attempts",
+    "sorted_keys",
 ]
 
 # PROTOCOL: a report lists at most 100 blockers (the full count is reported beside them).
 MAX_REPORTED_BLOCKERS = 100
+
+# The furthest ahead a deadline_ts may be, from the plane's clock: 24 hours. Every control call extends
+# the lease to deadline_ts + lease_grace_seconds, so a deadline in milliseconds would make it endless.
+MAX_DEADLINE_AHEAD_SECONDS = 24 * 3600.0
+
+
+class DeadlineTooFar(ValueError):
+    """A ``deadline_ts`` more than ``MAX_DEADLINE_AHEAD_SECONDS`` ahead (seconds, not milliseconds).
+
+    A malformed argument, refused before anything changes; the routes render it as a 422 body
+    error on ``deadline_ts``, like a deadline that is not a finite number.
+    """
+
+    def __init__(self, deadline_ts: float, now: float) -> None:
+        super().__init__(
+            f"deadline_ts {deadline_ts!r} is {deadline_ts - now:.0f} s ahead; at most "
+            f"{MAX_DEADLINE_AHEAD_SECONDS:.0f} s (24 hours) ahead is accepted: an absolute Unix time in seconds"
+        )
+        self.deadline_ts = deadline_ts
+
+
+class AdmissionNotReopened(InvalidPhase):
+    """A resume could not reopen admission: a participant's ``open_admission`` hook raised (again).
+
+    The plane is idle and its own gate open; the reopening stays pending and the next resume retries it.
+    """
 
 
 class Phase(enum.StrEnum):
@@ -140,8 +173,49 @@ class LeasePolicy:
         return deadline_ts + self.grace_seconds
 
 
+class EpisodeIds(Sequence[EpisodeId]):
+    """Episode ids validated in bulk (``control/bodies.py``): ``(rollout_id, attempt)`` pairs and their
+    sorted, deduplicated capture keys, computed off the event loop.
+
+    A commit or restore needs only those; ``EpisodeId`` objects (costly by the hundred thousand) are
+    made on first use, or up front in the parsing thread when the route hands them to hooks (retire).
+    """
+
+    def __init__(self, pairs: list[tuple[str, int]], sorted_capture_keys: tuple[str, ...]) -> None:
+        self.pairs = pairs
+        self.sorted_capture_keys = sorted_capture_keys
+        self._episodes: list[EpisodeId] | None = None
+
+    def materialized(self) -> list[EpisodeId]:
+        if self._episodes is None:
+            construct = EpisodeId.model_construct  # the pairs were validated as EpisodeId would
+            self._episodes = [construct(rollout_id=rollout_id, attempt=attempt) for rollout_id, attempt in self.pairs]
+        return self._episodes
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.materialized()[index]
+
+    def __iter__(self) -> Iterator[EpisodeId]:
+        return iter(self.materialized())
+
+    def __repr__(self) -> str:
+        return f"EpisodeIds({len(self.pairs)} episodes)"
+
+
+def rollout_attempts(episodes: Sequence[EpisodeId]) -> Iterable[tuple[str, int]]:
+    """``(rollout_id, attempt)`` of each episode, without making ``EpisodeId`` objects when not needed."""
+    if isinstance(episodes, EpisodeIds):
+        return episodes.pairs
+    return [(episode.rollout_id, episode.attempt) for episode in episodes]
+
+
 def sorted_keys(episodes: Sequence[EpisodeId] | None) -> tuple[str, ...] | None:
     """A scope as its sorted capture keys (``None`` stays ``None``): how retries are compared."""
     if episodes is None:
         return None
+    if isinstance(episodes, EpisodeIds):
+        return episodes.sorted_capture_keys
     return tuple(sorted({episode.capture_key for episode in episodes}))
