@@ -3,7 +3,11 @@
 While admission is closed (a checkpoint is being taken) new data requests *park* until
 resume reopens it; they are never refused, because Gym's client would just resend them.
 A request attributed to a retired attempt is refused with 409 ``stale_attempt`` (the
-JSON body of ``errors.py``), before it parks and again when it wakes. Health routes
+JSON body of ``errors.py``), before it parks and again when it wakes. A parked request
+whose attempt gets marked is refused at once, without waiting for resume, and stays
+refused even if the rollout is forgotten before admission reopens (it is registered in
+``RetiredMarks.parking`` while parked; a retire replies only after such requests were
+answered, ``RetiredMarks.parked_left``). Health routes
 (``/``, ``/health*``, ``/livez``, ``/readyz``) and control routes (``/ng-control/...``)
 always pass: Gym polls ``/`` and the controller must reach a closed participant.
 
@@ -208,15 +212,8 @@ class AdmissionGate:
             await self._refuse(send, attempt)
             return
         if not self._admission.is_open:
-            counters = self._counters
-            counters.parked += 1
-            counters.parks += 1
-            try:
-                # Returns only with admission open: a wake that finds a new checkpoint already
-                # closed admission parks again inside wait_open.
-                await self._admission.wait_open()
-            finally:
-                counters.parked -= 1
+            if not await self._park(send, attempt):
+                return
             # Nothing is awaited between this check and the call: admission is still open and the
             # mark cannot have risen in between.
             if attempt is not None and self._marks.is_retired(*attempt):
@@ -224,11 +221,36 @@ class AdmissionGate:
                 return
         await self._app(scope, receive, send)
 
+    async def _park(self, send: Send, attempt: Attempt | None) -> bool:
+        """Wait for admission to open; False when the attempt was retired meanwhile (refused then)."""
+        counters = self._counters
+        counters.parked += 1
+        counters.parks += 1
+        try:
+            if attempt is None:
+                # Returns only with admission open: a wake that finds a new checkpoint already
+                # closed admission parks again inside wait_open.
+                await self._admission.wait_open()
+                return True
+            # An attributed request also wakes when a mark rises over its attempt and is refused at
+            # once; it stays registered until answered, so a retire can wait for it to leave.
+            with self._marks.parking(*attempt) as parked:
+                while not self._admission.is_open and not parked.retired:
+                    await self._admission.wait_open_or(parked.woken)
+                if parked.retired:
+                    # Refused even if the rollout was forgotten since: the mark rose while it was parked.
+                    await self._refuse(send, attempt)
+                    return False
+                return True
+        finally:
+            counters.parked -= 1
+
     async def _refuse(self, send: Send, attempt: Attempt) -> None:
         rollout_id, number = attempt
+        up_to = self._marks.retired_up_to(rollout_id)
+        since = "its mark was forgotten since" if up_to is None else f"retired up to attempt {up_to}"
         error = StaleAttempt(
-            f"attempt {number} of rollout {rollout_id!r} was retired "
-            f"(retired up to attempt {self._marks.retired_up_to(rollout_id)})",
+            f"attempt {number} of rollout {rollout_id!r} was retired ({since})",
             rollout_id=rollout_id,
             attempt=number,
         )

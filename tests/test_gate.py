@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -268,6 +269,88 @@ async def test_attempt_retired_while_parked_is_refused_when_it_wakes(gated: Gate
     assert_stale(await bounded(retired))
     assert (await bounded(unrelated)).status_code == 200
     assert gated.entered == ["/items"]
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_parked_attempt_is_refused_as_soon_as_it_is_marked(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    unrelated = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 2)
+
+    gated.marks.mark("r1", 1)
+    # Admission stays closed: the retired request does not wait for resume.
+    assert_stale(await bounded(retired))
+    assert gated.counters.parked == 1 and not unrelated.done() and gated.entered == []
+
+    gated.admission.open()
+    assert (await bounded(unrelated)).status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_parked_attempt_stays_refused_when_forgotten_before_admission_reopens(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    await wait_until(lambda: gated.counters.parked == 1)
+
+    # Marked and forgotten before the parked request even ran again, then admission reopens.
+    gated.marks.mark("r1", 1)
+    gated.marks.forget("r1")
+    gated.admission.open()
+    reply = await bounded(retired)
+    assert_stale(reply)
+    assert "forgotten" in reply.json()["error"]["detail"]
+    assert gated.entered == [] and len(gated.marks) == 0
+
+
+async def test_mark_of_a_later_attempt_only_leaves_an_earlier_parked_one_parked(gated: Gated) -> None:
+    gated.admission.close()
+    later = send(gated, "path_prefix")  # r1-a1
+    await wait_until(lambda: gated.counters.parked == 1)
+    gated.marks.mark("r1", 0)  # below the parked attempt: it keeps waiting
+    assert gated.marks.retired_parked(["r1"]) == 0
+    gated.admission.open()
+    assert (await bounded(later)).status_code == 200
+
+
+async def test_retire_replies_only_after_parked_requests_of_its_attempts_were_answered() -> None:
+    from nemo_gym_checkpoint_plugin.control import ControlPlane
+    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+
+    plane = ControlPlane(make_plugin_manager([], load_entry_points=False), kind="environment", instance="env")
+    entered: list[str] = []
+    app = make_app(entered)
+    counters = install_gate(app, plane.admission, plane.marks)
+    release = asyncio.Event()
+
+    async def slow_client(scope: Any, receive: Any, send: Any) -> None:
+        # The refusal reaches a client that reads slowly: its first message waits for ``release``.
+        async def held_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                await release.wait()
+            await send(message)
+
+        await app(scope, receive, held_send)
+
+    # As after a restore (phase restored): admission is closed while the retire runs.
+    plane.admission.close()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=slow_client), base_url="http://gym") as client:
+        parked = asyncio.create_task(client.post("/run", content=run_body("r1", 0), headers=JSON))
+        await wait_until(lambda: counters.parked == 1)
+        retire = asyncio.create_task(
+            plane.retire("op-1", time.time() + 10, [EpisodeId(rollout_id="r1", attempt=0)])
+        )
+        await wait_until(lambda: counters.refused == 1, what="the parked request refused at once")
+        # Its reply is still on its way out, so the retire has not replied. Without that wait the retire
+        # (no participant hooks, no I/O) ends within a few loop passes: give it many.
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not retire.done()
+        release.set()
+        assert (await bounded(retire)) == {"retired_count": 1}
+        assert_stale(await bounded(parked))
+    assert plane.marks.retired_parked(["r1"]) == 0 and entered == []
+    await plane.aclose()
 
 
 # --- bodies ---------------------------------------------------------------------------------
