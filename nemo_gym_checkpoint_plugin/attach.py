@@ -233,6 +233,10 @@ def attach_checkpointing(
     plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
     control = ControlPlane(_plugin_manager(plugins), kind=kind, instance=instance, settings=settings)
+    for plugin in builtins:
+        if hasattr(plugin, "bind_marks"):
+            # Where an episode begins, the marks are checked too (a request past the gate stays refused).
+            plugin.bind_marks(control.marks)
 
     attach_routes(app, control, token)
     if builtins:

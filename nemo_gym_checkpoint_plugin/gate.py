@@ -22,6 +22,9 @@ Attribution of a request to an episode attempt:
 - For ``POST /run`` (an environment server's episode route) the JSON body's
   ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the
   capture key Gym derives from it (``_ng_rollout_id``, or task and rollout indices).
+  The body is decoded as Gym decodes it (orjson first; what orjson refuses, such as UTF-16
+  or UTF-32 JSON, a UTF-8 BOM or ``NaN``, through the stdlib's ``json.loads`` like
+  Starlette), so a body Gym would run is never left unattributed.
   Only that route's body is buffered, and only when the gate has something to decide;
   the app then receives the very same ASGI messages. A body that is not JSON or names no
   valid episode is not attributed and goes to the app, whose validation answers (422):
@@ -36,6 +39,7 @@ When checkpointing is disabled the gate is not installed at all; whether to call
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -56,6 +60,7 @@ __all__ = [
     "attempt_from_path",
     "attempt_from_run_body",
     "episode_of_run_body",
+    "json_as_gym_reads",
     "ROLLOUT_PATH_PREFIX",
     "CONTROL_PATH_PREFIX",
 ]
@@ -123,8 +128,8 @@ def episode_of_run_body(body: bytes) -> EpisodeId | None:
     """
     try:
         data = orjson.loads(body)
-    except ValueError:  # orjson.JSONDecodeError: not JSON, bad UTF-8, nested too deep
-        return None
+    except ValueError:  # orjson.JSONDecodeError: not JSON, not UTF-8, NaN, nested too deep
+        data = json_as_gym_reads(body)
     if not isinstance(data, dict):
         return None
     try:
@@ -136,6 +141,19 @@ def episode_of_run_body(body: bytes) -> EpisodeId | None:
         key = maybe_rollout_id_from_run_body(data)
         return None if key is None else from_capture_key(key)
     except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def json_as_gym_reads(body: bytes) -> Any:
+    """The body as Gym's routes read it, for what orjson refused; None when Gym cannot read it either.
+
+    Starlette's ``Request.json()`` is ``json.loads(body)``, which detects UTF-8 (with or without a
+    BOM), UTF-16 and UTF-32 by the byte pattern and accepts ``NaN`` and ``Infinity``. Only bodies
+    orjson refused pay for this second parse, so a body Gym would run is always attributed.
+    """
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
 
 

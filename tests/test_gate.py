@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import orjson
 import pytest
 from control_support import wait_until
 from fastapi import FastAPI, Request, Response
@@ -169,6 +170,38 @@ def test_attempt_from_path(path: str, expected: tuple[str, int] | None) -> None:
 )
 def test_attempt_from_run_body(body: bytes, expected: tuple[str, int] | None) -> None:
     assert attempt_from_run_body(body) == expected
+
+
+_EPISODE_TEXT = '{"episode_id": {"rollout_id": "r", "attempt": 2}, "task": {"t": "\u00e9"}}'
+# What Gym's routes parse (Starlette's request.json() is json.loads(bytes)) but orjson does not.
+GYM_ONLY_BODIES = {
+    "utf16_le": _EPISODE_TEXT.encode("utf-16-le"),
+    "utf16_be": _EPISODE_TEXT.encode("utf-16-be"),
+    "utf16_bom": _EPISODE_TEXT.encode("utf-16"),
+    "utf32_le": _EPISODE_TEXT.encode("utf-32-le"),
+    "utf32_be": _EPISODE_TEXT.encode("utf-32-be"),
+    "utf32_bom": _EPISODE_TEXT.encode("utf-32"),
+    "utf8_bom": _EPISODE_TEXT.encode("utf-8-sig"),
+    "nan": b'{"episode_id": {"rollout_id": "r", "attempt": 2}, "score": NaN}',
+    "legacy_row_utf16": '{"_ng_rollout_id": "r-a2"}'.encode("utf-16-le"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GYM_ONLY_BODIES))
+def test_bodies_gym_reads_are_attributed_as_gym_reads_them(name: str) -> None:
+    body = GYM_ONLY_BODIES[name]
+    with pytest.raises(ValueError):
+        orjson.loads(body)
+    json.loads(body)  # what Gym's route does with it
+    assert attempt_from_run_body(body) == ("r", 2)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xff\xfe", b"\xff\xfe\x00\x00", b'{"episode_id": "\xe9"}', b"\x00\x00\x00[" * 3, "[".encode("utf-16-le") * 5000],
+)
+def test_bodies_neither_reads_are_not_attributed(body: bytes) -> None:
+    assert attempt_from_run_body(body) is None
 
 
 # --- parking --------------------------------------------------------------------------------
@@ -382,6 +415,25 @@ async def test_run_body_is_replayed_intact(gated: Gated, closed: bool) -> None:
     assert gated.entered == ["/run r1-a4"]
 
 
+@pytest.mark.parametrize("name", sorted(GYM_ONLY_BODIES))
+@pytest.mark.parametrize("closed", [False, True])
+async def test_retired_run_body_in_any_encoding_gym_reads_is_refused(gated: Gated, name: str, closed: bool) -> None:
+    gated.marks.mark("r", 2)
+    if closed:
+        gated.admission.close()
+    assert_stale(await bounded(gated.client.post("/run", content=GYM_ONLY_BODIES[name], headers=JSON)))
+    assert gated.entered == [] and gated.counters.parks == 0
+
+
+@pytest.mark.parametrize("name", ["utf16_le", "utf32_bom", "utf8_bom"])
+async def test_live_run_body_in_another_encoding_reaches_the_app_intact(gated: Gated, name: str) -> None:
+    gated.marks.mark("r", 1)  # an earlier attempt: the gate reads the body, attempt 2 passes
+    body = GYM_ONLY_BODIES[name]
+    reply = await bounded(gated.client.post("/run", content=body, headers=JSON))
+    assert reply.status_code == 200, reply.text
+    assert reply.content == body and gated.entered == ["/run r-a2"]
+
+
 MALFORMED_BODIES = {
     "empty": b"",
     "not_json": b"{not json",
@@ -392,6 +444,9 @@ MALFORMED_BODIES = {
     "ambiguous_episode": b'{"episode_id": {"rollout_id": "r1-a2", "attempt": 1}}',
     "negative_attempt": b'{"episode_id": {"rollout_id": "r1", "attempt": -1}}',
     "too_deep": b"[" * 5000,
+    "too_deep_utf16": "[".encode("utf-16-le") * 5000,
+    "latin1": b'{"episode_id": {"rollout_id": "\xe9", "attempt": 0}}',
+    "utf16_no_episode": '{"task": {}}'.encode("utf-16"),
 }
 
 
@@ -404,7 +459,8 @@ async def test_malformed_run_body_reaches_the_app_validation(gated: Gated, name:
     await wait_until(lambda: gated.counters.parked == 1)
     gated.admission.open()
     reply = await bounded(task)
-    assert reply.status_code == 422
+    # The app's own validation answers (a body FastAPI cannot decode is its 400), never the gate.
+    assert reply.status_code in (400, 422) and "stale_attempt" not in reply.text
     assert gated.counters.refused == 0
 
 
