@@ -247,7 +247,7 @@ def attach_checkpointing(
         app.add_middleware(RolloutAttribution)
     # Added last, so outermost so far: the gate sees the raw prefixed path before any Gym middleware.
     counters = install_gate(
-        app, control.admission, control.marks, run_path="/run" if kind == "environment" else None
+        app, control.admission, control.marks, run_path="/run" if kind in ("environment", "agent") else None
     )
     app.router.on_shutdown.append(control.aclose)
     attachment = Attachment(
