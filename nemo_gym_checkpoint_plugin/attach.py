@@ -10,7 +10,10 @@ installs nothing at all. When enabled it:
 2. serves the control routes (``routes.attach``: router + error handler);
 3. adds the admission gate (``gate.install_gate``) as the outermost middleware so far, so
    it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
-   and Gym's cancellation middleware (added later) still wraps it;
+   and Gym's cancellation middleware (added later) still wraps it; on environments and
+   agents it also attributes ``POST /run`` by its body (only while something is to decide);
+   the built-in participants are bound to the plane's retired marks (``bind_marks``), so
+   an episode checks them where it begins too;
 4. on agents, sets Gym's rollout context from the ``/ng-rollout/<key>`` prefix (agents
    route the prefix as a path parameter and never set the context themselves), so the
    plugin's client attributes the agent's model and resources calls;
