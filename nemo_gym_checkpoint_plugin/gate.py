@@ -19,7 +19,8 @@ Attribution of a request to an episode attempt:
   in the scope, so the gate must sit *outside* them: ``install_gate`` is called after the
   server's ``setup_webserver()`` built the app. The gate never rewrites the scope, so the
   prefix still reaches Gym's middleware and routes unchanged.
-- For ``POST /run`` (an environment server's episode route) the JSON body's
+- For ``POST /run`` (an environment server's episode route, or an agent's legacy ``/run``;
+  ``install_gate``'s ``run_path``) the JSON body's
   ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the
   capture key Gym derives from it (``_ng_rollout_id``, or task and rollout indices).
   The body is decoded as Gym decodes it (orjson first; what orjson refuses, such as UTF-16
@@ -27,7 +28,8 @@ Attribution of a request to an episode attempt:
   Starlette), so a body Gym would run is never left unattributed.
   Only that route's body is buffered, and only when the gate has something to decide;
   the app then receives the very same ASGI messages. A body that is not JSON or names no
-  valid episode is not attributed and goes to the app, whose validation answers (422):
+  valid episode is not attributed and goes to the app, whose validation answers (422, or
+  400 for a body it cannot decode):
   the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
