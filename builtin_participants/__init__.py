@@ -5,13 +5,16 @@
   the ``legacy_agent`` relay of ``legacy_agent.py`` (every relayed episode is a restart);
 - agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
 - resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings;
+- agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
+  each such episode listed as a restart, work without a rollout id refused;
 - model: none yet (a model server holds no episode state between calls here).
 
 The Gym attachment asks ``participants_for`` which plugins a server gets, and
 ``install_reply_declarations`` to add the reply headers they declare on. A server kind or
-class without a built-in participant gets none: an environment whose run logic does not
-report steps holds no capturable episode, and the environment treats an agent that does
-not declare its sessions capturable as a source of restarts.
+class without a built-in participant gets none, except that an environment whose run logic
+does not report steps, and every agent's ``/run``, hold no capturable episode: those are
+listed as restarts (``uncaptured.py``). The environment treats an agent that does not
+declare its sessions capturable as a source of restarts.
 """
 
 from __future__ import annotations
@@ -62,10 +65,18 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
         book = relay_book(settings.step_mode)
         server.bind_relay_book(book)
         return [book]
+    if kind == "environment":
+        # No steps for this run logic: its episodes are listed as restarts, never silently lost.
+        from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
+
+        return [UncapturedRuns(kind)]
     if kind == "agent":
         from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
+        from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
-        return [SimpleAgentSessions(server)] if is_session_agent(server) else []
+        # An agent's /run owns its whole episode: never capturable, always a restart.
+        runs = UncapturedRuns(kind)
+        return [SimpleAgentSessions(server), runs] if is_session_agent(server) else [runs]
     if kind == "resources":
         from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 
@@ -80,9 +91,12 @@ def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) 
         ResourcesSessions,
         install_resources_declarations,
     )
+    from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns, install_run_tracker
 
     for plugin in plugins:
-        if isinstance(plugin, ResourcesSessions):
+        if isinstance(plugin, UncapturedRuns):
+            install_run_tracker(app, plugin)
+        elif isinstance(plugin, ResourcesSessions):
             install_resources_declarations(app, participants, plugin)
         elif isinstance(plugin, SimpleAgentSessions):
             install_agent_declaration(app)

@@ -25,6 +25,11 @@ Session cookies stay valid across the restart: Gym signs them with a key derived
 the class and server names, which the wrapper keeps. ``/v1/agent_sessions`` replies carry
 ``x-ng-checkpoint-agent-session: capture`` (``install_agent_declaration``), which is how
 the environment tells a capturable agent from one whose episodes must be restarts.
+
+An agent's own ``/run`` (the legacy route where the agent owns the whole episode) is
+not a session: no participant can capture it, so every agent also gets
+``UncapturedRuns`` (``uncaptured.py``), which lists those episodes as restarts and
+refuses a ``/run`` naming no rollout with ``rollout_id_required``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,13 @@ Rules kept here:
   blocks, never parks, is never exported (a pending one is exported with no boundary).
 - **Retire.** ``retire`` drops restored-pending replacements and cancels the running
   tasks of the attempts named (and earlier ones), waiting for them to end; an episode
-  being retired blocks a checkpoint and is never exported.
+  being retired blocks a checkpoint and is never exported. A task is cancelled once: a
+  retried retire waits for the tasks an earlier one cancelled (their cleanup included,
+  even after the episode left the book) and never cancels them again.
+- **Retired attempts never begin.** With the control plane's marks bound
+  (``bind_marks``), ``begin`` refuses an attempt that is marked retired with
+  ``StaleAttempt``: the gate refuses it first, and this check holds even for a request
+  that reached the run logic past the gate.
 - **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
   before keeping any; a restored episode is handed to the ``/run`` of its replacement
   attempt by ``begin`` (``episode.restored``), and is pending until then.
@@ -53,7 +59,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.admission import RetiredMarks
 from nemo_gym_checkpoint_plugin.control.types import ParticipantExport, Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin.errors import StaleAttempt
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 
@@ -115,9 +123,12 @@ class EpisodeBook:
         self.step_mode = StepMode(step_mode)
         self.episode_timeout = episode_timeout
         self._validate_state = validate_state
+        self._marks: RetiredMarks | None = None
         self._episodes: dict[str, Episode] = {}
         self._restored: dict[str, RestoredEpisode] = {}
         self._restarts: set[str] = set()
+        # Tasks a retire cancelled, by capture key, until they are done (a retried retire awaits them).
+        self._stopping: dict[str, asyncio.Task[Any]] = {}
         self._closed = False
         self._open = asyncio.Event()
         self._open.set()
@@ -126,10 +137,31 @@ class EpisodeBook:
         self._generation = 0
         self._changed = asyncio.Event()
 
+    def bind_marks(self, marks: RetiredMarks) -> None:
+        """The control plane's retired marks: ``begin`` refuses a retired attempt from now on."""
+        self._marks = marks
+
     # -- what the run logic calls ---------------------------------------------------------------
 
+    def refuse_retired(self, episode_id: EpisodeId) -> None:
+        """Raise ``StaleAttempt`` when ``episode_id`` is marked retired (marks bound), else nothing."""
+        marks = self._marks
+        if marks is not None and marks.is_retired(episode_id.rollout_id, episode_id.attempt):
+            raise StaleAttempt(
+                f"attempt {episode_id.attempt} of rollout {episode_id.rollout_id!r} was retired "
+                f"(retired up to attempt {marks.retired_up_to(episode_id.rollout_id)}); it does not begin",
+                rollout_id=episode_id.rollout_id,
+                attempt=episode_id.attempt,
+            )
+
     def begin(self, episode_id: EpisodeId) -> Episode:
-        """Register the running attempt (the current task); hand it its restored boundary, if any."""
+        """Register the running attempt (the current task); hand it its restored boundary, if any.
+
+        Raises ``StaleAttempt`` for a retired attempt (``refuse_retired``): the gate refuses those
+        before they reach the run logic, but a request that got past the gate (a body it could not
+        attribute) must not run a retired attempt either.
+        """
+        self.refuse_retired(episode_id)
         key = episode_id.capture_key
         if key in self._episodes:
             raise ValueError(f"episode {key} is already running on this server")
@@ -348,14 +380,21 @@ class EpisodeBook:
         for key in [k for k in self._restored if named(_from_key(k))]:
             del self._restored[key]
         stopping = [e for e in self._episodes.values() if named(e.episode_id)]
-        tasks = []
+        current = asyncio.current_task()
         for episode in stopping:
             episode.retiring = True
             if self._closed:
                 self._blocking.add(episode.key)
-            if episode.task is not None and episode.task is not asyncio.current_task() and not episode.task.done():
-                episode.task.cancel()
-                tasks.append(episode.task)
+            task = episode.task
+            if task is None or task is current or task.done() or task in self._stopping.values():
+                continue
+            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
+            task.cancel()
+            self._stopping[episode.key] = task
+            task.add_done_callback(lambda _t, key=episode.key: self._stopping.pop(key, None))
+        # Every task an earlier or this retire cancelled for these attempts, even one whose episode
+        # already left the book and is still cleaning up.
+        tasks = [task for key, task in self._stopping.items() if task is not current and named(_from_key(key))]
         if tasks:
             await asyncio.wait(tasks)
 

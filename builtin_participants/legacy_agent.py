@@ -17,8 +17,11 @@ an episode of an ``EpisodeBook`` (``environment.py``) declared a restart, so tha
 
 The episode is named by the legacy row itself (Gym's ``maybe_rollout_id_from_run_body``:
 ``_ng_rollout_id`` or task/rollout indices, plus ``_ng_attempt_index``), or by an
-``episode_id`` object when the body carries one. A body naming no episode is relayed
-untracked: the controller cannot name it either, so there is nothing to report or retire.
+``episode_id`` object when the body carries one. A JSON object naming no episode is
+agent work nobody could retire or restart: it is refused with 400
+``rollout_id_required`` (PROTOCOL "Restarts"); a body that is not a JSON object is relayed
+for the agent's validation to answer. The agent's own ``/run`` lists the episode as a
+restart too (``uncaptured.py``).
 
 A relay that reaches the handler while a checkpoint holds admission closed (it passed the
 gate just before) waits, unrelayed, for admission to reopen: it then holds nothing and is
@@ -36,6 +39,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import names_no_episode, rollout_id_required
 
 from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, StaleAttempt
 from nemo_gym_checkpoint_plugin.gate import episode_of_run_body
@@ -81,8 +85,12 @@ class LegacyAgentRelay:
         book = self._ng_relay_book
         if book is None:
             return await super().run_legacy(request)  # type: ignore[misc]
-        episode_id = relayed_episode_id(await request.body())
+        body = await request.body()
+        episode_id = relayed_episode_id(body)
         if episode_id is None:
+            if names_no_episode(body):
+                # Agent work no one could name, retire or restart: refused rather than silently lost.
+                return _error(rollout_id_required("legacy_agent relay"))
             return await super().run_legacy(request)  # type: ignore[misc]
         marks = getattr(request.app.state, "checkpoint_control", None)
         marks = getattr(marks, "marks", None)

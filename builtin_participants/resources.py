@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from nemo_gym_checkpoint_plugin.control.types import Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin.gate import json_as_gym_reads
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 
@@ -177,7 +178,10 @@ def _key_episode(key: str) -> EpisodeId:
 
 def _episode_of(body: bytes) -> tuple[EpisodeId, dict[str, Any]] | None:
     try:
-        data = orjson.loads(body)
+        try:
+            data = orjson.loads(body)
+        except ValueError:
+            data = json_as_gym_reads(body)  # UTF-16/32, a BOM, NaN: Gym's route reads those too
         if not isinstance(data, dict) or "episode_id" not in data:
             return None
         return episode_from_wire(data["episode_id"]), data

@@ -25,6 +25,10 @@ or when the agent's session reply does not carry ``x-ng-checkpoint-agent-session
 capture`` (the built-in agent participant sends it; an agent without it cannot restore
 its session after a crash).
 
+A retired attempt (the control plane's marks) never begins: ``run_request`` refuses it
+with 409 ``stale_attempt`` before Gym's lifecycle starts, even when its ``/run`` got past
+the admission gate.
+
 The episode deadline (``default_episode_timeout_seconds``) moves from Gym's
 ``run_request`` into ``run`` (the bound book takes it over and Gym's is set to None), so
 that time parked for a checkpoint is not counted. Without a book (checkpointing off) the
@@ -118,6 +122,14 @@ class SingleAgentTurnSteps:
         book.episode_timeout = config.default_episode_timeout_seconds
         config.default_episode_timeout_seconds = None
         self._ng_episode_book = book
+
+    async def run_request(self, request: Any) -> Any:
+        book = self._ng_episode_book
+        if book is not None:
+            # Before Gym's run_request, which would turn the refusal into a failure reply: a retired
+            # attempt that got past the gate is answered 409 stale_attempt and never begins.
+            book.refuse_retired(request.episode_id)
+        return await super().run_request(request)  # type: ignore[misc]
 
     async def run(self, request: Any, cleanup: CleanupContext) -> Any:
         book = self._ng_episode_book

@@ -10,7 +10,10 @@ installs nothing at all. When enabled it:
 2. serves the control routes (``routes.attach``: router + error handler);
 3. adds the admission gate (``gate.install_gate``) as the outermost middleware so far, so
    it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
-   and Gym's cancellation middleware (added later) still wraps it;
+   and Gym's cancellation middleware (added later) still wraps it; on environments and
+   agents it also attributes ``POST /run`` by its body (only while something is to decide);
+   the built-in participants are bound to the plane's retired marks (``bind_marks``), so
+   an episode checks them where it begins too;
 4. on agents, sets Gym's rollout context from the ``/ng-rollout/<key>`` prefix (agents
    route the prefix as a path parameter and never set the context themselves), so the
    plugin's client attributes the agent's model and resources calls;
@@ -233,6 +236,10 @@ def attach_checkpointing(
     plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
     control = ControlPlane(_plugin_manager(plugins), kind=kind, instance=instance, settings=settings)
+    for plugin in builtins:
+        if hasattr(plugin, "bind_marks"):
+            # Where an episode begins, the marks are checked too (a request past the gate stays refused).
+            plugin.bind_marks(control.marks)
 
     attach_routes(app, control, token)
     if builtins:
@@ -243,7 +250,7 @@ def attach_checkpointing(
         app.add_middleware(RolloutAttribution)
     # Added last, so outermost so far: the gate sees the raw prefixed path before any Gym middleware.
     counters = install_gate(
-        app, control.admission, control.marks, run_path="/run" if kind == "environment" else None
+        app, control.admission, control.marks, run_path="/run" if kind in ("environment", "agent") else None
     )
     app.router.on_shutdown.append(control.aclose)
     attachment = Attachment(

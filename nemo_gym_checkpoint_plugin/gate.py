@@ -3,7 +3,11 @@
 While admission is closed (a checkpoint is being taken) new data requests *park* until
 resume reopens it; they are never refused, because Gym's client would just resend them.
 A request attributed to a retired attempt is refused with 409 ``stale_attempt`` (the
-JSON body of ``errors.py``), before it parks and again when it wakes. Health routes
+JSON body of ``errors.py``), before it parks and again when it wakes. A parked request
+whose attempt gets marked is refused at once, without waiting for resume, and stays
+refused even if the rollout is forgotten before admission reopens (it is registered in
+``RetiredMarks.parking`` while parked; a retire replies only after such requests were
+answered, ``RetiredMarks.parked_left``). Health routes
 (``/``, ``/health*``, ``/livez``, ``/readyz``) and control routes (``/ng-control/...``)
 always pass: Gym polls ``/`` and the controller must reach a closed participant.
 
@@ -15,12 +19,17 @@ Attribution of a request to an episode attempt:
   in the scope, so the gate must sit *outside* them: ``install_gate`` is called after the
   server's ``setup_webserver()`` built the app. The gate never rewrites the scope, so the
   prefix still reaches Gym's middleware and routes unchanged.
-- For ``POST /run`` (an environment server's episode route) the JSON body's
+- For ``POST /run`` (an environment server's episode route, or an agent's legacy ``/run``;
+  ``install_gate``'s ``run_path``) the JSON body's
   ``episode_id`` ``{"rollout_id", "attempt"}``, or for a legacy row without one the
   capture key Gym derives from it (``_ng_rollout_id``, or task and rollout indices).
+  The body is decoded as Gym decodes it (orjson first; what orjson refuses, such as UTF-16
+  or UTF-32 JSON, a UTF-8 BOM or ``NaN``, through the stdlib's ``json.loads`` like
+  Starlette), so a body Gym would run is never left unattributed.
   Only that route's body is buffered, and only when the gate has something to decide;
   the app then receives the very same ASGI messages. A body that is not JSON or names no
-  valid episode is not attributed and goes to the app, whose validation answers (422):
+  valid episode is not attributed and goes to the app, whose validation answers (422, or
+  400 for a body it cannot decode):
   the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
@@ -32,6 +41,7 @@ When checkpointing is disabled the gate is not installed at all; whether to call
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -52,6 +62,7 @@ __all__ = [
     "attempt_from_path",
     "attempt_from_run_body",
     "episode_of_run_body",
+    "json_as_gym_reads",
     "ROLLOUT_PATH_PREFIX",
     "CONTROL_PATH_PREFIX",
 ]
@@ -119,8 +130,8 @@ def episode_of_run_body(body: bytes) -> EpisodeId | None:
     """
     try:
         data = orjson.loads(body)
-    except ValueError:  # orjson.JSONDecodeError: not JSON, bad UTF-8, nested too deep
-        return None
+    except ValueError:  # orjson.JSONDecodeError: not JSON, not UTF-8, NaN, nested too deep
+        data = json_as_gym_reads(body)
     if not isinstance(data, dict):
         return None
     try:
@@ -132,6 +143,19 @@ def episode_of_run_body(body: bytes) -> EpisodeId | None:
         key = maybe_rollout_id_from_run_body(data)
         return None if key is None else from_capture_key(key)
     except (ValueError, TypeError):  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def json_as_gym_reads(body: bytes) -> Any:
+    """The body as Gym's routes read it, for what orjson refused; None when Gym cannot read it either.
+
+    Starlette's ``Request.json()`` is ``json.loads(body)``, which detects UTF-8 (with or without a
+    BOM), UTF-16 and UTF-32 by the byte pattern and accepts ``NaN`` and ``Infinity``. Only bodies
+    orjson refused pay for this second parse, so a body Gym would run is always attributed.
+    """
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
 
 
@@ -208,15 +232,8 @@ class AdmissionGate:
             await self._refuse(send, attempt)
             return
         if not self._admission.is_open:
-            counters = self._counters
-            counters.parked += 1
-            counters.parks += 1
-            try:
-                # Returns only with admission open: a wake that finds a new checkpoint already
-                # closed admission parks again inside wait_open.
-                await self._admission.wait_open()
-            finally:
-                counters.parked -= 1
+            if not await self._park(send, attempt):
+                return
             # Nothing is awaited between this check and the call: admission is still open and the
             # mark cannot have risen in between.
             if attempt is not None and self._marks.is_retired(*attempt):
@@ -224,11 +241,36 @@ class AdmissionGate:
                 return
         await self._app(scope, receive, send)
 
+    async def _park(self, send: Send, attempt: Attempt | None) -> bool:
+        """Wait for admission to open; False when the attempt was retired meanwhile (refused then)."""
+        counters = self._counters
+        counters.parked += 1
+        counters.parks += 1
+        try:
+            if attempt is None:
+                # Returns only with admission open: a wake that finds a new checkpoint already
+                # closed admission parks again inside wait_open.
+                await self._admission.wait_open()
+                return True
+            # An attributed request also wakes when a mark rises over its attempt and is refused at
+            # once; it stays registered until answered, so a retire can wait for it to leave.
+            with self._marks.parking(*attempt) as parked:
+                while not self._admission.is_open and not parked.retired:
+                    await self._admission.wait_open_or(parked.woken)
+                if parked.retired:
+                    # Refused even if the rollout was forgotten since: the mark rose while it was parked.
+                    await self._refuse(send, attempt)
+                    return False
+                return True
+        finally:
+            counters.parked -= 1
+
     async def _refuse(self, send: Send, attempt: Attempt) -> None:
         rollout_id, number = attempt
+        up_to = self._marks.retired_up_to(rollout_id)
+        since = "its mark was forgotten since" if up_to is None else f"retired up to attempt {up_to}"
         error = StaleAttempt(
-            f"attempt {number} of rollout {rollout_id!r} was retired "
-            f"(retired up to attempt {self._marks.retired_up_to(rollout_id)})",
+            f"attempt {number} of rollout {rollout_id!r} was retired ({since})",
             rollout_id=rollout_id,
             attempt=number,
         )

@@ -157,3 +157,28 @@ class TestSingleAgentTurnEpisodes(environment_contract.TestEnvironmentContract):
         for harness in made:
             await harness.aclose()
         await servers.aclose()
+
+
+async def test_retired_attempt_that_got_past_the_gate_never_begins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marks are checked where the episode begins too: a gate bypass still cannot run a retired attempt."""
+    import nemo_gym_checkpoint_plugin.gate as gate_module
+
+    servers = GymServers(tmp_path, monkeypatch, ENVIRONMENT)
+    harness = SingleAgentTurnHarness(servers.build(EpisodeBook))
+    try:
+        # A gate that cannot attribute any /run body: the request reaches the run logic.
+        monkeypatch.setattr(gate_module, "episode_of_run_body", lambda _body: None)
+        harness.built.control.marks.mark("r", 0)
+        reply = await asyncio.wait_for(harness.built.post("/run", rollout_body("r", attempt=0)), _BOUND_SECONDS)
+        assert reply.status_code == 409, reply.text
+        assert reply.json()["error"]["code"] == "stale_attempt"
+        assert harness.built.server.server_client is harness.peers and not harness.peers.turns
+        assert harness.participant.status_fields()["episodes"] == 0
+        assert harness.built.app.state.ng_checkpoint_gate.refused == 0  # refused past the gate, not by it
+        # The next attempt begins as usual.
+        await harness.start(EpisodeId(rollout_id="r", attempt=1))
+    finally:
+        await harness.aclose()
+        await servers.aclose()

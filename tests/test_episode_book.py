@@ -277,3 +277,55 @@ def test_step_mode_comes_from_the_checkpoint_block_and_is_validated() -> None:
     assert settings_from_global_config({"checkpoint": {"step_mode": "replay"}}).step_mode == StepMode.REPLAY
     with pytest.raises(SettingsError, match="checkpoint.step_mode"):
         settings_from_global_config({"checkpoint": {"step_mode": "later"}})
+
+
+async def test_begin_refuses_a_retired_attempt_once_marks_are_bound() -> None:
+    from nemo_gym_checkpoint_plugin.admission import RetiredMarks
+    from nemo_gym_checkpoint_plugin.errors import StaleAttempt
+
+    book, marks = EpisodeBook(), RetiredMarks()
+    marks.mark("r", 1)
+    book.begin(EpisodeId(rollout_id="r", attempt=0))  # unbound: the book knows no marks
+    book.bind_marks(marks)
+    with pytest.raises(StaleAttempt, match="retired up to attempt 1"):
+        book.begin(EpisodeId(rollout_id="r", attempt=1))
+    assert book.status_fields()["episodes"] == 1
+    assert book.begin(EpisodeId(rollout_id="r", attempt=2)).key == "r-a2"
+
+
+async def test_a_retried_retire_waits_for_the_cancelled_work_without_cancelling_it_again() -> None:
+    book = EpisodeBook(StepMode.WAIT)
+    release_cleanup = asyncio.Event()
+    cleanup_done: list[str] = []
+    started: dict[str, Any] = {}
+
+    async def episode_with_cleanup() -> str:
+        episode = started["e"] = book.begin(EpisodeId(rollout_id="r", attempt=0))
+        try:
+            async with book.step(episode, "work"):
+                await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if not book.absorb_retirement(episode):
+                raise
+            # The episode's cleanup after a retire: it takes a moment (until released).
+            started["cleaning"] = True
+            await release_cleanup.wait()
+            cleanup_done.append("closed")
+            return "retired"
+        finally:
+            book.end(episode)
+        return "done"
+
+    task = asyncio.ensure_future(episode_with_cleanup())
+    await wait_until(lambda: "e" in started and started["e"].step == "work", what="in step")
+    named = [EpisodeId(rollout_id="r", attempt=0)]
+    first = asyncio.ensure_future(book.retire(named))
+    await wait_until(lambda: started.get("cleaning", False), what="cleanup running")
+    # The first retire's deadline passed (say); the controller retries it.
+    second = asyncio.ensure_future(book.retire(named))
+    for _ in range(20):
+        await asyncio.sleep(0)  # let the second retire run as far as it can (no I/O: a few passes)
+    assert not second.done() and not task.done()
+    release_cleanup.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert cleanup_done == ["closed"] and task.result() == "retired"

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import orjson
 import pytest
 from control_support import wait_until
 from fastapi import FastAPI, Request, Response
@@ -170,6 +172,38 @@ def test_attempt_from_run_body(body: bytes, expected: tuple[str, int] | None) ->
     assert attempt_from_run_body(body) == expected
 
 
+_EPISODE_TEXT = '{"episode_id": {"rollout_id": "r", "attempt": 2}, "task": {"t": "\u00e9"}}'
+# What Gym's routes parse (Starlette's request.json() is json.loads(bytes)) but orjson does not.
+GYM_ONLY_BODIES = {
+    "utf16_le": _EPISODE_TEXT.encode("utf-16-le"),
+    "utf16_be": _EPISODE_TEXT.encode("utf-16-be"),
+    "utf16_bom": _EPISODE_TEXT.encode("utf-16"),
+    "utf32_le": _EPISODE_TEXT.encode("utf-32-le"),
+    "utf32_be": _EPISODE_TEXT.encode("utf-32-be"),
+    "utf32_bom": _EPISODE_TEXT.encode("utf-32"),
+    "utf8_bom": _EPISODE_TEXT.encode("utf-8-sig"),
+    "nan": b'{"episode_id": {"rollout_id": "r", "attempt": 2}, "score": NaN}',
+    "legacy_row_utf16": '{"_ng_rollout_id": "r-a2"}'.encode("utf-16-le"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GYM_ONLY_BODIES))
+def test_bodies_gym_reads_are_attributed_as_gym_reads_them(name: str) -> None:
+    body = GYM_ONLY_BODIES[name]
+    with pytest.raises(ValueError):
+        orjson.loads(body)
+    json.loads(body)  # what Gym's route does with it
+    assert attempt_from_run_body(body) == ("r", 2)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\xff\xfe", b"\xff\xfe\x00\x00", b'{"episode_id": "\xe9"}', b"\x00\x00\x00[" * 3, "[".encode("utf-16-le") * 5000],
+)
+def test_bodies_neither_reads_are_not_attributed(body: bytes) -> None:
+    assert attempt_from_run_body(body) is None
+
+
 # --- parking --------------------------------------------------------------------------------
 
 
@@ -270,6 +304,88 @@ async def test_attempt_retired_while_parked_is_refused_when_it_wakes(gated: Gate
     assert gated.entered == ["/items"]
 
 
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_parked_attempt_is_refused_as_soon_as_it_is_marked(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    unrelated = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 2)
+
+    gated.marks.mark("r1", 1)
+    # Admission stays closed: the retired request does not wait for resume.
+    assert_stale(await bounded(retired))
+    assert gated.counters.parked == 1 and not unrelated.done() and gated.entered == []
+
+    gated.admission.open()
+    assert (await bounded(unrelated)).status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_parked_attempt_stays_refused_when_forgotten_before_admission_reopens(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    await wait_until(lambda: gated.counters.parked == 1)
+
+    # Marked and forgotten before the parked request even ran again, then admission reopens.
+    gated.marks.mark("r1", 1)
+    gated.marks.forget("r1")
+    gated.admission.open()
+    reply = await bounded(retired)
+    assert_stale(reply)
+    assert "forgotten" in reply.json()["error"]["detail"]
+    assert gated.entered == [] and len(gated.marks) == 0
+
+
+async def test_mark_of_a_later_attempt_only_leaves_an_earlier_parked_one_parked(gated: Gated) -> None:
+    gated.admission.close()
+    later = send(gated, "path_prefix")  # r1-a1
+    await wait_until(lambda: gated.counters.parked == 1)
+    gated.marks.mark("r1", 0)  # below the parked attempt: it keeps waiting
+    assert gated.marks.retired_parked(["r1"]) == 0
+    gated.admission.open()
+    assert (await bounded(later)).status_code == 200
+
+
+async def test_retire_replies_only_after_parked_requests_of_its_attempts_were_answered() -> None:
+    from nemo_gym_checkpoint_plugin.control import ControlPlane
+    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+
+    plane = ControlPlane(make_plugin_manager([], load_entry_points=False), kind="environment", instance="env")
+    entered: list[str] = []
+    app = make_app(entered)
+    counters = install_gate(app, plane.admission, plane.marks)
+    release = asyncio.Event()
+
+    async def slow_client(scope: Any, receive: Any, send: Any) -> None:
+        # The refusal reaches a client that reads slowly: its first message waits for ``release``.
+        async def held_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                await release.wait()
+            await send(message)
+
+        await app(scope, receive, held_send)
+
+    # As after a restore (phase restored): admission is closed while the retire runs.
+    plane.admission.close()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=slow_client), base_url="http://gym") as client:
+        parked = asyncio.create_task(client.post("/run", content=run_body("r1", 0), headers=JSON))
+        await wait_until(lambda: counters.parked == 1)
+        retire = asyncio.create_task(
+            plane.retire("op-1", time.time() + 10, [EpisodeId(rollout_id="r1", attempt=0)])
+        )
+        await wait_until(lambda: counters.refused == 1, what="the parked request refused at once")
+        # Its reply is still on its way out, so the retire has not replied. Without that wait the retire
+        # (no participant hooks, no I/O) ends within a few loop passes: give it many.
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not retire.done()
+        release.set()
+        assert (await bounded(retire)) == {"retired_count": 1}
+        assert_stale(await bounded(parked))
+    assert plane.marks.retired_parked(["r1"]) == 0 and entered == []
+    await plane.aclose()
+
+
 # --- bodies ---------------------------------------------------------------------------------
 
 
@@ -299,6 +415,25 @@ async def test_run_body_is_replayed_intact(gated: Gated, closed: bool) -> None:
     assert gated.entered == ["/run r1-a4"]
 
 
+@pytest.mark.parametrize("name", sorted(GYM_ONLY_BODIES))
+@pytest.mark.parametrize("closed", [False, True])
+async def test_retired_run_body_in_any_encoding_gym_reads_is_refused(gated: Gated, name: str, closed: bool) -> None:
+    gated.marks.mark("r", 2)
+    if closed:
+        gated.admission.close()
+    assert_stale(await bounded(gated.client.post("/run", content=GYM_ONLY_BODIES[name], headers=JSON)))
+    assert gated.entered == [] and gated.counters.parks == 0
+
+
+@pytest.mark.parametrize("name", ["utf16_le", "utf32_bom", "utf8_bom"])
+async def test_live_run_body_in_another_encoding_reaches_the_app_intact(gated: Gated, name: str) -> None:
+    gated.marks.mark("r", 1)  # an earlier attempt: the gate reads the body, attempt 2 passes
+    body = GYM_ONLY_BODIES[name]
+    reply = await bounded(gated.client.post("/run", content=body, headers=JSON))
+    assert reply.status_code == 200, reply.text
+    assert reply.content == body and gated.entered == ["/run r-a2"]
+
+
 MALFORMED_BODIES = {
     "empty": b"",
     "not_json": b"{not json",
@@ -309,6 +444,9 @@ MALFORMED_BODIES = {
     "ambiguous_episode": b'{"episode_id": {"rollout_id": "r1-a2", "attempt": 1}}',
     "negative_attempt": b'{"episode_id": {"rollout_id": "r1", "attempt": -1}}',
     "too_deep": b"[" * 5000,
+    "too_deep_utf16": "[".encode("utf-16-le") * 5000,
+    "latin1": b'{"episode_id": {"rollout_id": "\xe9", "attempt": 0}}',
+    "utf16_no_episode": '{"task": {}}'.encode("utf-16"),
 }
 
 
@@ -321,7 +459,8 @@ async def test_malformed_run_body_reaches_the_app_validation(gated: Gated, name:
     await wait_until(lambda: gated.counters.parked == 1)
     gated.admission.open()
     reply = await bounded(task)
-    assert reply.status_code == 422
+    # The app's own validation answers (a body FastAPI cannot decode is its 400), never the gate.
+    assert reply.status_code in (400, 422) and "stale_attempt" not in reply.text
     assert gated.counters.refused == 0
 
 

@@ -46,6 +46,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CONTROL = "/ng-control/v1/checkpoint"
 
 
+_JSON = {"content-type": "application/json"}
+
+
 @pytest.fixture(autouse=True)
 def _token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
@@ -266,16 +269,19 @@ async def test_a_relay_entering_while_admission_is_closed_waits_unrelayed_and_is
         assert (await run).status_code == 200
 
 
-async def test_an_unnamed_body_is_relayed_untracked_and_a_duplicate_attempt_is_refused() -> None:
+async def test_an_unnamed_body_is_refused_rollout_id_required_and_a_duplicate_attempt_is_refused() -> None:
     server, app, agent = _server()
     book = server._ng_relay_book
     async with _asgi(app) as http:
-        # A body naming no episode (no rollout id, no indices): relayed, nothing to report or retire.
-        unnamed = asyncio.ensure_future(http.post("/run", json={"responses_create_params": {}}))
-        await wait_until(lambda: agent.started == ["unnamed"], what="the unnamed body was relayed")
-        assert book.ready(None).counts["episodes"] == 0
-        agent.release["unnamed"].set()
-        assert (await unnamed).status_code == 200
+        # A row naming no episode (no rollout id, no indices): agent work nobody could retire or
+        # restart, so it is refused instead of relayed untracked (silently absent from checkpoints).
+        for encoding in ("utf-8", "utf-16"):
+            unnamed = await http.post(
+                "/run", content='{"responses_create_params": {}}'.encode(encoding), headers=_JSON
+            )
+            assert unnamed.status_code == 400, unnamed.text
+            assert unnamed.json()["error"]["code"] == "rollout_id_required"
+        assert agent.started == [] and book.ready(None).counts["episodes"] == 0
         first = asyncio.ensure_future(http.post("/run", json=_row("d")))
         await wait_until(lambda: agent.started.count("d") == 1, what="the first relay started")
         duplicate = await http.post("/run", json=_row("d"))

@@ -10,8 +10,10 @@ Rules (PROTOCOL "Retire, forget, restore marks"):
   that outlives the restore's deadline is kept: a retire or the next restore waits for
   it and admission reopens only once it finished. A failed read or install reopens
   admission (the marks stay); a failed install also deletes what it may have left;
-- retire marks first, then (bounded by its deadline) waits for a running install,
-  stops and frees the attempts, then replies ``retired_count``;
+- retire marks first (which refuses data requests parked under those attempts at
+  once), then (bounded by its deadline) waits for a running install, stops and frees
+  the attempts, waits until those parked requests were answered, then replies
+  ``retired_count``;
 - forget removes marks and replies ``forgotten_count``;
 - retire and forget are refused (marking nothing) while preparing, prepared or
   committed; right after a restore their id must be the restore's.
@@ -143,6 +145,8 @@ class RestoreMixin:
         if install is not None and not install.done():
             await asyncio.wait([install])
         await self.participants.retire(episode_ids)
+        # Data requests parked under these attempts were refused when marked; reply once they left.
+        await self.marks.parked_left(episode.rollout_id for episode in episode_ids)
 
     async def forget(self: ControlPlane, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict:
         self._check_deadline(deadline_ts)

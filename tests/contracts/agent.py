@@ -1,7 +1,9 @@
 """Agent-kind contract: a participant holding an agent server's per-episode sessions.
 
-The agent kind reports no restarts of its own (the environment decides them from the
-agent's seed reply declaration), so the restart checks are skipped. An episode whose
+A session participant reports no restarts of its own (the environment decides them from
+the agent's seed reply declaration), so the restart checks are skipped here. The agent's
+own ``/run`` episodes are restarts of another plugin, ``UncapturedRuns``
+(``tests/test_attach_uncaptured.py``). An episode whose
 agent session was closed is past its agent step: it holds nothing to continue.
 """
 
