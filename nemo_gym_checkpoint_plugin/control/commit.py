@@ -139,7 +139,8 @@ class CommitMixin:
                 f"the export of {checkpoint_id} failed ({type(exc).__name__}: {exc}); the checkpoint is over"
             )
             raise active.export_error from exc
-        written.sort()
+        # Two plugins may write records of the same episode: the reply names each episode once.
+        written = sorted(set(written))
         reply: dict[str, Any] = {k: v for k, v in exported.reply_extras.items() if k not in _REPLY_FIELDS}
         reply.update(phase=Phase.COMMITTED.value, manifest=manifest, episode_ids=written)
         async with self._lock:
