@@ -12,21 +12,19 @@ from typing import TYPE_CHECKING
 from nemo_gym_checkpoint_plugin.markers import hookspec
 
 if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin.api import StorageBackend
     from nemo_gym_checkpoint_plugin.control.types import LeasePolicy
     from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
-    from nemo_gym_checkpoint_plugin.storage.local import LocalStorage
 
 
 @hookspec(firstresult=True)
-def storage_backend(name: str) -> LocalStorage | None:
+def storage_backend(name: str) -> StorageBackend | None:
     """Return the storage backend registered under ``name`` (``checkpoint.storage.backend``).
 
     Called once when a participant's control plane is built, before it serves. Return
-    ``None`` when ``name`` is not yours. The backend must provide ``open_writer(checkpoint_dir,
-    kind, instance, checkpoint_id)`` (an object with ``write(records, extras)`` and ``stop()``),
-    ``read(checkpoint_dir, kind, instance, *, scope, validate)`` and
-    ``read_manifest(checkpoint_dir, kind, instance)``, with the semantics of PROTOCOL.md's
-    storage layout. Raising aborts startup. ``firstresult``: the first non-``None`` answer is
+    ``None`` when ``name`` is not yours. The backend implements ``api.StorageBackend``
+    (``open_writer``, ``read``, ``read_manifest``) with the semantics of docs/protocol.md's
+    on-disk format. Raising aborts startup. ``firstresult``: the first non-``None`` answer is
     used; the built-in ``local`` backend answers last.
     """
 
@@ -52,5 +50,5 @@ def coordination_order(operation: str) -> list[list[str]] | None:
     ``renew``. A stage is a list of kinds (``environment``, ``model``, ``agent``,
     ``resources``) called at once; stages run in order, and each kind appears exactly once.
     Return ``None`` for an operation you do not order. Raising fails the fan-out before any
-    call is sent. ``firstresult``: the built-in PROTOCOL.md orders answer last.
+    call is sent. ``firstresult``: the built-in orders of docs/protocol.md answer last.
     """

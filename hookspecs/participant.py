@@ -10,8 +10,14 @@ Any hook may be ``async def``: the control plane awaits what it returns. Hooks
 are called from the server's event loop thread. Raising a ``CheckpointError``
 sends its code to the controller; any other exception is described below per hook.
 
-Phases are PROTOCOL.md's: ``idle``, ``preparing``, ``prepared``, ``committed``,
+Phases are those of docs/protocol.md: ``idle``, ``preparing``, ``prepared``, ``committed``,
 ``restored``.
+
+Records are owned: the participant's own plugins (its built-in participant, and plugins an
+embedding hands to ``make_plugin_manager``) write records as they are; the records of a
+third-party plugin (loaded from the ``nemo_gym_checkpoint`` entry-point group) are tagged
+``"plugin": <its entry-point name>`` by the control plane, and a restore hands each plugin only
+its own records (see ``export`` and ``install``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,23 @@ if TYPE_CHECKING:
         SeedDeclaration,
     )
     from nemo_gym_checkpoint_plugin.identity import EpisodeId
+    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+
+
+@hookspec
+def attach(server: Any, app: Any, kind: str, instance: str, settings: CheckpointSettings) -> bool | None:
+    """This plugin's server just became a participant: learn what you serve, or opt out.
+
+    Called once per server process, when checkpointing is enabled, after the server built its
+    FastAPI ``app`` (``setup_webserver``) and before the control routes and the admission gate
+    are installed or anything is served. ``server`` is the Gym server object (reach its state
+    from here), ``kind`` one of ``environment``, ``model``, ``agent``, ``resources``,
+    ``instance`` the server's name in the Gym config, ``settings`` the validated
+    ``checkpoint:`` block. Must not wait (a synchronous hook: an awaitable answer is an error).
+    Return ``False`` when this plugin does not apply to this server: it is unregistered and
+    takes no further part in this process; ``None`` or ``True`` keeps it. Raising stops the
+    server from starting, naming the plugin.
+    """
 
 
 @hookspec
@@ -83,11 +106,13 @@ def export(checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExpor
     Called once per checkpoint, in phase ``prepared`` by the first ``commit`` (a checkpoint
     never exports twice), after the scope was checked against the reported restarts. Return
     a ``ParticipantExport`` or an iterable of records (JSON objects with ``episode_id``);
-    ``None`` means nothing. Records are consumed by the storage writer in a worker thread,
-    so a lazy iterator must be thread-safe to advance there. Never export a restart. A
-    resume cancels a running export. Raising ends the checkpoint for good: this commit replies
-    ``export_failed`` (a ``CheckpointError`` keeps its own code) and every later commit of the
-    id replies ``export_failed``; so does a failed write.
+    ``None`` means nothing. A third-party plugin's records are tagged with its name (field
+    ``"plugin"``) as they are written; the participant's own records must not set that field.
+    Records are consumed by the storage writer in a worker thread, so a lazy iterator must be
+    thread-safe to advance there. Never export a restart. A resume cancels a running export.
+    Raising ends the checkpoint for good: this commit replies ``export_failed`` (a
+    ``CheckpointError`` keeps its own code) and every later commit of the id replies
+    ``export_failed``.
     """
 
 
@@ -120,13 +145,20 @@ def delete_restored(episode_ids: list[EpisodeId]) -> None:
 
 
 @hookspec
-def install(checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+def install(
+    checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
+) -> None:
     """Install restored records as their replacement attempts (``checkpointed.attempt + 1``).
 
     Called by ``restore`` in phase ``restored``, after the scope was marked retired up to
     the checkpointed attempts, the records were read and verified, and ``retire`` was
-    called for the checkpointed attempts read (a process that did not crash frees them). Only records in the
-    restore's scope are passed; ``checkpoint_id`` is the restore operation's id. An install
+    called for the checkpointed attempts read (a process that did not crash frees them).
+    Each plugin gets only its own records in the restore's scope (a third-party plugin those
+    tagged with its name; the participant's own plugins the untagged ones), possibly none, and
+    ``scope``: the replacement attempt of every episode the restore continues, including those
+    it holds no record of (clear per-episode state kept outside the records there). A record
+    naming a plugin this server lacks fails the restore (``invalid_checkpoint_state``) before
+    any install. ``checkpoint_id`` is the restore operation's id. An install
     that outlives the restore's deadline keeps running and is kept; a retire or the next
     restore waits for it and admission reopens only once it finished. Raise
     ``InvalidCheckpointState`` (or ``ValueError``, reported as such) for a record this

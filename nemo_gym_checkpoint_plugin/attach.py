@@ -5,8 +5,9 @@ built ``app`` and before Gym's ``run_webserver`` adds its liveness, exception an
 cancellation middleware. When the ``checkpoint:`` block is absent or disabled it
 installs nothing at all. When enabled it:
 
-1. builds the plugin manager and this process's ``ControlPlane`` (kind from the server
-   class, instance = the server's config name);
+1. builds the plugin manager, lets every plugin learn its server through the ``attach``
+   hook (a plugin answering ``False`` is unregistered), and builds this process's
+   ``ControlPlane`` (kind from the server class, instance = the server's config name);
 2. serves the control routes (``routes.attach``: router + error handler);
 3. adds the admission gate (``gate.install_gate``) as the outermost middleware so far, so
    it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
@@ -235,7 +236,13 @@ def attach_checkpointing(
     builtins = _builtin_participants(server, kind, settings) if builtin else []
     plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
-    control = ControlPlane(_plugin_manager(plugins), kind=kind, instance=instance, settings=settings)
+    pm = _plugin_manager(plugins)
+    from nemo_gym_checkpoint_plugin.plugins import attach_plugins
+
+    dropped = attach_plugins(pm, server=server, app=app, kind=kind, instance=instance, settings=settings)
+    if dropped:
+        logger.info("checkpoint plugins %s do not apply to %s (%s); unregistered", dropped, instance, kind)
+    control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
     for plugin in builtins:
         if hasattr(plugin, "bind_marks"):
             # Where an episode begins, the marks are checked too (a request past the gate stays refused).

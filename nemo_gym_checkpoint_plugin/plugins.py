@@ -6,15 +6,24 @@ The manager lives on the app (the control plane), never in a module global.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import pluggy
 
 from .markers import PROJECT
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginLoadError", "builtin_plugins", "make_plugin_manager", "get_storage_backend"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "CheckpointPluginManager",
+    "PluginLoadError",
+    "attach_plugins",
+    "builtin_plugins",
+    "get_storage_backend",
+    "make_plugin_manager",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +35,34 @@ class PluginLoadError(RuntimeError):
 
     def __init__(self, name: str, cause: BaseException) -> None:
         super().__init__(f"checkpoint plugin {name!r} failed to load: {type(cause).__name__}: {cause}")
+        self.cause = cause
         self.plugin_name = name
+
+
+class CheckpointPluginManager(pluggy.PluginManager):
+    """pluggy's manager, knowing which plugins are third parties (their records are tagged with their name).
+
+    Third parties are the entry-point group's plugins and those registered through
+    ``make_plugin_manager(named_plugins=...)``; everything else is the participant's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT)
+        self.third_party_names: set[str] = set()
+
+    def register_third_party(self, plugin: Any, name: str) -> None:
+        if not name or not isinstance(name, str):
+            raise ValueError(f"a third-party plugin needs a non-empty name, got {name!r}")
+        self.register(plugin, name=name)
+        self.third_party_names.add(name)
+
+    def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
+        if name is None and plugin is not None:
+            name = self.get_name(plugin)
+        removed = super().unregister(plugin, name)
+        if name is not None:
+            self.third_party_names.discard(name)
+        return removed
 
 
 def builtin_plugins() -> tuple[Any, ...]:
@@ -42,7 +78,7 @@ def builtin_plugins() -> tuple[Any, ...]:
     return (LocalStoragePlugin(), DefaultLeasePolicy(), DefaultCoordinationOrder())
 
 
-def _load_entry_points(pm: pluggy.PluginManager) -> None:
+def _load_entry_points(pm: CheckpointPluginManager) -> None:
     # Load each one ourselves so a failure names the plugin instead of surfacing as a bare traceback.
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if pm.get_plugin(entry_point.name) is not None or pm.is_blocked(entry_point.name):
@@ -51,21 +87,29 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             plugin = entry_point.load()
         except Exception as exc:
             raise PluginLoadError(entry_point.name, exc) from exc
-        pm.register(plugin, name=entry_point.name)
+        pm.register_third_party(plugin, entry_point.name)
 
 
-def make_plugin_manager(extra_plugins: Iterable[Any] = (), *, load_entry_points: bool = True) -> pluggy.PluginManager:
+def make_plugin_manager(
+    extra_plugins: Iterable[Any] = (),
+    *,
+    load_entry_points: bool = True,
+    named_plugins: Mapping[str, Any] | None = None,
+) -> CheckpointPluginManager:
     """Build a manager: add the specs, register built-ins, load the entry-point group, check.
 
     Every spec module of ``hookspecs.SPEC_MODULES`` (core and participant hooks) is added
     before any plugin registers, so a plugin's misspelt hook fails ``check_pending()``.
-    ``extra_plugins`` are registered after the built-ins (tests and embedding code use it).
+    ``extra_plugins`` are registered after the built-ins as part of the participant itself
+    (the built-in participants, tests and embedding code). ``named_plugins`` are registered
+    as third parties under their names, as entry-point plugins are: their records carry that
+    name (``"plugin"``) and come back to them alone on restore.
     Raises ``PluginLoadError`` naming a plugin that fails to import, and
     ``pluggy.PluginValidationError`` for an implementation that matches no spec.
     """
     from nemo_gym_checkpoint_plugin.hookspecs import SPEC_MODULES
 
-    pm = pluggy.PluginManager(PROJECT)
+    pm = CheckpointPluginManager()
     for module in SPEC_MODULES:
         pm.add_hookspecs(module)
     for plugin in builtin_plugins():
@@ -74,8 +118,33 @@ def make_plugin_manager(extra_plugins: Iterable[Any] = (), *, load_entry_points:
         _load_entry_points(pm)
     for plugin in extra_plugins:
         pm.register(plugin)
+    for name, plugin in (named_plugins or {}).items():
+        pm.register_third_party(plugin, name)
     pm.check_pending()
     return pm
+
+
+def attach_plugins(pm: pluggy.PluginManager, **context: Any) -> list[str]:
+    """Call every plugin's ``attach`` hook once; unregister those answering ``False``. Returns their names.
+
+    ``context`` is the hook's keyword arguments (server, app, kind, instance, settings). A
+    plugin that raises stops the caller (the server must not start), named in the error.
+    """
+    dropped: list[str] = []
+    # Each implementation on its own, so a False names its plugin (as pluggy calls it: by argument name).
+    for impl in list(pm.hook.attach.get_hookimpls()):
+        try:
+            answer = impl.function(*[context[arg] for arg in impl.argnames])
+        except Exception as exc:
+            raise PluginLoadError(impl.plugin_name, exc) from exc
+        if inspect.isawaitable(answer):
+            if inspect.iscoroutine(answer):
+                answer.close()
+            raise PluginLoadError(impl.plugin_name, TypeError("the attach hook must not be async"))
+        if answer is False:
+            pm.unregister(impl.plugin)
+            dropped.append(impl.plugin_name)
+    return dropped
 
 
 def get_storage_backend(pm: pluggy.PluginManager, name: str) -> Any:

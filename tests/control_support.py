@@ -287,12 +287,13 @@ async def make_harness(
     retry_seconds: float = 30.0,
     grace_seconds: float = 600.0,
     extra_plugins: tuple[Any, ...] = (),
+    named_plugins: Mapping[str, Any] | None = None,
     clock: Callable[[], float] = time.time,
     storage: Any = None,
     limits: BodyLimits | None = None,
 ) -> Harness:
     participant = participant or Participant()
-    pm = make_plugin_manager([participant, *extra_plugins], load_entry_points=False)
+    pm = make_plugin_manager([participant, *extra_plugins], load_entry_points=False, named_plugins=named_plugins)
     recorder = HookRecorder(pm)
     plane = ControlPlane(
         pm,

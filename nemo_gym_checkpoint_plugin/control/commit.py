@@ -172,7 +172,8 @@ class CommitMixin:
                 raise
             # The participant's iterator failed inside the write: an export failure, whatever the writer made of it.
             _raise(self._export_failed(active, kept.source_error or exc), exc)
-        written = sorted(kept.written)
+        # Two plugins may write records of the same episode: the reply names each episode once.
+        written = sorted(set(kept.written))
         kept.release()
         scope = None if scope_keys is None else frozenset(scope_keys)
         reply: dict[str, Any] = {k: v for k, v in kept.reply_extras.items() if k not in _REPLY_FIELDS}

@@ -33,7 +33,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     InvalidCheckpointState,
     InvalidPhase,
 )
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
 
 from .memory import Active, Replay
 from .types import Phase, RestoredRecord, sorted_keys
@@ -83,11 +83,16 @@ class RestoreMixin:
                 self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
             )
             records = [_restored_record(record) for record in restored.records]
+            # Before anything is retired or installed: every record's owner must be here to take it.
+            self.participants.check_owners(records)
+            scope = [_replacement(from_capture_key(key)) for key in keys]
             previous = self._install_task
             if previous is not None and not previous.done():
                 # Two installs never overlap: the next restore waits for the one that outlived its deadline.
                 await asyncio.wait([previous])
-            install = self._install_task = self._spawn(self._install(active.checkpoint_id, restored.manifest, records))
+            install = self._install_task = self._spawn(
+                self._install(active.checkpoint_id, restored.manifest, records, scope)
+            )
             await asyncio.shield(install)
         except asyncio.CancelledError:
             raise
@@ -98,15 +103,17 @@ class RestoreMixin:
         return {
             "phase": Phase.RESTORED.value,
             "source_checkpoint_id": restored.manifest["checkpoint_id"],
-            "restored": sorted(r.replacement.capture_key for r in records),
+            "restored": sorted({r.replacement.capture_key for r in records}),
         }
 
-    async def _install(self: ControlPlane, checkpoint_id: str, manifest: Mapping[str, Any], records: list) -> None:
+    async def _install(
+        self: ControlPlane, checkpoint_id: str, manifest: Mapping[str, Any], records: list, scope: list[EpisodeId]
+    ) -> None:
         try:
             # The checkpointed attempts are retired (marked above). A process that did not crash may
             # still run or hold them: stop and free them first, so their replacements install cleanly.
             await self.participants.retire([r.checkpointed for r in records])
-            await self.participants.install(checkpoint_id, manifest, records)
+            await self.participants.install(checkpoint_id, manifest, records, scope)
         except BaseException as exc:
             # Never half-installed: whatever an install left behind goes before the error is reported.
             try:
@@ -159,7 +166,10 @@ class RestoreMixin:
         return {"forgotten_count": len(rollout_ids)}
 
 
+def _replacement(checkpointed: EpisodeId) -> EpisodeId:
+    return EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
+
+
 def _restored_record(record: dict[str, Any]) -> RestoredRecord:
     checkpointed = EpisodeId.model_validate(record["episode_id"])
-    replacement = EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
-    return RestoredRecord(checkpointed=checkpointed, replacement=replacement, record=record)
+    return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)
