@@ -12,16 +12,22 @@ import pytest
 
 from nemo_gym_checkpoint_plugin.cli import build_parser, main
 from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin.storage.index import write_participants_index
 
 PARTICIPANTS = [("environment", "env"), ("model", "policy_model"), ("agent", "agent"), ("resources", "tools")]
 NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
 
 
-def good_checkpoint(root: Path, checkpoint_id: str = "step-7") -> Path:
-    for index, (kind, instance) in enumerate(PARTICIPANTS):
+def good_checkpoint(root: Path, checkpoint_id: str = "step-7", *, index: bool = True) -> Path:
+    """Every participant committed, then (like a controller) the participants index."""
+    manifests = []
+    for number, (kind, instance) in enumerate(PARTICIPANTS):
         records = [{"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance, "big": 2**70}
-                   for i in range(index + 2)]
-        CheckpointWriter(root, kind, instance, checkpoint_id).write(records, {"note": "x"})
+                   for i in range(number + 2)]
+        manifests.append(CheckpointWriter(root, kind, instance, checkpoint_id).write(records, {"note": "x"}))
+    if index:
+        write_participants_index(root, checkpoint_id, [
+            {"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests])
     return root
 
 

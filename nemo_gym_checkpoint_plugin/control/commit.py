@@ -28,6 +28,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     RestartInScope,
 )
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin.storage.executor import run_storage
 from nemo_gym_checkpoint_plugin.storage.reader import capture_key_of
 
 from .memory import Active, Replay
@@ -123,7 +124,7 @@ class CommitMixin:
             exported = await self.participants.export(checkpoint_id, scope)
             writer = active.writer = self._storage.open_writer(checkpoint_dir, self.kind, self.instance, checkpoint_id)
             records = _scoped(exported.records, scope, written)
-            manifest = await asyncio.to_thread(writer.write, records, exported.manifest_extras)
+            manifest = await run_storage(writer.write, records, exported.manifest_extras)
         except asyncio.CancelledError:
             active.export_error = ExportFailed(f"the export of {checkpoint_id} was cancelled by a resume")
             raise
