@@ -33,6 +33,8 @@ __all__ = [
 # What a writer that died (or was stopped before this fix) may leave in a participant directory.
 LEFTOVER = re.compile(r"^(\.records\.[0-9a-f]+\.tmp|\.manifest\.[0-9a-f]+\.tmp|records(-[0-9a-f]{64})?\.jsonl)$")
 
+_READ_CHUNK = 1 << 16
+
 _CAUSES = {
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",
@@ -101,15 +103,20 @@ def _file_type(mode: int) -> str:
 def read_regular(path: Path, directory: Path, what: str, limit: int) -> bytes:
     """The whole content of a small regular file, refusing one longer than ``limit`` bytes."""
     fd = open_regular(path, directory, what)
+    chunks: list[bytes] = []
+    size = 0
     try:
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(limit + 1)
+        # In chunks: one read(limit + 1) would allocate the whole bound up front, however small the file.
+        while size <= limit and (chunk := os.read(fd, min(_READ_CHUNK, limit + 1 - size))):
+            chunks.append(chunk)
+            size += len(chunk)
     except OSError as exc:
         raise InvalidCheckpointState(
             f"{directory}: {what} cannot be read: {cause_in_words(exc)}", directory=str(directory)
         ) from None
     finally:
         os.close(fd)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise InvalidCheckpointState(f"{directory}: {what} is larger than {limit} bytes", directory=str(directory))
     return data

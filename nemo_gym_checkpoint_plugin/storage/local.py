@@ -6,6 +6,7 @@ answers ``storage_backend`` for the same name first replaces it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,11 @@ class LocalStorage:
         self.max_record_bytes = max_record_bytes
 
     def configured(self, settings: Any) -> LocalStorage:
-        """This backend with the ``checkpoint.storage`` settings applied (``max_record_bytes``)."""
-        return LocalStorage(max_record_bytes=settings.max_record_bytes)
+        """A copy of this backend (of its own class: a plugin may subclass it) with the
+        ``checkpoint.storage`` settings applied (``max_record_bytes``)."""
+        backend = copy.copy(self)
+        backend.max_record_bytes = settings.max_record_bytes
+        return backend
 
     def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
         return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
