@@ -147,8 +147,16 @@ def attach_plugins(pm: pluggy.PluginManager, **context: Any) -> list[str]:
     return dropped
 
 
-def get_storage_backend(pm: pluggy.PluginManager, name: str) -> Any:
+def get_storage_backend(pm: pluggy.PluginManager, name: Any) -> Any:
+    """The backend registered under ``name``: a backend name, or the ``checkpoint.storage`` settings
+    (``StorageSettings``), which are then handed to a backend offering ``configured(settings)``."""
+    settings = None if isinstance(name, str) else name
+    if settings is not None:
+        name = settings.backend
     backend = pm.hook.storage_backend(name=name)
     if backend is None:
         raise LookupError(f"no storage backend named {name!r} (checkpoint.storage.backend); is its plugin installed?")
+    configured = getattr(backend, "configured", None)
+    if settings is not None and callable(configured):
+        backend = configured(settings)
     return backend

@@ -16,7 +16,10 @@ serves. Keys (defaults in brackets):
   participant waits for the controller before resuming on its own.
 - ``storage`` (plugin key): ``backend`` ["local"], the storage backend a
   plugin provides under that name (the built-in one writes to the local or a
-  shared filesystem).
+  shared filesystem); ``max_record_bytes`` [67108864 (64 MiB), > 0], the
+  largest encoded record (one records-file line) the built-in backend writes
+  or reads: a bigger record fails the write naming its episode, a longer line
+  fails the read without being read whole.
 - ``step_mode`` (plugin key) ["wait"]: what an environment server does with an
   episode step in flight when a checkpoint closes admission: ``wait`` (the
   checkpoint waits for the step to finish) or ``replay`` (the step does not
@@ -32,6 +35,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .storage.layout import DEFAULT_MAX_RECORD_BYTES
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -57,6 +62,7 @@ class StorageSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     backend: str = Field(default="local", min_length=1)
+    max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, gt=0)
 
 
 class CheckpointSettings(BaseModel):

@@ -12,16 +12,22 @@ import pytest
 
 from nemo_gym_checkpoint_plugin.cli import build_parser, main
 from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin.storage.index import write_participants_index
 
 PARTICIPANTS = [("environment", "env"), ("model", "policy_model"), ("agent", "agent"), ("resources", "tools")]
 NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
 
 
-def good_checkpoint(root: Path, checkpoint_id: str = "step-7") -> Path:
-    for index, (kind, instance) in enumerate(PARTICIPANTS):
+def good_checkpoint(root: Path, checkpoint_id: str = "step-7", *, index: bool = True) -> Path:
+    """Every participant committed, then (like a controller) the participants index."""
+    manifests = []
+    for number, (kind, instance) in enumerate(PARTICIPANTS):
         records = [{"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance, "big": 2**70}
-                   for i in range(index + 2)]
-        CheckpointWriter(root, kind, instance, checkpoint_id).write(records, {"note": "x"})
+                   for i in range(number + 2)]
+        manifests.append(CheckpointWriter(root, kind, instance, checkpoint_id).write(records, {"note": "x"}))
+    if index:
+        write_participants_index(root, checkpoint_id, [
+            {"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests])
     return root
 
 
@@ -165,3 +171,56 @@ def test_console_script_is_declared():
 
     scripts = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="console_scripts")}
     assert scripts.get("ng-checkpoint") == "nemo_gym_checkpoint_plugin.cli:main"
+
+
+@pytest.mark.parametrize("special", ["fifo_manifest", "fifo_records", "dir_records"])
+def test_verify_refuses_special_files_without_hanging(tmp_path, special):
+    good_checkpoint(tmp_path)
+    directory = participant(tmp_path, "agent", "agent")
+    target = directory / "manifest.json" if special == "fifo_manifest" else records_file(tmp_path, "agent", "agent")
+    target.unlink()
+    os.mkfifo(target) if special.startswith("fifo") else target.mkdir()
+    done = run_cli("verify", str(tmp_path))  # bounded by run_cli's timeout: a hang fails the test
+    assert done.returncode == 1, done.stderr
+    assert "FAIL  agent/agent: " in done.stdout and "not a regular file" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_verify_refuses_a_repeated_capture_key_naming_it(tmp_path, capsys):
+    good_checkpoint(tmp_path)
+    CheckpointWriter(tmp_path, "environment", "env2", "step-7").write(
+        [{"episode_id": {"rollout_id": "x", "attempt": 2}, "n": n} for n in range(2)])
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "FAIL  environment/env2: " in (out := capsys.readouterr().out) and "repeats episode x-a2" in out
+
+
+def test_verify_fails_naming_a_participant_the_index_lists_and_the_directory_lacks(tmp_path, capsys):
+    good_checkpoint(tmp_path)
+    import shutil
+
+    shutil.rmtree(tmp_path / "gym" / "resources")
+    assert main(["verify", str(tmp_path), "--json"]) == 1
+    report = orjson.loads(capsys.readouterr().out)
+    problems = {p["participant"]: p["problem"] for p in report["participants"] if not p["ok"]}
+    assert list(problems) == ["resources/tools"] and "is missing" in problems["resources/tools"]
+
+
+def test_verify_without_an_index_warns_and_still_verifies(tmp_path):
+    good_checkpoint(tmp_path, index=False)
+    done = run_cli("verify", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "warning: " in done.stderr and "no gym/participants.json" in done.stderr
+
+
+def test_verify_warns_about_unreferenced_files_and_still_exits_0(tmp_path, capsys):
+    good_checkpoint(tmp_path)
+    directory = participant(tmp_path, "model", "policy_model")
+    (directory / ".records.0123.tmp").write_bytes(b"half a write")
+    (directory / f"records-{'a' * 64}.jsonl").write_bytes(b"an aborted write's records\n")
+    assert main(["verify", str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = orjson.loads(captured.out)
+    assert report["ok"] is True
+    assert sorted(Path(w.split(":")[0]).name for w in report["warnings"]) == [
+        ".records.0123.tmp", f"records-{'a' * 64}.jsonl"]
+    assert captured.err.count("warning: ") == 2 and "not referenced by any manifest" in captured.err

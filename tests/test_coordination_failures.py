@@ -155,8 +155,10 @@ async def test_a_failed_restore_retires_the_replacements_and_resumes_everyone(tm
     try:
         async with await discover([s.url for s in servers], TOKEN) as coordinator:
             await committed_checkpoint(tmp_path, coordinator, ckpt)
-            # The agent's part of the checkpoint is lost: its restore fails for real.
+            # The agent's part of the checkpoint is lost: its restore fails for real. (The participants
+            # index goes too, or the coordinator would refuse before asking anyone: see test_storage_index.)
             (ckpt / "gym" / "agent" / "agent" / "manifest.json").unlink()
+            (ckpt / "gym" / "participants.json").unlink()
             with pytest.raises(CoordinationError) as caught:
                 await restore(coordinator, "restore-1", str(ckpt), ["r1", "r2-a1"], timeout=10)
             error = caught.value

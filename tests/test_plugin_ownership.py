@@ -187,3 +187,26 @@ def test_the_public_api_names_what_a_plugin_author_needs_and_the_local_backend_f
     backend = get_storage_backend(make_plugin_manager(load_entry_points=False), "local")
     assert isinstance(backend, api.StorageBackend)
     assert isinstance(backend.open_writer("/tmp/unused", "model", "m", "ck"), api.StorageWriter)
+
+
+async def test_one_record_per_owner_and_episode_is_allowed_two_of_one_owner_are_not(tmp_path: Path) -> None:
+    from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
+    from nemo_gym_checkpoint_plugin.storage.reader import read_checkpoint
+
+    directory = await _checkpoint_with_both(tmp_path)
+    both = read_checkpoint(directory, "environment", "env_one")
+    assert sorted((r["episode_id"]["rollout_id"], r.get("plugin", "")) for r in both.records) == [
+        ("r1", ""), ("r1", VERIFIER), ("r2", ""), ("r2", VERIFIER)]
+
+    # The same owner twice for one episode is refused, naming the episode and the owner.
+    folder = participant_dir(directory, "environment", "env_one")
+    manifest = orjson.loads((folder / "manifest.json").read_bytes())
+    lines = (folder / manifest["records_file"]).read_bytes().splitlines(keepends=True)
+    tagged = next(line for line in lines if VERIFIER.encode() in line)
+    from nemo_gym_checkpoint_plugin.storage.writer import CheckpointWriter
+
+    copy = tmp_path / "copy"
+    CheckpointWriter(copy, "environment", "env_one", "ck-dup").write(
+        [orjson.loads(line) for line in [*lines, tagged]])
+    with pytest.raises(InvalidCheckpointState, match=f"r[12].*{VERIFIER}.*twice"):
+        read_checkpoint(copy, "environment", "env_one")

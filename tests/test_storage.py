@@ -9,7 +9,7 @@ import orjson
 import pytest
 from storage_support import record, write
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, WriteFailed
 from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, WriteStopped, load_manifest, read_checkpoint
 
 PDIR = ("gym", "model", "policy_model")
@@ -29,7 +29,7 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     assert on_disk == manifest == {
         "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "step-1",
         "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 5,
-        "exact_lines": 0, "generation": 3,
+        "generation": 3,
     }
     lines = (pdir(tmp_path) / manifest["records_file"]).read_bytes().splitlines()
     assert [orjson.loads(line) for line in lines] == records
@@ -79,20 +79,40 @@ def test_record_without_episode_id_is_refused(tmp_path: Path) -> None:
 
 def test_same_checkpoint_again_returns_its_manifest_other_is_refused(tmp_path: Path) -> None:
     first = write(tmp_path, [record("a")])
-    assert write(tmp_path, [record("a"), record("b")]) == first
+    assert write(tmp_path, [record("a")]) == first  # a retry of this very write
     with pytest.raises(InvalidCheckpointState, match="already holds checkpoint 'step-1'"):
         write(tmp_path, [record("a")], checkpoint_id="step-2")
     assert load_manifest(pdir(tmp_path)) == first
+    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == ["manifest.json", first["records_file"]]
 
 
-def test_racing_writers_publish_exactly_once(tmp_path: Path) -> None:
+def test_same_id_from_another_write_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    """A fresh process reusing the id (other records) is refused, saying why; the old checkpoint stays whole."""
+    first = write(tmp_path, [record("a", v=1)])
+    with pytest.raises(InvalidCheckpointState, match="from another write") as refused:
+        write(tmp_path, [record("a", v=2), record("b")])
+    assert not isinstance(refused.value, WriteFailed)
+    assert "records_sha256" in refused.value.detail
+    assert load_manifest(pdir(tmp_path)) == first
+    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == ["manifest.json", first["records_file"]]
+    assert read_checkpoint(tmp_path, "model", "policy_model").records == [record("a", v=1)]
+
+
+@pytest.mark.parametrize("same_records", [True, False])
+def test_racing_writers_publish_exactly_once(tmp_path: Path, same_records: bool) -> None:
+    """Racing writers of one id: exactly one publishes. Retries of the same export all get its manifest;
+    writers of other records are refused."""
     barrier = threading.Barrier(4)
-    results: list[dict] = []
+    results: list[dict | InvalidCheckpointState] = []
 
     def run(i: int) -> None:
         writer = CheckpointWriter(tmp_path, "model", "policy_model", "step-1")
         barrier.wait()
-        results.append(writer.write([record(f"w{i}-{n}") for n in range(200)]))
+        name = "w" if same_records else f"w{i}"
+        try:
+            results.append(writer.write([record(f"{name}-{n}") for n in range(200)]))
+        except InvalidCheckpointState as exc:
+            results.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for thread in threads:
@@ -100,10 +120,11 @@ def test_racing_writers_publish_exactly_once(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     published = load_manifest(pdir(tmp_path))
-    assert all(result == published for result in results)
+    won = [result for result in results if result == published]
+    assert len(won) == (4 if same_records else 1)
+    assert all(isinstance(result, InvalidCheckpointState) for result in results if result != published)
     # The losers' records files are gone; the published one verifies.
-    records_files = [p.name for p in pdir(tmp_path).glob("records-*.jsonl")]
-    assert records_files == [published["records_file"]]
+    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == ["manifest.json", published["records_file"]]
     assert len(read_checkpoint(tmp_path, "model", "policy_model").records) == 200
 
 
@@ -311,10 +332,17 @@ def test_racing_writers_of_different_checkpoints_one_wins_one_is_refused(tmp_pat
     assert [p.name for p in pdir(tmp_path).glob("records-*.jsonl")] == [published["records_file"]]
 
 
-def test_exact_lines_are_counted_and_files_without_the_count_are_read_exactly(tmp_path: Path) -> None:
+def test_big_integers_come_back_exactly_without_any_manifest_extra(tmp_path: Path) -> None:
+    """No manifest extra steers decoding (an uncovered ``exact_lines`` could be edited to turn 2**70 into a
+    float); every line is screened, whoever wrote it."""
     manifest = write(tmp_path, [record("a", n=1), record("b", big=2**70), record("c", x=math.inf)])
-    assert manifest["exact_lines"] == 2
-    # Another writer's file (no exact_lines key) with a big integer that orjson would turn into a float.
+    assert "exact_lines" not in manifest
+    # Editing the manifest to claim "no exact lines" (the old extra) changes nothing.
+    path = pdir(tmp_path) / "manifest.json"
+    path.write_bytes(orjson.dumps({**manifest, "exact_lines": 0}))
+    back = read_checkpoint(tmp_path, "model", "policy_model").records
+    assert back[1]["big"] == 2**70 and type(back[1]["big"]) is int and math.isinf(back[2]["x"])
+    # Another writer's file (no extra at all) with a big integer that orjson would turn into a float.
     other = tmp_path / "other"
     directory = other / "gym" / "model" / "policy_model"
     directory.mkdir(parents=True)

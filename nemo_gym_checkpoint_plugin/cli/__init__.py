@@ -125,10 +125,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    checks = verify_checkpoint(Path(args.dir))
+    warnings: list[str] = []
+    checks = verify_checkpoint(Path(args.dir), warnings)
     ok = bool(checks) and all(c.ok for c in checks)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        print_json({"dir": args.dir, "ok": ok, "participants": [c.to_json() for c in checks]})
+        print_json({"dir": args.dir, "ok": ok, "participants": [c.to_json() for c in checks], "warnings": warnings})
     else:
         for check in checks:
             if check.ok:

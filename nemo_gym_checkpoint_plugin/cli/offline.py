@@ -3,19 +3,25 @@
 Both find the participants of ``<dir>/gym/<kind>/<instance>/``. ``inspect`` reads the
 manifests (and, with ``episodes``, the capture keys of the records); ``verify`` checks
 every manifest and records file with the storage package's reader (digest, count, every
-record decoded with a valid ``episode_id``, records file inside the participant
-directory) and that all participants hold the same checkpoint id.
+record decoded with a valid ``episode_id``, no capture key twice, records file inside
+the participant directory, only regular files read) and that all participants hold the
+same checkpoint id. When the directory has a participants index (``gym/participants.json``)
+every participant it lists must be there with the records digest it lists; without one,
+``verify`` warns. Files a participant directory holds that no manifest references (left
+by a crashed or aborted write) are warned about, never a failure.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidCheckpointState
 from ..storage import MANIFEST_NAME, capture_key_of, decode_line, load_manifest, read_checkpoint
-from ..storage.layout import EXACT_LINES, MANIFEST_FIELDS
+from ..storage.index import index_problems, read_participants_index
+from ..storage.layout import INDEX_NAME, MANIFEST_FIELDS
 from ..storage.reader import iter_verified_lines
 
 __all__ = ["ParticipantCheck", "find_participants", "inspect_checkpoint", "verify_checkpoint"]
@@ -44,8 +50,7 @@ class ParticipantCheck:
             "problem": self.problem, "checkpoint_id": self.manifest.get("checkpoint_id"),
             "record_count": self.manifest.get("record_count"), "records_file": self.manifest.get("records_file"),
             "records_sha256": self.manifest.get("records_sha256"), "records_bytes": self.records_bytes,
-            # Participant extras; the storage's own bookkeeping key is not one.
-            "extras": sorted(k for k in self.manifest if k not in MANIFEST_FIELDS and k != EXACT_LINES),
+            "extras": sorted(k for k in self.manifest if k not in MANIFEST_FIELDS),
             **({"episodes": self.episodes} if self.episodes is not None else {}),
         }
 
@@ -86,12 +91,55 @@ def inspect_checkpoint(checkpoint_dir: Path, *, episodes: bool = False) -> list[
     return checks
 
 
-def verify_checkpoint(checkpoint_dir: Path) -> list[ParticipantCheck]:
-    """Verify every participant fully (one streaming pass each, no record kept)."""
+def _unreferenced(checks: list[ParticipantCheck]) -> list[str]:
+    """Files in participant directories that no manifest references (a dead writer's leftovers)."""
+    found = []
+    for check in checks:
+        expected = {MANIFEST_NAME, check.manifest.get("records_file")}
+        try:
+            names = sorted(os.listdir(check.directory))
+        except OSError:
+            continue
+        found += [f"{check.directory / name}: not referenced by any manifest (left by a crashed or aborted "
+                  "write?)" for name in names if name not in expected]
+    return found
+
+
+def _check_index(checkpoint_dir: Path, checks: list[ParticipantCheck], warnings: list[str]) -> None:
+    """Fail the participants the index lists and the directory lacks; warn when there is no index."""
+    try:
+        index = read_participants_index(checkpoint_dir)
+    except InvalidCheckpointState as exc:
+        checks.append(ParticipantCheck("(index)", INDEX_NAME, checkpoint_dir / "gym", ok=False, problem=exc.detail))
+        return
+    if index is None:
+        warnings.append(f"{checkpoint_dir}: no gym/{INDEX_NAME} (written by another implementation?): cannot tell "
+                        "whether a whole participant is missing")
+        return
+    by_name = {(c.kind, c.instance): c for c in checks}
+    for kind, instance, problem in index_problems(checkpoint_dir, index):
+        check = by_name.get((kind, instance))
+        if check is None:
+            checks.append(ParticipantCheck(kind, instance, checkpoint_dir / "gym" / kind / instance, ok=False,
+                                           problem=problem))
+        elif check.ok:
+            check.ok, check.problem = False, problem
+    listed = {(e["kind"], e["instance"]) for e in index["participants"]}
+    warnings += [f"{c.directory}: participant {c.name} is not listed in gym/{INDEX_NAME}"
+                 for c in checks if (c.kind, c.instance) not in listed and c.kind != "(index)"]
+
+
+def verify_checkpoint(checkpoint_dir: Path, warnings: list[str] | None = None) -> list[ParticipantCheck]:
+    """Verify every participant fully (one streaming pass each, no record kept).
+
+    ``warnings`` (when given) receives what does not fail the checkpoint: unreferenced files, a
+    missing participants index, a participant the index does not list.
+    """
+    warnings = [] if warnings is None else warnings
     checks = []
     for kind, instance, directory in find_participants(checkpoint_dir):
         check = ParticipantCheck(kind, instance, directory)
-        if not (directory / MANIFEST_NAME).exists() and not any(directory.iterdir()):
+        if not os.path.lexists(directory / MANIFEST_NAME) and not any(directory.iterdir()):
             check.ok, check.problem = False, f"{directory}: empty participant directory (no manifest.json)"
             checks.append(check)
             continue
@@ -103,6 +151,8 @@ def verify_checkpoint(checkpoint_dir: Path) -> list[ParticipantCheck]:
         except InvalidCheckpointState as exc:
             check.ok, check.problem = False, exc.detail
         checks.append(check)
+    warnings += _unreferenced([c for c in checks if c.ok])
+    _check_index(checkpoint_dir, checks, warnings)
     ids = {c.manifest["checkpoint_id"] for c in checks if c.ok}
     if len(ids) > 1:
         for check in checks:

@@ -35,6 +35,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     WriteFailed,
 )
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin.storage.executor import run_storage
 from nemo_gym_checkpoint_plugin.storage.reader import capture_key_of
 
 from .memory import Active, KeptExport, Replay
@@ -164,7 +165,7 @@ class CommitMixin:
         try:
             writer = active.writer = self._storage.open_writer(checkpoint_dir, self.kind, self.instance, checkpoint_id)
             records = kept.replay()
-            manifest = await asyncio.to_thread(writer.write, records, kept.manifest_extras)
+            manifest = await run_storage(writer.write, records, kept.manifest_extras)
         except BaseException as exc:
             if isinstance(exc, WriteFailed) and kept.source_error is None:
                 logger.warning("commit of %s: the write failed (%s); the export is kept", checkpoint_id, exc)

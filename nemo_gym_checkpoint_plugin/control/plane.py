@@ -95,7 +95,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self.participants = Participants(pm)
         self.admission = Admission()
         self.marks = RetiredMarks()
-        self._storage = storage if storage is not None else get_storage_backend(pm, settings.storage.backend)
+        self._storage = storage if storage is not None else get_storage_backend(pm, settings.storage)
         policy = lease_policy if lease_policy is not None else pm.hook.lease_policy(settings=settings)
         if not isinstance(policy, LeasePolicy):
             raise TypeError(f"lease_policy hook answered {policy!r}, not a LeasePolicy")

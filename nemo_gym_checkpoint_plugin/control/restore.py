@@ -34,6 +34,7 @@ from nemo_gym_checkpoint_plugin.errors import (
     InvalidPhase,
 )
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin.storage.executor import run_storage
 
 from .memory import Active, Replay
 from .types import Phase, RestoredRecord, sorted_keys
@@ -79,7 +80,7 @@ class RestoreMixin:
         self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...]
     ) -> dict[str, Any]:
         try:
-            restored = await asyncio.to_thread(
+            restored = await run_storage(
                 self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
             )
             records = [_restored_record(record) for record in restored.records]

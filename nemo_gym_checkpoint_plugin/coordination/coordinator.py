@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InvalidCheckpointState
+from ..storage.index import check_participants_index, write_participants_index
 from .discovery import Participant
 from .errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
 from .order import stages_for
@@ -217,7 +219,11 @@ class Coordinator:
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
         stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
     ) -> CommitResult:
-        """Commit on every participant at once; ``episode_ids`` is the scope (None: everything held)."""
+        """Commit on every participant at once; ``episode_ids`` is the scope (None: everything held).
+
+        When all committed, writes ``<checkpoint_dir>/gym/participants.json`` (the participants the
+        checkpoint must hold); a failure to write it fails the commit (code ``invalid_checkpoint_state``).
+        """
         deadline = self._deadline(deadline_ts, timeout)
         scope = None if episode_ids is None else [wire_episode_id(e) for e in episode_ids]
         payload = {
@@ -227,6 +233,16 @@ class Coordinator:
         replies, failures, _, _ = await self._run("commit", payload, deadline)
         result = CommitResult(checkpoint_id, replies)
         self._raise("commit", failures, result=result)
+        # Every participant committed: record which ones the checkpoint must hold (created last).
+        try:
+            await asyncio.to_thread(write_participants_index, checkpoint_dir, checkpoint_id, [
+                {name: manifest.get(name) for name in ("kind", "instance", "records_sha256")}
+                for manifest in result.manifests.values()
+            ])
+        except InvalidCheckpointState as exc:
+            raise CoordinationError("commit", [ParticipantFailure(
+                "(checkpoint)", str(checkpoint_dir), "commit", exc.code, f"participants index: {exc.detail}")],
+                result=result) from None
         return result
 
     async def resume(
@@ -301,10 +317,25 @@ class Coordinator:
         participant is resumed, and the restore's ``CoordinationError`` is raised (clean-up
         failures ride along as ``cleanup_failures``, never replacing it). Its ``result``
         maps each rollout to the attempt it must start over as (the checkpointed attempt
-        + 2, since the replacement + 1 is now refused).
+        + 2, since the replacement + 1 is now refused). Before asking any participant, the
+        directory is checked against its participants index: a participant it lists that is
+        missing (or replaced) fails the restore at once, naming it (no participant touched;
+        ``next_attempts`` are then the checkpointed attempt + 1). Without an index: a warning.
         """
         checkpointed = [wire_episode_id(e) for e in episode_ids]
         deadline = self._deadline(deadline_ts, timeout)
+        # Before any participant is touched: every participant the index lists must be there.
+        try:
+            index = await asyncio.to_thread(check_participants_index, checkpoint_dir)
+        except InvalidCheckpointState as exc:
+            raise CoordinationError("restore", [ParticipantFailure(
+                "(checkpoint)", str(checkpoint_dir), "restore", exc.code, exc.detail)],
+                result={"next_attempts": {e["rollout_id"]: e["attempt"] + 1 for e in checkpointed}},
+                message=f"restore {checkpoint_id}: {checkpoint_dir} does not hold every participant its index "
+                        "lists; no participant was asked to restore") from None
+        if index is None:
+            logger.warning("restore %s: %s has no participants index (gym/participants.json); restoring without "
+                           "checking that every participant is there", checkpoint_id, checkpoint_dir)
         payload = {
             "checkpoint_id": checkpoint_id, "deadline_ts": deadline, "checkpoint_dir": str(checkpoint_dir),
             "episode_ids": checkpointed,

@@ -134,13 +134,13 @@ _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
 
 
-def decode_line(line: bytes, *, screen: bool = True) -> Any:
+def decode_line(line: bytes) -> Any:
     """Decode one record line written by ``encode_line``; raises ``ValueError`` when it is not JSON.
 
-    ``screen=False`` skips the look for integers beyond 64 bits: for files whose writer said
-    that no line holds one (the manifest's ``exact_lines`` is 0).
+    Every line is screened for integers beyond 64 bits: nothing a digest covers could tell
+    the reader that a file holds none (a manifest extra saying so was dropped for that reason).
     """
-    if screen and _LONG_RUN in line.translate(_DIGITS_ONLY):
+    if _LONG_RUN in line.translate(_DIGITS_ONLY):
         # Maybe an integer beyond 64 bits (or just a long digit string): read it exactly.
         return json.loads(line)
     try:

@@ -1,7 +1,8 @@
 """Names and paths of the on-disk checkpoint layout (PROTOCOL.md, "Storage layout").
 
 ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
-``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``.
+``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``, and the controller's
+``<checkpoint_dir>/gym/participants.json``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from ..errors import InvalidCheckpointState
 
 __all__ = [
     "SCHEMA_VERSION",
-    "EXACT_LINES",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "INDEX_NAME",
+    "MAX_MANIFEST_BYTES",
     "MANIFEST_NAME",
     "MANIFEST_FIELDS",
     "SAFE_COMPONENT",
@@ -27,8 +30,13 @@ SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FIELDS = ("schema_version", "kind", "instance", "checkpoint_id", "records_file", "records_sha256",
                    "record_count")
-# Manifest extra written by this writer: how many record lines need the exact (slow) JSON reader.
-EXACT_LINES = "exact_lines"
+INDEX_NAME = "participants.json"
+# A record's encoded size (its line, newline included) is bounded, so a reader never holds an
+# endless line; ``checkpoint.storage.max_record_bytes`` changes it. 64 MiB holds an episode of
+# hundreds of thousands of tokens with their logprobs.
+DEFAULT_MAX_RECORD_BYTES = 64 << 20
+# Manifests and the participants index are small; anything past this is not one.
+MAX_MANIFEST_BYTES = 16 << 20
 SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 RECORDS_FILE = re.compile(r"^records(-[0-9a-f]{64})?\.jsonl$")
 

@@ -6,12 +6,13 @@ answers ``storage_backend`` for the same name first replaces it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from ..markers import hookimpl
-from .layout import participant_dir
+from .layout import DEFAULT_MAX_RECORD_BYTES, participant_dir
 from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
 from .writer import CheckpointWriter
 
@@ -23,8 +24,18 @@ class LocalStorage:
 
     name = "local"
 
+    def __init__(self, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
+        self.max_record_bytes = max_record_bytes
+
+    def configured(self, settings: Any) -> LocalStorage:
+        """A copy of this backend (of its own class: a plugin may subclass it) with the
+        ``checkpoint.storage`` settings applied (``max_record_bytes``)."""
+        backend = copy.copy(self)
+        backend.max_record_bytes = settings.max_record_bytes
+        return backend
+
     def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
-        return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id)
+        return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
 
     def read(
         self,
@@ -35,7 +46,9 @@ class LocalStorage:
         scope: Collection[str] | None = None,
         validate: Callable[[dict[str, Any]], None] | None = None,
     ) -> RestoredCheckpoint:
-        return read_checkpoint(checkpoint_dir, kind, instance, scope=scope, validate=validate)
+        return read_checkpoint(
+            checkpoint_dir, kind, instance, scope=scope, validate=validate, max_record_bytes=self.max_record_bytes
+        )
 
     def read_manifest(self, checkpoint_dir: str | Path, kind: str, instance: str) -> dict[str, Any]:
         return load_manifest(participant_dir(checkpoint_dir, kind, instance), kind=kind, instance=instance)

@@ -138,14 +138,19 @@ class HashingWriter:
 class _ReadEnd:
     """What the reading worker found at the end: the digest and count, or the problem."""
 
-    def __init__(self, digest: str, count: int, truncated: bool, error: BaseException | None) -> None:
+    def __init__(
+        self, digest: str, count: int, truncated: bool, error: BaseException | None, too_long: bool = False
+    ) -> None:
         self.digest, self.count, self.truncated, self.error = digest, count, truncated, error
+        self.too_long = too_long
 
 
-def hashed_lines(handle: BinaryIO) -> Iterator[list[bytes] | _ReadEnd]:
+def hashed_lines(handle: BinaryIO, max_line: int) -> Iterator[list[bytes] | _ReadEnd]:
     """Yield batches of lines read and hashed by a worker thread, then one ``_ReadEnd``.
 
-    Closing the generator early stops the worker.
+    A line longer than ``max_line`` bytes (newline included) ends the read with
+    ``too_long`` after at most ``max_line + 1`` of its bytes were read: a file of one
+    endless line never sits in memory whole. Closing the generator early stops the worker.
     """
     batches: queue.Queue[list[bytes] | _ReadEnd] = queue.Queue(maxsize=_DEPTH)
     stop = threading.Event()
@@ -165,8 +170,13 @@ def hashed_lines(handle: BinaryIO) -> Iterator[list[bytes] | _ReadEnd]:
         truncated = False
         batch: list[bytes] = []
         size = 0
+        readline = handle.readline
+        limit = max_line + 1
         try:
-            for line in handle:
+            while line := readline(limit):
+                if len(line) > max_line:
+                    put(_ReadEnd("", count, False, None, too_long=True))
+                    return
                 sha.update(line)
                 if not line.endswith(b"\n"):
                     truncated = True

@@ -5,7 +5,10 @@ names, a records file inside the participant directory). The records file is
 then read line by line: each line is hashed, counted, decoded and validated,
 and only records in scope are kept. The digest and the count are compared at
 the end, before anything is returned, so a caller never sees records from a
-file that does not verify. The whole file is never held in memory.
+file that does not verify. The whole file is never held in memory, nor one line
+longer than the record bound. Only regular files are read (never a FIFO, a directory
+or a link), without blocking, and every file opened is closed on every path. A capture
+key that appears twice is refused: a restore never picks one copy silently.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import orjson
 
 from ..errors import InvalidCheckpointState
 from .codec import decode_line
+from .files import open_regular, read_regular
 from .layout import (
-    EXACT_LINES,
+    DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_FIELDS,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     RECORDS_FILE,
     SAFE_COMPONENT,
     SCHEMA_VERSION,
@@ -70,12 +75,9 @@ def _bad(directory: Path, why: str, **data: Any) -> InvalidCheckpointState:
 def load_manifest(directory: Path, *, kind: str | None = None, instance: str | None = None) -> dict[str, Any]:
     """Read and check ``manifest.json`` of a participant directory."""
     path = directory / MANIFEST_NAME
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise _bad(directory, "no manifest.json: the checkpoint was never published (incomplete write?)") from None
-    except OSError as exc:
-        raise _bad(directory, f"manifest.json cannot be read: {exc.strerror}") from None
+    if not os.path.lexists(path):
+        raise _bad(directory, "no manifest.json: the checkpoint was never published (incomplete write?)")
+    raw = read_regular(path, directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     try:
         manifest = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -111,33 +113,35 @@ def _open_records(directory: Path, name: str) -> BinaryIO:
     real = os.path.realpath(path)
     if os.path.dirname(real) != real_dir:
         raise _bad(directory, f"records file {name} resolves outside the participant directory")
+    fd = open_regular(Path(real), directory, f"records file {name}")
     try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise _bad(directory, f"records file {name} is missing") from None
-    except OSError as exc:
-        raise _bad(directory, f"records file {name} cannot be opened: {exc.strerror}") from None
-    handle = os.fdopen(fd, "rb", buffering=_CHUNK)
-    if not os.path.isfile(real):
-        handle.close()
-        raise _bad(directory, f"records file {name} is not a regular file")
-    return handle
+        return os.fdopen(fd, "rb", buffering=_CHUNK)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def iter_verified_lines(directory: Path, manifest: Mapping[str, Any]) -> Iterator[bytes]:
+def iter_verified_lines(
+    directory: Path, manifest: Mapping[str, Any], *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> Iterator[bytes]:
     """Yield each line of the records file; after the last one, check count and digest.
 
-    Raises ``InvalidCheckpointState`` for a truncated last line, a count or a digest that
-    does not match. A consumer must exhaust the iterator before trusting what it read.
+    Raises ``InvalidCheckpointState`` for a line longer than ``max_record_bytes`` (refused
+    after reading at most that many of its bytes), a truncated last line, a count or a
+    digest that does not match. A consumer must exhaust the iterator before trusting what
+    it read.
     """
     with _open_records(directory, manifest["records_file"]) as handle:
         # A worker thread reads and hashes while this thread decodes what it already read.
-        for item in hashed_lines(handle):
+        for item in hashed_lines(handle, max_record_bytes):
             if isinstance(item, list):
                 yield from item
                 continue
             if item.error is not None:
                 raise _bad(directory, f"records file cannot be read: {item.error}") from item.error
+            if item.too_long:
+                raise _bad(directory, f"record {item.count} is longer than max_record_bytes ({max_record_bytes} "
+                                      "bytes); refused without reading it whole", record=item.count)
             if item.truncated:
                 raise _bad(directory, f"records file ends in a truncated line (after {item.count} records)")
             if item.count != manifest["record_count"]:
@@ -155,25 +159,26 @@ def read_checkpoint(
     *,
     scope: Collection[str] | None = None,
     validate: Callable[[dict[str, Any]], None] | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> RestoredCheckpoint:
     """Read, verify and validate one participant's checkpoint, keeping the records in ``scope``.
 
     ``scope`` is a collection of capture keys (``None``: every record). ``validate`` is
     called on each kept record and may raise ``ValueError`` to refuse it; the refusal is
-    reported as ``invalid_checkpoint_state`` naming the episode.
+    reported as ``invalid_checkpoint_state`` naming the episode. A capture key found twice
+    for the same owner (the record's ``"plugin"``, absent for the participant's own records)
+    in the file, in scope or not, is ``invalid_checkpoint_state`` naming the key.
     """
     directory = participant_dir(checkpoint_dir, kind, instance)
     manifest = load_manifest(directory, kind=kind, instance=instance)
     wanted = None if scope is None else frozenset(scope)
     result = RestoredCheckpoint(manifest=manifest)
-    # Only a writer that counted its exact lines (and found none) lets the reader skip the screen.
-    exact_lines = manifest.get(EXACT_LINES)
-    screen = not (type(exact_lines) is int and exact_lines == 0)
-    for line in iter_verified_lines(directory, manifest):
+    seen: set[tuple[Any, str]] = set()
+    for line in iter_verified_lines(directory, manifest, max_record_bytes=max_record_bytes):
         number = result.total
         result.total += 1
         try:
-            record = decode_line(line, screen=screen)
+            record = decode_line(line)
         except ValueError:
             raise _bad(directory, f"record {number} is not JSON") from None
         if not isinstance(record, dict):
@@ -182,6 +187,16 @@ def read_checkpoint(
             key = capture_key_of(record.get("episode_id"))
         except ValueError as exc:
             raise _bad(directory, f"record {number} has no valid episode_id: {exc}") from None
+        # Each plugin owns its records: one episode may have one record per owner, never two.
+        owner_name = record.get("plugin")
+        if owner_name is not None and (not isinstance(owner_name, str) or not owner_name):
+            raise _bad(directory, f"record {number} ({key}) names no valid owning plugin", episode=key)
+        owned = (owner_name, key)
+        if owned in seen:
+            owner = "" if owned[0] is None else f" of plugin {owned[0]!r}"
+            raise _bad(directory, f"record {number} repeats episode {key}{owner}: a capture key appears twice",
+                       episode=key)
+        seen.add(owned)
         if wanted is not None and key not in wanted:
             continue
         if validate is not None:

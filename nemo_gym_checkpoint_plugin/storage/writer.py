@@ -2,18 +2,29 @@
 
 Order of work, each step durable before the next:
 
-1. records are encoded, hashed and appended one at a time to a temporary file
-   in the participant directory (never the whole file in memory);
-2. the file is fsynced and renamed to its digest name ``records-<sha256>.jsonl``;
-3. the participant directory and every parent up to ``checkpoint_dir`` (and
-   above it, as far as this writer created directories) are fsynced;
-4. the manifest is written under a temporary name, fsynced, and hard-linked to
-   ``manifest.json``: the link never replaces, so of two racing writers exactly
-   one publishes.
+1. the participant directory is created and locked (shared with other writers); a writer
+   alone in it first removes what a dead writer left there (temporary files, and records
+   files while no manifest is published);
+2. records are encoded, hashed and appended one at a time to a temporary file
+   in the participant directory (never the whole file in memory, never a record
+   longer than ``max_record_bytes``);
+3. the file is fsynced; the manifest is written under a temporary name and fsynced;
+4. under the lock ``stop()`` takes: the last stop check, the rename of the records file
+   to its digest name ``records-<sha256>.jsonl``, the fsync of the participant directory
+   and every parent up to ``checkpoint_dir`` (and above it, as far as this writer created
+   directories), and the hard link of the manifest to ``manifest.json``: the link never
+   replaces, so of two racing writers exactly one publishes, and a stopped write leaves
+   no records file behind.
 
-A crash at any point leaves either a complete checkpoint or one without a
-manifest, which a restore refuses. ``stop()`` (a resume) makes the writer quit
-before its next record and guarantees no manifest appears after it returned.
+A directory already holding a manifest of this checkpoint id returns it only when its
+``records_sha256`` equals this export's digest (a retry of this very write); any other
+manifest there is refused. A crash at any point leaves either a complete checkpoint or
+one without a manifest, which a restore refuses. ``stop()`` (a resume) makes the writer
+quit before its next record and guarantees no manifest appears after it returned.
+
+Every ``OSError`` while storing is ``WriteFailed`` (its detail names the cause and the
+path); a record that cannot be stored at all (not JSON, no ``episode_id``, too big) is a
+plain ``InvalidCheckpointState``.
 """
 
 from __future__ import annotations
@@ -25,9 +36,17 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidCheckpointState, InvalidPhase
+from ..errors import InvalidCheckpointState, InvalidPhase, WriteFailed
 from .codec import NotJSON, encode_line, encode_record
-from .layout import EXACT_LINES, MANIFEST_NAME, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir, records_name
+from .files import DirectoryLock, remove_leftovers, write_failed
+from .layout import (
+    DEFAULT_MAX_RECORD_BYTES,
+    MANIFEST_NAME,
+    SAFE_COMPONENT,
+    SCHEMA_VERSION,
+    participant_dir,
+    records_name,
+)
 from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
 
@@ -58,13 +77,17 @@ def _episode_key(record: Any) -> str:
 class CheckpointWriter:
     """Writes one participant's records and publishes its manifest last. One use per instance."""
 
-    def __init__(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> None:
+    def __init__(
+        self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str, *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
             raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
         self.checkpoint_dir = Path(checkpoint_dir)
         self.kind = kind
         self.instance = instance
         self.checkpoint_id = checkpoint_id
+        self.max_record_bytes = max_record_bytes
         self.directory = participant_dir(checkpoint_dir, kind, instance)
         self._lock = threading.Lock()
         self._stopped = False
@@ -91,39 +114,48 @@ class CheckpointWriter:
     # -- the write -----------------------------------------------------------------------------
 
     def write(self, records: Iterable[Mapping[str, Any]], extras: Mapping[str, Any] | None = None) -> dict:
-        """Write every record, then publish the manifest; returns the manifest (an existing one if
-        this very checkpoint was already committed into the directory)."""
+        """Write every record, then publish the manifest; returns the manifest (the published one
+        when this very write, same records digest, was already committed into the directory)."""
         self._check_stop()
         created_up_to = self._make_directories()
-        existing = self._existing_manifest()
-        if existing is not None:
-            return existing
-        tmp = self.directory / f".records.{uuid.uuid4().hex}.tmp"
+        lock = DirectoryLock(self.directory)
         try:
-            digest, count, exact = self._write_records(tmp, records)
-            final = self.directory / records_name(digest)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        self._fsync_parents(created_up_to)
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            "kind": self.kind,
-            "instance": self.instance,
-            "checkpoint_id": self.checkpoint_id,
-            "records_file": final.name,
-            "records_sha256": digest,
-            "record_count": count,
-            # Storage extra: lines only an exact JSON reader decodes faithfully (big integers, NaN,
-            # infinities). 0 lets a reader skip looking for them; absent (other writers), it looks.
-            EXACT_LINES: exact,
-        }
-        for key, value in (extras or {}).items():
-            if key in manifest:
-                raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
-            manifest[key] = value
-        return self._publish(manifest, final)
+            if lock.acquire():
+                remove_leftovers(self.directory, MANIFEST_NAME)
+            lock.share()
+            # A manifest of another checkpoint id: refused before anything is written.
+            self._existing_manifest()
+            tmp = self.directory / f".records.{uuid.uuid4().hex}.tmp"
+            manifest_tmp: Path | None = None
+            try:
+                digest, count = self._write_records(tmp, records)
+                manifest = {
+                    "schema_version": SCHEMA_VERSION,
+                    "kind": self.kind,
+                    "instance": self.instance,
+                    "checkpoint_id": self.checkpoint_id,
+                    "records_file": records_name(digest),
+                    "records_sha256": digest,
+                    "record_count": count,
+                }
+                for key, value in (extras or {}).items():
+                    if key in manifest:
+                        raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
+                    manifest[key] = value
+                manifest_tmp = self._manifest_tmp(manifest)
+                self._fsync_parents(created_up_to, include_self=False)
+                return self._publish(manifest, tmp, manifest_tmp)
+            except OSError as exc:
+                raise write_failed(exc, self.directory) from None
+            finally:
+                for leftover in (tmp, manifest_tmp):
+                    if leftover is not None:
+                        try:
+                            leftover.unlink(missing_ok=True)
+                        except OSError:
+                            pass
+        finally:
+            lock.release()
 
     def _make_directories(self) -> Path:
         """Create the participant directory; return the highest directory whose entry must be fsynced."""
@@ -134,16 +166,24 @@ class CheckpointWriter:
             probe = probe.parent
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:
+            raise WriteFailed(
+                f"{self.directory} cannot hold checkpoint state: not a directory", path=str(exc.filename)
+            ) from None
         except OSError as exc:
-            raise InvalidCheckpointState(f"{self.directory} cannot hold checkpoint state: {exc.strerror}") from None
+            raise write_failed(exc, self.directory, "cannot hold checkpoint state") from None
         if not self.directory.is_dir():
-            raise InvalidCheckpointState(f"{self.directory} cannot hold checkpoint state: not a directory")
+            raise WriteFailed(f"{self.directory} cannot hold checkpoint state: not a directory",
+                              path=str(self.directory))
         return top
 
     def _existing_manifest(self) -> dict | None:
-        if not (self.directory / MANIFEST_NAME).exists():
+        """The manifest published in the directory, refused when it is of another checkpoint id."""
+        if not os.path.lexists(self.directory / MANIFEST_NAME):
             return None
-        manifest = load_manifest(self.directory, kind=self.kind, instance=self.instance)
+        return self._same_id(load_manifest(self.directory, kind=self.kind, instance=self.instance))
+
+    def _same_id(self, manifest: dict) -> dict:
         if manifest["checkpoint_id"] != self.checkpoint_id:
             raise InvalidCheckpointState(
                 f"{self.directory} already holds checkpoint {manifest['checkpoint_id']!r}; "
@@ -151,8 +191,20 @@ class CheckpointWriter:
             )
         return manifest
 
-    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int, int]:
-        count = exact = 0
+    def _same_write(self, existing: dict, digest: str) -> dict:
+        """``existing`` (of this id) when it is this very write (same records digest); else refuse."""
+        if existing["records_sha256"] != digest:
+            raise InvalidCheckpointState(
+                f"{self.directory} already holds checkpoint {self.checkpoint_id!r} from another write "
+                f"(its records_sha256 {existing['records_sha256'][:12]}... differs from this export's "
+                f"{digest[:12]}...: a restarted process reusing the id?); refusing to mix them",
+                directory=str(self.directory),
+            )
+        return existing
+
+    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
+        count = 0
+        limit = self.max_record_bytes
         with open(tmp, "xb", buffering=_BUFFER) as out:
             # This thread encodes; the sink hashes, writes and syncs in its own thread.
             sink = HashingWriter(out)
@@ -165,55 +217,73 @@ class CheckpointWriter:
                             episode=_episode_key(record),
                         )
                     try:
-                        line, needs_exact = encode_record(record)
+                        line, _exact = encode_record(record)
                     except NotJSON as exc:
                         key = _episode_key(record)
                         raise InvalidCheckpointState(
                             f"record of episode {key} is not JSON: {exc}", episode=key
                         ) from None
+                    if len(line) > limit:
+                        key = _episode_key(record)
+                        raise InvalidCheckpointState(
+                            f"record of episode {key} is {len(line)} bytes encoded, more than max_record_bytes "
+                            f"({limit})", episode=key,
+                        )
                     sink.write(line)
                     count += 1
-                    exact += needs_exact
                 self._check_stop()
                 digest = sink.finish()
             except BaseException:
                 sink.abort()
                 raise
-        return digest, count, exact
+        return digest, count
 
-    def _fsync_parents(self, top: Path) -> None:
-        path = self.directory
+    def _fsync_parents(self, top: Path, *, include_self: bool) -> None:
+        path = self.directory if include_self else self.directory.parent
+        if not include_self and self.directory == top:
+            return
         while True:
             fsync_dir(path)
             if path == top or path.parent == path:
                 return
             path = path.parent
 
-    def _publish(self, manifest: dict, records_file: Path) -> dict:
-        body = encode_line(manifest)
+    def _manifest_tmp(self, manifest: dict) -> Path:
         tmp = self.directory / f".manifest.{uuid.uuid4().hex}.tmp"
         with open(tmp, "xb") as out:
-            out.write(body)
+            out.write(encode_line(manifest))
             out.flush()
             os.fsync(out.fileno())
-        try:
-            with self._lock:
-                self._check_stop()
+        return tmp
+
+    def _publish(self, manifest: dict, records_tmp: Path, manifest_tmp: Path) -> dict:
+        """Under ``stop()``'s lock: last stop check, rename, directory fsync, link of the manifest."""
+        final = self.directory / manifest["records_file"]
+        with self._lock:
+            self._check_stop()
+            existing = self._existing_manifest()
+            if existing is not None:
+                # Published before this write started or while it ran: ours is dropped either way.
+                self._published = self._same_write(existing, manifest["records_sha256"])
+                return existing
+            os.replace(records_tmp, final)
+            try:
+                fsync_dir(self.directory)
+                os.link(manifest_tmp, self.directory / MANIFEST_NAME)
+            except FileExistsError:
+                # Another writer published between the look and the link: ours goes unless it is the same file.
                 try:
-                    os.link(tmp, self.directory / MANIFEST_NAME)
-                except FileExistsError:
-                    # Another writer published first: keep its records file, drop ours if it differs.
-                    try:
-                        existing = self._existing_manifest()
-                    finally:
-                        published = load_manifest(self.directory)["records_file"]
-                        if published != records_file.name:
-                            records_file.unlink(missing_ok=True)
-                    assert existing is not None
-                    self._published = existing
-                    return existing
-                self._published = manifest
-        finally:
-            tmp.unlink(missing_ok=True)
+                    existing = load_manifest(self.directory, kind=self.kind, instance=self.instance)
+                except InvalidCheckpointState:
+                    final.unlink(missing_ok=True)
+                    raise
+                if existing["records_file"] != final.name:
+                    final.unlink(missing_ok=True)
+                self._published = self._same_write(self._same_id(existing), manifest["records_sha256"])
+                return existing
+            except BaseException:
+                final.unlink(missing_ok=True)
+                raise
+            self._published = manifest
         fsync_dir(self.directory)
         return manifest
