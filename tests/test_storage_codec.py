@@ -131,3 +131,24 @@ def test_values_that_are_not_json_are_refused(value: object) -> None:
 def test_decode_refuses_garbage() -> None:
     with pytest.raises(ValueError):
         decode_line(b'{"a": \n')
+
+
+@pytest.mark.parametrize("line", [
+    b'{"a":123456789012345678901234567890}\n',
+    b'{"a":[1,2,-99999999999999999999]}\n',
+    b'{"a":[0.5,"x",[18446744073709551616]]}\n',
+    b'[{"deep":[[1,[2,[3,100000000000000000000000]]]]}]\n',
+    b'{"a":[1e300,123456789012345678901234567890]}\n',
+    b'12345678901234567890123\n',
+])
+def test_integers_beyond_64_bits_written_by_any_writer_decode_exactly(line: bytes) -> None:
+    """No manifest extra tells the reader a file is free of them: every line is screened (cheaply)."""
+    import json
+
+    assert decode_line(line) == json.loads(line)
+    assert repr(decode_line(line)) == repr(json.loads(line))
+
+
+def test_large_floats_without_long_digit_runs_keep_orjson_output() -> None:
+    line = b'{"a":[1e300,-9.3e18],"b":1.5e19}\n'
+    assert decode_line(line) == orjson.loads(line)

@@ -126,12 +126,37 @@ def encode_line(value: Any) -> bytes:
     return encode_record(value)[0]
 
 
-# orjson reads an integer beyond 64 bits as a float, silently. Such a token has at least 19
-# digits in a row, which no float orjson or the standard library writes has (17 significant
-# digits at most), so a line without a run of 19 digits is safe for orjson. Digits map to "0"
-# and everything else to " ", and a C-level substring search finds the run.
+# orjson reads an integer beyond 64 bits as a float, silently. Such a float is at least 2**63 in
+# magnitude, so a decoded record holding no float that large cannot have lost one: the screen
+# walks the decoded containers (a list of numbers in one C-level ``math.hypot`` pass, which is
+# at least the largest magnitude in it) instead of every byte of the line. Only a record that
+# holds such a number is looked at closer: its line is read exactly when it has a run of 19
+# digits (which an integer beyond 64 bits has and no float either library writes has; digits
+# map to "0", everything else to " ", and a C-level substring search finds the run).
+_HUGE = float(2**63)
 _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
+
+
+def _holds_huge_number(value: Any) -> bool:
+    """True when a number of magnitude 2**63 or more is somewhere in ``value`` (orjson's output)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is float or kind is int:
+            if not -_HUGE < item < _HUGE:
+                return True
+        elif kind is dict:
+            stack.extend(item.values())
+        elif kind is list:
+            try:
+                if math.hypot(*item) < _HUGE:
+                    continue
+            except (TypeError, ValueError, OverflowError):
+                pass  # not all numbers (or too large for a float): item by item
+            stack.extend(item)
+    return False
 
 
 def decode_line(line: bytes) -> Any:
@@ -140,11 +165,12 @@ def decode_line(line: bytes) -> Any:
     Every line is screened for integers beyond 64 bits: nothing a digest covers could tell
     the reader that a file holds none (a manifest extra saying so was dropped for that reason).
     """
-    if _LONG_RUN in line.translate(_DIGITS_ONLY):
-        # Maybe an integer beyond 64 bits (or just a long digit string): read it exactly.
-        return json.loads(line)
     try:
-        return orjson.loads(line)
+        value = orjson.loads(line)
     except orjson.JSONDecodeError:
         # NaN and Infinity tokens: only the standard library reads them.
         return json.loads(line)
+    if _holds_huge_number(value) and _LONG_RUN in line.translate(_DIGITS_ONLY):
+        # An integer beyond 64 bits that orjson turned into a float: read the line exactly.
+        return json.loads(line)
+    return value
