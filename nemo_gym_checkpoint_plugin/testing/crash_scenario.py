@@ -144,7 +144,7 @@ async def run_scenario(
     checkpoint, so continued rollouts are exported at ``seeded`` with their agent step in
     flight, and that step runs again after the restore (its model calls repeat).
     """
-    from .coordination import commit, discover, prepare, restore, resume, retire
+    from ..coordination import commit, discover, prepare, restore, resume, retire
 
     urls = deployment.urls
     env, backend, resources = urls[ENVIRONMENT], urls[BACKEND], urls[RESOURCES]
