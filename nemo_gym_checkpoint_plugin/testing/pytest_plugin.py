@@ -8,11 +8,13 @@ Fixtures (each deployment is real: the fake backend and four Gym servers from th
 wheel, on free 127.0.0.1 ports, no Ray, each child leading its own process group):
 
 - ``gym_deployment`` (module scope): one started ``GymHarness`` shared by a module's
-  tests, checkpointing enabled with ``HARNESS_TOKEN``; stopped at teardown. Use distinct
+  tests: the servers as shipped (the ``checkpoint:`` block enabled with ``HARNESS_TOKEN``,
+  but no server wrapped, so none is a participant); stopped at teardown. Use distinct
   rollout ids per test.
 - ``gym_deployment_factory`` (function scope): ``factory(**deployment_kwargs)`` starts a
   fresh ``GymHarness`` on its own free ports (``checkpoint=``, ``entrypoints=``, ``extra_env=``
-  ... as ``Deployment`` takes them); every one it made is stopped at teardown.
+  ... as ``Deployment`` takes them; ``entrypoints=gym_config.wrapped_entrypoints()`` makes
+  every server a participant); every one it made is stopped at teardown.
 
 A ``GymHarness`` gives the servers' URLs, ``fake`` (hold, release and count the backend's
 model calls), ``crash()`` (SIGKILL every process group) and ``restart()`` (fresh processes,
