@@ -44,7 +44,11 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_checkpoint_plugin.testing.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rollouts", type=int, default=12, help="rollouts in flight at the checkpoint (>= 2)")
     parser.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ Stopping: ``make serve`` is usually stopped by a SIGTERM to its whole process gr
 this process gets SIGTERM twice (directly and forwarded by make) and the servers, which
 stay in this process's group, get it too. The first SIGTERM/SIGINT starts a bounded stop
 (SIGTERM each child, SIGKILL what outlives 5 s); later ones are only noted. Exit status:
-0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE``.
+0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE`` or argument.
 """
 
 from __future__ import annotations
@@ -73,7 +73,11 @@ def _ensure_token(work_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     # No options (the environment configures it); argparse gives ``--help`` and refuses stray arguments.
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    argparse.ArgumentParser(
+        prog="python -m nemo_gym_checkpoint_plugin.testing.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     try:
         port_base = _port_base()
     except ValueError as bad:
