@@ -11,10 +11,10 @@ test: setup
 	$(PY) -m pytest
 
 demo: setup
-	$(PY) -m nemo_gym_checkpoint_plugin.demo
+	$(PY) -m nemo_gym_checkpoint_plugin.testing.demo
 
 serve: setup
-	PORT_BASE=$(PORT_BASE) $(PY) -m nemo_gym_checkpoint_plugin.serve
+	PORT_BASE=$(PORT_BASE) $(PY) -m nemo_gym_checkpoint_plugin.testing.serve
 
 bench: setup
 	$(PY) benchmarks/storage.py

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE, RolloutAttribution, attach_checkpointing
 from nemo_gym_checkpoint_plugin.client import CheckpointServerClient
 from nemo_gym_checkpoint_plugin.gate import AdmissionGate
-from nemo_gym_checkpoint_plugin.gym_config import (
+from nemo_gym_checkpoint_plugin.settings import SettingsError
+from nemo_gym_checkpoint_plugin.testing.gym_config import (
     AGENT,
     ENVIRONMENT,
     GYM_SERVERS,
@@ -31,7 +32,6 @@ from nemo_gym_checkpoint_plugin.gym_config import (
     build_gym_config,
     server_location,
 )
-from nemo_gym_checkpoint_plugin.settings import SettingsError
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable, find_server_class
 
 TOKEN = "in-process-token"

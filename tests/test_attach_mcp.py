@@ -15,22 +15,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gym_harness import free_port_base
 from nemo_gym.mcp_auto_exposure import install_auto_exposure, maybe_auto_expose
 from nemo_gym.server_utils import ServerClient
 from omegaconf import OmegaConf
 from test_attach_inprocess import ENABLED, _build, _config, _middleware, _paths, _server_class
 
 from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE, attach_checkpointing, refuse_unsupported
-from nemo_gym_checkpoint_plugin.gym_config import (
+from nemo_gym_checkpoint_plugin.mixin import exit_on_bad_settings
+from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
+from nemo_gym_checkpoint_plugin.testing.gym_config import (
     RESOURCES,
     TOKEN_ENV,
     WRAP_ENTRYPOINT,
     build_gym_config,
     server_location,
 )
-from nemo_gym_checkpoint_plugin.mixin import exit_on_bad_settings
-from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
+from nemo_gym_checkpoint_plugin.testing.harness import free_port_base
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 TOKEN = "mcp-test-token"

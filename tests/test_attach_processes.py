@@ -14,18 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-from gym_harness import (
-    HARNESS_TOKEN,
-    GymHarness,
-    free_port_base,
-    gym_deployment_factory_fixture,  # noqa: F401 - provides the gym_deployment_factory fixture
-    send_rollout,
-    send_wave,
-)
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.deployment import rollout_body
-from nemo_gym_checkpoint_plugin.gym_config import (
+from nemo_gym_checkpoint_plugin.testing.deployment import rollout_body
+from nemo_gym_checkpoint_plugin.testing.gym_config import (
     DEFAULT_CHECKPOINT_BLOCK,
     GYM_SERVERS,
     RESOURCES,
@@ -34,6 +26,13 @@ from nemo_gym_checkpoint_plugin.gym_config import (
     build_gym_config,
     server_location,
     wrapped_entrypoints,
+)
+from nemo_gym_checkpoint_plugin.testing.harness import (
+    HARNESS_TOKEN,
+    GymHarness,
+    free_port_base,
+    send_rollout,
+    send_wave,
 )
 from nemo_gym_checkpoint_plugin.wrap import find_server_class, relative_entrypoint
 
@@ -69,7 +68,7 @@ def _http() -> httpx.Client:
     return httpx.Client(timeout=10.0, trust_env=False)
 
 
-async def test_disabled_wrapped_servers_reply_as_unwrapped_gym_and_install_nothing(gym_deployment_factory) -> None:  # noqa: F811
+async def test_disabled_wrapped_servers_reply_as_unwrapped_gym_and_install_nothing(gym_deployment_factory) -> None:
     ids = [f"same-{i}" for i in range(6)]
     plain = gym_deployment_factory(checkpoint=None)
     plain_replies = await send_wave(plain.env_url, ids)
@@ -86,7 +85,7 @@ async def test_disabled_wrapped_servers_reply_as_unwrapped_gym_and_install_nothi
             assert reply.status_code == 404, (name, reply.text)
 
 
-async def test_enabled_wrapped_servers_are_participants_and_still_serve(gym_deployment_factory) -> None:  # noqa: F811
+async def test_enabled_wrapped_servers_are_participants_and_still_serve(gym_deployment_factory) -> None:
     harness: GymHarness = gym_deployment_factory(checkpoint=DEFAULT_CHECKPOINT_BLOCK, entrypoints=wrapped_entrypoints())
     replies = await send_wave(harness.env_url, [f"on-{i}" for i in range(6)])
     assert [reply["result"]["reward"] for reply in replies] == [1.0] * 6
@@ -104,7 +103,7 @@ async def test_enabled_wrapped_servers_are_participants_and_still_serve(gym_depl
         assert list(seeded.cookies.keys()) == [f"{unwrapped.__name__}___{RESOURCES}"]
 
 
-async def test_retiring_an_episode_in_flight_ends_its_run_with_a_cancelled_failure(gym_deployment_factory) -> None:  # noqa: F811
+async def test_retiring_an_episode_in_flight_ends_its_run_with_a_cancelled_failure(gym_deployment_factory) -> None:
     harness: GymHarness = gym_deployment_factory(checkpoint=DEFAULT_CHECKPOINT_BLOCK, entrypoints=wrapped_entrypoints())
     env = harness.env_url
     # Hold the rollout at its agent step (the model's second call), so the episode is in flight.

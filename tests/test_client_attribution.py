@@ -17,14 +17,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gym_harness import free_port_base, wait_until
 from nemo_gym import server_utils
 from nemo_gym.rollout_correlation import rollout_context
 from nemo_gym.server_utils import GlobalAIOHTTPAsyncClientConfig, ServerClient, set_global_aiohttp_client
 from omegaconf import OmegaConf
 
 from nemo_gym_checkpoint_plugin.client import CheckpointServerClient, never_resent
-from nemo_gym_checkpoint_plugin.deployment import port_is_free
+from nemo_gym_checkpoint_plugin.testing.deployment import port_is_free
+from nemo_gym_checkpoint_plugin.testing.harness import free_port_base, wait_until
 
 HOST = "127.0.0.1"
 

@@ -12,8 +12,8 @@ from contracts import agent as agent_contract
 from contracts.gym_inprocess import GymServers, InProcessServer
 from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
 
-from nemo_gym_checkpoint_plugin.gym_config import AGENT
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
 def _session_id(episode: EpisodeId) -> str:

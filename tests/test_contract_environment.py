@@ -24,8 +24,8 @@ from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeB
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER, RESTART_HEADER
 from pydantic import ConfigDict
 
-from nemo_gym_checkpoint_plugin.gym_config import ENVIRONMENT, rollout_body
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
 
 _BOUND_SECONDS = 10.0
 _RESPONSE = {

@@ -12,8 +12,8 @@ from contracts import resources as resources_contract
 from contracts.gym_inprocess import GymServers, InProcessServer
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import RESTART_TASK_KEY, ResourcesSessions
 
-from nemo_gym_checkpoint_plugin.gym_config import RESOURCES
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES
 
 
 def _session_id(episode: EpisodeId) -> str:

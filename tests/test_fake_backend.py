@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gym_harness import free_port_base, load_fake_backend, wait_until_async
 
-from nemo_gym_checkpoint_plugin.deployment import fake_backend_script
+from nemo_gym_checkpoint_plugin.testing import fake_backend
+from nemo_gym_checkpoint_plugin.testing.deployment import FAKE_BACKEND_MODULE
+from nemo_gym_checkpoint_plugin.testing.harness import free_port_base, wait_until_async
 
-fake_backend = load_fake_backend()
 FINAL_ANSWER = fake_backend.FINAL_ANSWER
 create_app = fake_backend.create_app
 
@@ -131,7 +131,7 @@ async def test_a_held_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "fake.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(fake_backend_script()), "--port", str(port)],
+            [sys.executable, "-m", FAKE_BACKEND_MODULE, "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

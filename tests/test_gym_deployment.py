@@ -12,22 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
-from gym_harness import (
-    GymHarness,
-    children_of,
-    free_port_base,
-    gym_deployment_factory_fixture,  # noqa: F401 - provides the gym_deployment_factory fixture
-    gym_deployment_fixture,  # noqa: F401 - provides the gym_deployment fixture
-    pid_alive,
-    processes_in_groups,
-    send_rollout,
-    send_wave,
-    wait_until,
-)
 
-from nemo_gym_checkpoint_plugin.deployment import (
+from nemo_gym_checkpoint_plugin.testing.deployment import (
     AGENT,
     BACKEND,
     ENVIRONMENT,
@@ -36,6 +25,16 @@ from nemo_gym_checkpoint_plugin.deployment import (
     RESOURCES,
     TOKEN_ENV,
     port_is_free,
+)
+from nemo_gym_checkpoint_plugin.testing.harness import (
+    GymHarness,
+    children_of,
+    free_port_base,
+    pid_alive,
+    processes_in_groups,
+    send_rollout,
+    send_wave,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -117,7 +116,7 @@ async def test_sigkill_of_every_group_leaves_nothing_and_a_fresh_start_serves(gy
     assert sorted(groups) == sorted([BACKEND, *GYM_SERVERS])
     assert processes_in_groups(groups.values()) == []
     assert not [pid for pid in pids if pid_alive(pid)]
-    with pytest.raises(httpx.TransportError):
+    with pytest.raises(aiohttp.ClientConnectionError):
         await asyncio.wait_for(in_flight, timeout=30)
     ports = [int(url.rsplit(":", 1)[1]) for url in harness.urls.values()]
     assert all(port_is_free(port) for port in ports)
@@ -162,7 +161,7 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
     env.update(PORT_BASE=str(port_base), NG_SERVE_DIR=str(tmp_path / "serve"))
     with open(tmp_path / "serve.stderr", "wb") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "nemo_gym_checkpoint_plugin.serve"],
+            [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.serve"],
             cwd=REPO,
             env=env,
             stdin=subprocess.DEVNULL,

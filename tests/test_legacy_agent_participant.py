@@ -22,12 +22,6 @@ import pytest
 from control_support import wait_until
 from environment_servers.legacy_agent.app import LegacyAgentEnvironmentServer, LegacyAgentEnvironmentServerConfig
 from gym_fakes import FakeReply
-from gym_harness import (
-    HARNESS_TOKEN,
-    GymHarness,
-    gym_deployment_fixture,  # noqa: F401 - provides the gym_deployment fixture
-    wait_until_async,
-)
 from nemo_gym.config_types import AgentServerRef
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants import checkpointable_bases
@@ -37,8 +31,13 @@ from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE
 from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
-from nemo_gym_checkpoint_plugin.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
+from nemo_gym_checkpoint_plugin.testing.harness import (
+    HARNESS_TOKEN,
+    GymHarness,
+    wait_until_async,
+)
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 TOKEN = "legacy-relay-token"
@@ -318,7 +317,7 @@ def _legacy_process(deployment: Any, port: int, log: Path) -> subprocess.Popen[b
     """Start ``legacy_env`` (the wheel's legacy_agent through the wrapper) relaying to the deployment's agent."""
     from nemo_gym import _resolve_under_cwd_or_install
 
-    from nemo_gym_checkpoint_plugin.gym_config import AGENT, HOST, WRAP_ENTRYPOINT
+    from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT, HOST, WRAP_ENTRYPOINT
 
     block = {
         "legacy_env": {
@@ -362,8 +361,8 @@ def _legacy_process(deployment: Any, port: int, log: Path) -> subprocess.Popen[b
 async def test_process_level_relay_to_simple_agent_is_a_restart_refused_in_scope_and_retired(
     gym_deployment: GymHarness, tmp_path: Path
 ) -> None:
-    from nemo_gym_checkpoint_plugin.deployment import free_port_base
-    from nemo_gym_checkpoint_plugin.gym_config import rollout_body
+    from nemo_gym_checkpoint_plugin.testing.deployment import free_port_base
+    from nemo_gym_checkpoint_plugin.testing.gym_config import rollout_body
 
     port = free_port_base(span=1)
     proc = _legacy_process(gym_deployment.deployment, port, tmp_path / "legacy_env.log")

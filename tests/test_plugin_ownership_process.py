@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_checkpoint_plugin.crash_scenario import new_deployment, run_scenario
+from nemo_gym_checkpoint_plugin.testing.crash_scenario import new_deployment, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ def test_setup_second_run_only_checks_its_stamp() -> None:
 @pytest.mark.slow
 def test_demo_checkpoints_crashes_restores_and_finishes(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.demo", "--rollouts", "8", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.demo", "--rollouts", "8", "--dir", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=300,
     )
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])

@@ -1,14 +1,9 @@
 """Process-level harness: a real Gym deployment from the nemo-gym wheel, plus the fake backend's controls.
 
-Load the fixtures in a test module by importing their functions (``from gym_harness import
-gym_deployment_fixture  # noqa: F401``), or for the whole suite with ``pytest_plugins =
-["gym_harness"]`` in the root conftest. The fixtures are:
-
-- ``gym_deployment`` (module scope): one started ``GymHarness`` shared by a module's
-  tests; every process group is stopped at teardown. Use distinct rollout ids per test.
-- ``gym_deployment_factory`` (function scope): ``factory(**deployment_kwargs)`` starts a
-  fresh ``GymHarness`` on its own free ports (for crash tests, other entrypoints...);
-  every one it made is stopped at teardown.
+``pytest_plugin`` offers it as fixtures (``gym_deployment``, ``gym_deployment_factory``);
+this module needs no pytest. HTTP goes through aiohttp (a runtime dependency), straight to
+127.0.0.1 (``trust_env`` off, so no proxy from the environment sees it); a failed call
+raises ``aiohttp.ClientError`` (``ClientResponseError`` for a non-2xx reply).
 
 Each server leads its own process group (``own_process_groups=True``), so ``crash()``
 SIGKILLs whole groups and ``restart()`` starts fresh processes with the same config
@@ -19,35 +14,22 @@ and ports. Waiting is always on a condition with a deadline (``wait_until``,
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
-import httpx
-import pytest
+import aiohttp
 
-from nemo_gym_checkpoint_plugin.deployment import (
-    BACKEND,
-    ENVIRONMENT,
-    TOKEN_ENV,
-    Deployment,
-    fake_backend_script,
-    free_port_base,
-    rollout_body,
-)
+from .deployment import BACKEND, ENVIRONMENT, TOKEN_ENV, Deployment, free_port_base, rollout_body
 
 __all__ = [
     "FakeBackend",
     "GymHarness",
     "children_of",
+    "HARNESS_TOKEN",
     "free_port_base",
-    "gym_deployment_factory_fixture",
-    "gym_deployment_fixture",
-    "load_fake_backend",
+    "new_deployment",
     "pid_alive",
     "processes_in_groups",
     "send_rollout",
@@ -58,21 +40,8 @@ __all__ = [
 
 T = TypeVar("T")
 _POLL_SECONDS = 0.05
+# The control token every harness deployment's servers read from ``TOKEN_ENV`` (unless the caller sets one).
 HARNESS_TOKEN = "gym-harness-token"
-
-
-def load_fake_backend() -> ModuleType:
-    """``examples/fake_backend/server.py`` as a module (``examples`` is not an installed package)."""
-    name = "fake_backend_server"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, fake_backend_script())
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running it: dataclasses resolve their module through sys.modules.
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
@@ -131,9 +100,16 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def _client(timeout: float) -> httpx.AsyncClient:
-    # trust_env=False: traffic goes to 127.0.0.1 directly, never through a proxy from the environment.
-    return httpx.AsyncClient(timeout=timeout, trust_env=False)
+def _client(timeout: float) -> aiohttp.ClientSession:
+    # trust_env stays False: traffic goes to 127.0.0.1 directly, never through a proxy from the environment.
+    # Each connect and each wait for bytes is bounded by ``timeout``; a held call's reply may take longer.
+    limits = aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout)
+    return aiohttp.ClientSession(timeout=limits, raise_for_status=True)
+
+
+async def _json(session: aiohttp.ClientSession, method: str, url: str, body: Any = None) -> Any:
+    async with session.request(method, url, json=body) as reply:
+        return await reply.json()
 
 
 class FakeBackend:
@@ -144,9 +120,7 @@ class FakeBackend:
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         async with _client(10.0) as client:
-            reply = await client.request(method, self.url + path, json=body)
-            reply.raise_for_status()
-            return reply.json()
+            return await _json(client, method, self.url + path, body)
 
     async def hold(self, match: str = "", count: int = 1, step: int | None = None) -> int:
         """Hold the next ``count`` calls whose conversation contains ``match`` (at ``step`` when given)."""
@@ -174,9 +148,7 @@ class FakeBackend:
 async def send_rollout(env_url: str, rollout_id: str, *, timeout: float = 120.0, **body: Any) -> dict[str, Any]:
     """POST one episode to ``single_agent_turn``'s ``/run`` as Gym's rollout collection does; its JSON reply."""
     async with _client(timeout) as client:
-        reply = await client.post(env_url + "/run", json=rollout_body(rollout_id, **body))
-        reply.raise_for_status()
-        return reply.json()
+        return await _json(client, "POST", env_url + "/run", rollout_body(rollout_id, **body))
 
 
 async def send_wave(env_url: str, rollout_ids: Iterable[str], *, timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -184,9 +156,7 @@ async def send_wave(env_url: str, rollout_ids: Iterable[str], *, timeout: float 
     async with _client(timeout) as client:
 
         async def one(rollout_id: str) -> dict[str, Any]:
-            reply = await client.post(env_url + "/run", json=rollout_body(rollout_id))
-            reply.raise_for_status()
-            return reply.json()
+            return await _json(client, "POST", env_url + "/run", rollout_body(rollout_id))
 
         return list(await asyncio.gather(*(one(r) for r in rollout_ids)))
 
@@ -220,37 +190,15 @@ class GymHarness:
         self.deployment.stop()
 
 
-def _new_deployment(tmp_dir: Path, **kwargs: Any) -> Deployment:
-    kwargs.setdefault("log_dir", tmp_dir / "logs")
+def new_deployment(work_dir: Path, **kwargs: Any) -> Deployment:
+    """A ``Deployment`` on free ports with every child in its own process group, not started.
+
+    Defaults: logs in ``<work_dir>/logs``, ``HARNESS_TOKEN`` as the control token; every
+    other keyword goes to ``Deployment`` (``checkpoint=``, ``entrypoints=``...).
+    """
+    kwargs.setdefault("log_dir", work_dir / "logs")
     kwargs.setdefault("extra_env", {TOKEN_ENV: HARNESS_TOKEN})
-    return Deployment(free_port_base(), tmp_dir, own_process_groups=True, **kwargs)
-
-
-@pytest.fixture(scope="module", name="gym_deployment")
-def gym_deployment_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GymHarness]:
-    deployment = _new_deployment(tmp_path_factory.mktemp("gym-deployment"))
-    deployment.start()
-    try:
-        yield GymHarness(deployment)
-    finally:
-        deployment.stop()
-
-
-@pytest.fixture(name="gym_deployment_factory")
-def gym_deployment_factory_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., GymHarness]]:
-    made: list[Deployment] = []
-
-    def factory(**kwargs: Any) -> GymHarness:
-        deployment = _new_deployment(tmp_path_factory.mktemp("gym-deployment"), **kwargs)
-        made.append(deployment)
-        deployment.start()
-        return GymHarness(deployment)
-
-    try:
-        yield factory
-    finally:
-        for deployment in made:
-            deployment.stop()
+    return Deployment(free_port_base(), work_dir, own_process_groups=True, **kwargs)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,7 +1,8 @@
 """Launch a real NeMo Gym deployment from the wheel's own servers, on 127.0.0.1, without Ray.
 
 One ``Deployment`` owns six processes: the fake inference backend
-(``examples/fake_backend/server.py``) and the four Gym servers of ``gym_config`` (names,
+(``python -m nemo_gym_checkpoint_plugin.testing.fake_backend``, from the installed
+package) and the four Gym servers of ``gym_config`` (names,
 ports and the config itself are built there). Each Gym server starts as Gym's
 ``RunHelper`` starts it, minus the per-server venv: cwd = its directory, ``python
 <entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and ``NEMO_GYM_CONFIG_PATH``
@@ -19,6 +20,7 @@ that group takes every server down with it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
@@ -70,6 +72,7 @@ __all__ = [
     "Deployment",
     "DeploymentAborted",
     "DeploymentError",
+    "FAKE_BACKEND_MODULE",
     "ProcessSpec",
     "fake_backend_script",
     "free_port_base",
@@ -88,12 +91,16 @@ class DeploymentAborted(DeploymentError):
     """``start`` was asked to give up (the caller's abort event was set) before every server was ready."""
 
 
+# The fake backend is a module of this package, so an installed wheel runs it as well as a source checkout.
+FAKE_BACKEND_MODULE = "nemo_gym_checkpoint_plugin.testing.fake_backend"
+
+
 def fake_backend_script() -> Path:
-    """``examples/fake_backend/server.py`` of this repository (the package is installed editable)."""
-    script = Path(__file__).resolve().parent.parent / "examples" / "fake_backend" / "server.py"
-    if not script.is_file():
-        raise DeploymentError(f"fake backend not found at {script}: run from a checkout of nemo-gym-checkpoint")
-    return script
+    """The fake backend's module file, inside the installed package (``python <it> --port N`` runs it too)."""
+    # Found, not imported: the path alone needs neither FastAPI nor uvicorn loaded here.
+    spec = importlib.util.find_spec(FAKE_BACKEND_MODULE)
+    assert spec is not None and spec.origin is not None
+    return Path(spec.origin).resolve()
 
 
 @dataclass(frozen=True)
@@ -139,12 +146,13 @@ def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
     return specs
 
 
-def _backend_spec(port: int) -> ProcessSpec:
-    script = fake_backend_script()
+def _backend_spec(port: int, work_dir: Path) -> ProcessSpec:
     return ProcessSpec(
         name=BACKEND,
-        argv=(sys.executable, str(script), "--host", HOST, "--port", str(port), "--model", FAKE_MODEL_NAME),
-        cwd=script.parent,
+        # -m, cwd the work dir: this package's directory never lands first on the backend's sys.path.
+        argv=(sys.executable, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port),
+              "--model", FAKE_MODEL_NAME),
+        cwd=work_dir,
         env={},
         url=f"http://{HOST}:{port}",
         ready_path="/v1/models",
@@ -214,7 +222,8 @@ class Deployment:
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints)
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
-        self.specs = [_backend_spec(port_base + PORT_OFFSETS[BACKEND]), *_gym_specs(self.config, self.config_yaml)]
+        backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir)
+        self.specs = [backend, *_gym_specs(self.config, self.config_yaml)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
@@ -251,6 +260,8 @@ class Deployment:
         taken = [spec.url for spec in self.specs if not port_is_free(int(spec.url.rsplit(":", 1)[1]))]
         if taken:
             raise DeploymentError(f"ports already in use: {taken}")
+        # The backend's cwd.
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         try:

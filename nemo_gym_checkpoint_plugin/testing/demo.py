@@ -1,5 +1,8 @@
 """``make demo``: checkpoint a real Gym deployment with rollouts in flight, SIGKILL it, restore, finish.
 
+Run it as ``python -m nemo_gym_checkpoint_plugin.testing.demo`` (``--help`` for options);
+it needs only the installed package and nemo-gym, not a source checkout.
+
 Starts the project's deployment (the fake inference backend, ``vllm_model``,
 ``simple_agent``, ``example_single_tool_call`` and ``single_agent_turn`` from the
 nemo-gym wheel, each wrapped as a checkpoint participant, all on 127.0.0.1, no Ray),
@@ -41,7 +44,11 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_checkpoint_plugin.testing.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--rollouts", type=int, default=12, help="rollouts in flight at the checkpoint (>= 2)")
     parser.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     args = parser.parse_args(argv)

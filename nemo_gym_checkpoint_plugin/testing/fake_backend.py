@@ -1,5 +1,8 @@
 """A deterministic OpenAI-compatible fake inference backend that can hold calls.
 
+Run it with ``python -m nemo_gym_checkpoint_plugin.testing.fake_backend --port N``; it stands
+in for vLLM in the testing kit's deployment, the demo and ``serve``.
+
 Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` and
 ``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
 messages, so a rollout replayed after a crash gets the same answers:

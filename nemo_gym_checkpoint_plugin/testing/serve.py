@@ -1,6 +1,6 @@
 """``make serve``: run the demo Gym deployment in the foreground until SIGTERM or Ctrl-C.
 
-``python -m nemo_gym_checkpoint_plugin.serve`` starts the fake inference backend and the
+``python -m nemo_gym_checkpoint_plugin.testing.serve`` starts the fake inference backend and the
 four Gym servers of ``deployment.py`` on 127.0.0.1, ports from ``PORT_BASE`` (default
 18000, six consecutive ports). The control token comes from ``NG_CHECKPOINT_TOKEN``; when
 unset, one is generated with ``secrets``, exported to every server and written to
@@ -18,11 +18,12 @@ Stopping: ``make serve`` is usually stopped by a SIGTERM to its whole process gr
 this process gets SIGTERM twice (directly and forwarded by make) and the servers, which
 stay in this process's group, get it too. The first SIGTERM/SIGINT starts a bounded stop
 (SIGTERM each child, SIGKILL what outlives 5 s); later ones are only noted. Exit status:
-0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE``.
+0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE`` or argument.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -70,7 +71,13 @@ def _ensure_token(work_dir: Path) -> None:
     print(f"serve: {TOKEN_ENV} was unset; generated a token, written to {token_path}", file=sys.stderr)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # No options (the environment configures it); argparse gives ``--help`` and refuses stray arguments.
+    argparse.ArgumentParser(
+        prog="python -m nemo_gym_checkpoint_plugin.testing.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args(argv)
     try:
         port_base = _port_base()
     except ValueError as bad:

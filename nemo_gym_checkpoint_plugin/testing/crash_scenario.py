@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
 from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, free_port_base, rollout_body
 from .gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
@@ -144,26 +144,32 @@ async def run_scenario(
     checkpoint, so continued rollouts are exported at ``seeded`` with their agent step in
     flight, and that step runs again after the restore (its model calls repeat).
     """
-    from .coordination import commit, discover, prepare, restore, resume, retire
+    from ..coordination import commit, discover, prepare, restore, resume, retire
 
     urls = deployment.urls
     env, backend, resources = urls[ENVIRONMENT], urls[BACKEND], urls[RESOURCES]
     rollouts = [*continued, *restarts]
     auth = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
+    # aiohttp (a runtime dependency, Gym's own client), never through a proxy (trust_env stays False);
+    # each connect and each wait for bytes is bounded by ``timeout``; a whole request is not.
+    limits = aiohttp.ClientTimeout(total=None, connect=timeout, sock_read=timeout)
+    async with aiohttp.ClientSession(timeout=limits, raise_for_status=True) as http:
+
+        async def call(method: str, url: str, **kwargs: Any) -> Any:
+            async with http.request(method, url, **kwargs) as reply:
+                return await reply.json()
 
         async def status(url: str) -> dict[str, Any]:
-            return (await http.get(url + _STATUS, headers=auth)).raise_for_status().json()
+            return await call("GET", url + _STATUS, headers=auth)
 
         async def stats() -> dict[str, Any]:
-            return (await http.get(backend + "/_fake/stats")).raise_for_status().json()
+            return await call("GET", backend + "/_fake/stats")
 
         async def run(rollout_id: str, attempt: int) -> dict[str, Any]:
-            reply = await http.post(env + "/run", json=run_body(rollout_id, attempt, restart=rollout_id in restarts))
-            return reply.raise_for_status().json()
+            return await call("POST", env + "/run", json=run_body(rollout_id, attempt, restart=rollout_id in restarts))
 
         hold = {"match": "", "count": len(rollouts), "step": 1}
-        (await http.post(backend + "/_fake/hold", json=hold)).raise_for_status()
+        await call("POST", backend + "/_fake/hold", json=hold)
         first = {r: asyncio.ensure_future(run(r, 0)) for r in rollouts}
         say(f"sent {len(rollouts)} rollouts; holding each one's last model call at the fake backend")
         await _wait(lambda: _held(stats, len(rollouts)), timeout, "every rollout's model call held")
@@ -176,7 +182,7 @@ async def run_scenario(
                 env_status = await _wait(lambda: _blocking(status, env, len(continued)), timeout, "env blockers")
                 blocked = env_status["report"]["blocker_count"]
                 say(f"prepare: environment waits for {blocked} steps in flight ({len(restarts)} restarts never block)")
-                released = (await http.post(backend + "/_fake/release", json={"match": "cont-"})).json()
+                released = await call("POST", backend + "/_fake/release", json={"match": "cont-"})
                 say(f"released {released['released']} held model calls; their steps finish and park at a boundary")
             prepared = await preparing
             if not prepared.ready:

@@ -1,0 +1,62 @@
+"""The testing kit's deployment harness as pytest fixtures, for this project's tests and a participant's.
+
+Load it in a ``conftest.py``::
+
+    pytest_plugins = ["nemo_gym_checkpoint_plugin.testing.pytest_plugin"]
+
+Fixtures (each deployment is real: the fake backend and four Gym servers from the nemo-gym
+wheel, on free 127.0.0.1 ports, no Ray, each child leading its own process group):
+
+- ``gym_deployment`` (module scope): one started ``GymHarness`` shared by a module's
+  tests: the servers as shipped (the ``checkpoint:`` block enabled with ``HARNESS_TOKEN``,
+  but no server wrapped, so none is a participant); stopped at teardown. Use distinct
+  rollout ids per test.
+- ``gym_deployment_factory`` (function scope): ``factory(**deployment_kwargs)`` starts a
+  fresh ``GymHarness`` on its own free ports (``checkpoint=``, ``entrypoints=``, ``extra_env=``
+  ... as ``Deployment`` takes them; ``entrypoints=gym_config.wrapped_entrypoints()`` makes
+  every server a participant); every one it made is stopped at teardown.
+
+A ``GymHarness`` gives the servers' URLs, ``fake`` (hold, release and count the backend's
+model calls), ``crash()`` (SIGKILL every process group) and ``restart()`` (fresh processes,
+same config and ports). The rest of ``harness`` (``send_rollout``, ``send_wave``,
+``wait_until``...) is imported from there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .deployment import Deployment
+from .harness import GymHarness, new_deployment
+
+__all__ = ["gym_deployment", "gym_deployment_factory"]
+
+
+@pytest.fixture(scope="module")
+def gym_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GymHarness]:
+    deployment = new_deployment(tmp_path_factory.mktemp("gym-deployment"))
+    deployment.start()
+    try:
+        yield GymHarness(deployment)
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture
+def gym_deployment_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., GymHarness]]:
+    made: list[Deployment] = []
+
+    def factory(**kwargs: Any) -> GymHarness:
+        deployment = new_deployment(tmp_path_factory.mktemp("gym-deployment"), **kwargs)
+        made.append(deployment)
+        deployment.start()
+        return GymHarness(deployment)
+
+    try:
+        yield factory
+    finally:
+        for deployment in made:
+            deployment.stop()
