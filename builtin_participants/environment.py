@@ -1,6 +1,6 @@
 """The environment participant: episodes that advance in steps and park at their boundaries.
 
-PROTOCOL.md "Episode steps", "Restarts" and "Retire, forget, restore marks", for any
+docs/protocol.md "Episode steps", "Restarts" and "Retire, forget, restore marks", for any
 environment server whose run logic reports its steps to an ``EpisodeBook`` (the
 built-in ``single_agent_turn`` does, see ``single_agent_turn.py``). The contract the
 run logic follows::
@@ -60,10 +60,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.admission import RetiredMarks
-from nemo_gym_checkpoint_plugin.control.types import ParticipantExport, Readiness, RestoredRecord
 from nemo_gym_checkpoint_plugin.errors import StaleAttempt
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin.types import ParticipantExport, Readiness, RestoredRecord
 
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 

@@ -5,7 +5,7 @@ owns the whole episode inside its own ``/run`` coroutine: nothing of it can be c
 a step boundary. ``LegacyAgentRelay`` is a mixin the wrapper puts before that class
 (``wrap.derive_checkpointable``); with a book bound (checkpointing enabled) each relay is
 an episode of an ``EpisodeBook`` (``environment.py``) declared a restart, so that
-(PROTOCOL.md "Restarts"):
+(docs/protocol.md "Restarts"):
 
 - it is listed in every prepare report's ``restarts`` (never capped), never blocks, is
   never exported, and a commit scope naming it is refused ``restart_in_scope``;
@@ -19,7 +19,7 @@ The episode is named by the legacy row itself (Gym's ``maybe_rollout_id_from_run
 ``_ng_rollout_id`` or task/rollout indices, plus ``_ng_attempt_index``), or by an
 ``episode_id`` object when the body carries one. A JSON object naming no episode is
 agent work nobody could retire or restart: it is refused with 400
-``rollout_id_required`` (PROTOCOL "Restarts"); a body that is not a JSON object is relayed
+``rollout_id_required`` (docs/protocol.md "Restarts"); a body that is not a JSON object is relayed
 for the agent's validation to answer. The agent's own ``/run`` lists the episode as a
 restart too (``uncaptured.py``).
 

@@ -10,15 +10,16 @@ prefixed with ``/ng-rollout/<key>``, as the plugin's client sends attributed cal
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from nemo_gym_checkpoint_plugin.asgi import Message, buffer_body
+from nemo_gym_checkpoint_plugin.wire import ROLLOUT_PATH_PREFIX
 
 __all__ = ["ReplyHeaders", "route_of"]
 
-Message = MutableMapping[str, Any]
 HeadersFor = Callable[[bytes, int], Awaitable[dict[str, str]]]
-_ROLLOUT_PREFIX = "/ng-rollout/"
+_ROLLOUT_PREFIX = ROLLOUT_PATH_PREFIX
 
 
 def route_of(path: str) -> str:
@@ -41,19 +42,7 @@ class ReplyHeaders:
         if scope.get("type") != "http" or scope.get("method") != "POST" or route_of(scope.get("path", "")) != self.path:
             await self.app(scope, receive, send)
             return
-        messages: list[Message] = []
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                break
-        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-        pending = deque(messages)
-
-        async def replay() -> Message:
-            if pending:
-                return pending.popleft()
-            return await receive()
+        body, replay = await buffer_body(receive)
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -33,10 +33,10 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin.control.types import Readiness, RestoredRecord, SeedDeclaration
 from nemo_gym_checkpoint_plugin.gate import json_as_gym_reads
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire
 from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin.types import Readiness, RestoredRecord, SeedDeclaration
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 

@@ -55,6 +55,8 @@ from nemo_gym.server_utils import get_response_json, raise_for_status
 from nemo_gym.tool_access import DirectHTTPToolAccess
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
 
+from nemo_gym_checkpoint_plugin import wire
+
 __all__ = [
     "AGENT_CAPTURE_HEADER",
     "BOUNDARIES",
@@ -63,8 +65,8 @@ __all__ = [
     "validate_state",
 ]
 
-RESTART_HEADER = "x-ng-checkpoint-restart"
-AGENT_CAPTURE_HEADER = "x-ng-checkpoint-agent-session"
+RESTART_HEADER = wire.RESTART_HEADER
+AGENT_CAPTURE_HEADER = wire.AGENT_SESSION_HEADER
 BOUNDARIES = ("seeded", "replied", "verified")
 _REQUIRED_STATE = {
     "seeded": ("resources_session_id", "resources_cookies", "agent_session_id", "agent_cookies"),

@@ -1,4 +1,4 @@
-"""Episodes no participant can capture: listed as restarts, never silently absent (PROTOCOL "Restarts").
+"""Episodes no participant can capture: listed as restarts, never silently absent (docs/protocol.md "Restarts").
 
 Two kinds of ``/run`` start an episode that runs inside one request coroutine, with
 nothing of it reachable at a step boundary:
@@ -38,22 +38,21 @@ reopens: the restarts a prepare reported cannot change before its commit.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from nemo_gym_checkpoint_plugin.admission import RetiredMarks
-from nemo_gym_checkpoint_plugin.control.types import Readiness
+from nemo_gym_checkpoint_plugin.asgi import Message, Send, buffer_body
 from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, RolloutIdRequired, StaleAttempt
-from nemo_gym_checkpoint_plugin.gate import _read_body, _replaying, episode_of_run_body, json_as_gym_reads
+from nemo_gym_checkpoint_plugin.gate import episode_of_run_body, json_as_gym_reads
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin.types import Readiness
 
 __all__ = ["RunTracker", "UncapturedRuns", "install_run_tracker", "names_no_episode", "rollout_id_required"]
 
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class UncapturedRuns:
@@ -200,9 +199,7 @@ class RunTracker:
         if scope["type"] != "http" or scope["path"] != self._run_path or scope.get("method") != "POST":
             await self._app(scope, receive, send)
             return
-        messages = await _read_body(receive)
-        receive = _replaying(messages, receive)
-        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        body, receive = await buffer_body(receive)
         episode_id = episode_of_run_body(body)
         if episode_id is None:
             if names_no_episode(body):

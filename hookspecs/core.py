@@ -13,8 +13,8 @@ from nemo_gym_checkpoint_plugin.markers import hookspec
 
 if TYPE_CHECKING:
     from nemo_gym_checkpoint_plugin.api import StorageBackend
-    from nemo_gym_checkpoint_plugin.control.types import LeasePolicy
     from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin.types import LeasePolicy
 
 
 @hookspec(firstresult=True)

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 from nemo_gym_checkpoint_plugin.markers import hookspec
 
 if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin.control.types import (
+    from nemo_gym_checkpoint_plugin.identity import EpisodeId
+    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin.types import (
         ParticipantExport,
         Readiness,
         RestoredRecord,
         SeedDeclaration,
     )
-    from nemo_gym_checkpoint_plugin.identity import EpisodeId
-    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
 
 
 @hookspec

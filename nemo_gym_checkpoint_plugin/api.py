@@ -25,15 +25,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .control.types import (
-    LeasePolicy,
-    ParticipantExport,
-    Phase,
-    PrepareReport,
-    Readiness,
-    RestoredRecord,
-    SeedDeclaration,
-)
 from .errors import (
     CheckpointConflict,
     CheckpointError,
@@ -53,6 +44,15 @@ from .identity import AmbiguousEpisodeId, EpisodeId, episode_from_wire, from_cap
 from .markers import PROJECT as ENTRY_POINT_GROUP
 from .markers import hookimpl
 from .settings import CheckpointSettings
+from .types import (
+    LeasePolicy,
+    ParticipantExport,
+    Phase,
+    PrepareReport,
+    Readiness,
+    RestoredRecord,
+    SeedDeclaration,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",

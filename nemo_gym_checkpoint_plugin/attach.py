@@ -41,6 +41,7 @@ import pluggy
 from nemo_gym_checkpoint_plugin.errors import InvalidPhase
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, SettingsError, load_settings
+from nemo_gym_checkpoint_plugin.wire import ROLLOUT_PATH_PREFIX
 
 __all__ = [
     "ATTACHMENT_STATE",
@@ -162,7 +163,7 @@ class RolloutAttribution:
             await self.app(scope, receive, send)
 
 
-_ROLLOUT_PREFIX = "/ng-rollout/"
+_ROLLOUT_PREFIX = ROLLOUT_PATH_PREFIX
 
 
 @dataclass(frozen=True)

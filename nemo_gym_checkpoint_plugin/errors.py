@@ -1,7 +1,7 @@
 """Typed refusals of the checkpoint protocol.
 
 Every refusal the plugin makes is one of these classes. Each carries a stable
-``code`` and HTTP ``status`` from PROTOCOL.md's error table; one FastAPI
+``code`` and HTTP ``status`` from docs/protocol.md's error table; one FastAPI
 exception handler (``install_error_handler``) renders them as
 ``{"error": {"code": ..., "detail": ...}}``. Never raise a bare exception for
 bad input: pick the class whose docstring says when it is raised.
@@ -128,7 +128,7 @@ class WriteFailed(InvalidCheckpointState):
 
     Same code as any ``invalid_checkpoint_state``; the detail names the cause and the path. The
     export itself succeeded and is kept: a retried commit of the same checkpoint id, into the
-    same or another directory, stores the same records again (PROTOCOL "Phases").
+    same or another directory, stores the same records again (docs/protocol.md "Phases").
     """
 
 

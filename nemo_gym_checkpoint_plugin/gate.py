@@ -42,8 +42,6 @@ When checkpointing is disabled the gate is not installed at all; whether to call
 from __future__ import annotations
 
 import json
-from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -51,8 +49,10 @@ from typing import Any
 import orjson
 
 from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin.asgi import ASGIApp, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin.errors import StaleAttempt
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin.wire import CONTROL_PATH_PREFIX, ROLLOUT_PATH_PREFIX
 
 __all__ = [
     "AdmissionGate",
@@ -67,16 +67,9 @@ __all__ = [
     "CONTROL_PATH_PREFIX",
 ]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Gym's ROLLOUT_PATH_PREFIX ("ng-rollout") as a path prefix; a key must be followed by a rest,
 # exactly as Gym's stripping middlewares require, else Gym leaves the path alone and so do we.
-ROLLOUT_PATH_PREFIX = "/ng-rollout/"
-CONTROL_PATH_PREFIX = "/ng-control/"
 _EXACT_EXEMPT = frozenset({"/", "/livez", "/readyz", "/ng-control"})
 _KEY_START = len(ROLLOUT_PATH_PREFIX)
 
@@ -165,28 +158,6 @@ def attempt_from_run_body(body: bytes) -> Attempt | None:
     return None if episode is None else (episode.rollout_id, episode.attempt)
 
 
-async def _read_body(receive: Receive) -> list[Message]:
-    """Every request message up to the last body chunk (or a disconnect), kept as received."""
-    messages: list[Message] = []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return messages
-
-
-def _replaying(messages: list[Message], receive: Receive) -> Receive:
-    """A receive that hands the buffered messages over first, then the live channel (disconnects)."""
-    pending = deque(messages)
-
-    async def replay() -> Message:
-        if pending:
-            return pending.popleft()
-        return await receive()
-
-    return replay
-
-
 class AdmissionGate:
     """Pure ASGI middleware: park data requests while admission is closed, refuse retired attempts.
 
@@ -223,11 +194,8 @@ class AdmissionGate:
         path = scope["path"]
         attempt = attempt_from_path(path)
         if attempt is None and path == self._run_path and scope.get("method") == "POST":
-            messages = await _read_body(receive)
-            receive = _replaying(messages, receive)
-            attempt = attempt_from_run_body(
-                b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-            )
+            body, receive = await buffer_body(receive)
+            attempt = attempt_from_run_body(body)
         if attempt is not None and self._marks.is_retired(*attempt):
             await self._refuse(send, attempt)
             return

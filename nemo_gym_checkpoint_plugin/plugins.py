@@ -66,16 +66,16 @@ class CheckpointPluginManager(pluggy.PluginManager):
 
 
 def builtin_plugins() -> tuple[Any, ...]:
-    """The explicit tuple of built-in plugins (core defaults, each ``trylast``).
+    """The explicit tuple of a server's built-in core plugins (each ``trylast``).
 
-    The local storage backend, the lease policy (``deadline_ts + lease_grace_seconds``,
-    retry every 30 s) and PROTOCOL.md's coordination orders.
+    The local storage backend and the lease policy (``deadline_ts + lease_grace_seconds``,
+    retry every 30 s). The controller side has its own (``coordination.order_manager``):
+    a server never loads the coordination package.
     """
     from .control.lease import DefaultLeasePolicy
-    from .coordination.order import DefaultCoordinationOrder
     from .storage.local import LocalStoragePlugin
 
-    return (LocalStoragePlugin(), DefaultLeasePolicy(), DefaultCoordinationOrder())
+    return (LocalStoragePlugin(), DefaultLeasePolicy())
 
 
 def _load_entry_points(pm: CheckpointPluginManager) -> None:
@@ -95,6 +95,7 @@ def make_plugin_manager(
     *,
     load_entry_points: bool = True,
     named_plugins: Mapping[str, Any] | None = None,
+    builtins: Iterable[Any] | None = None,
 ) -> CheckpointPluginManager:
     """Build a manager: add the specs, register built-ins, load the entry-point group, check.
 
@@ -112,7 +113,7 @@ def make_plugin_manager(
     pm = CheckpointPluginManager()
     for module in SPEC_MODULES:
         pm.add_hookspecs(module)
-    for plugin in builtin_plugins():
+    for plugin in builtin_plugins() if builtins is None else builtins:
         pm.register(plugin)
     if load_entry_points:
         _load_entry_points(pm)

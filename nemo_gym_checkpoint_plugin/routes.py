@@ -1,10 +1,10 @@
-"""The eight control routes under ``/ng-control/v1/checkpoint/`` (PROTOCOL.md "Routes").
+"""The eight control routes under ``/ng-control/v1/checkpoint/`` (docs/protocol.md "Routes").
 
 Every route checks ``Authorization: Bearer <token>`` before it reads the body, so without
 the token every answer is 401. The scheme is case-insensitive (RFC 7235: ``bearer``,
 ``BEARER``); the token is compared in constant time.
 
-Bodies are strict (unknown fields: 422), ids match PROTOCOL's pattern and length,
+Bodies are strict (unknown fields: 422), ids match docs/protocol.md's pattern and length,
 ``deadline_ts`` is a finite number of seconds at most 24 hours ahead of the server's clock
 (``MAX_DEADLINE_AHEAD_SECONDS``; a millisecond timestamp is refused). Limits
 (``BodyLimits``, README "Control routes: limits"): a body over 64 MiB is refused with 413
@@ -35,6 +35,7 @@ from .control import ControlPlane, DeadlineTooFar
 from .control.bodies import BodyLimits, BodyRefused, ListField, parse_body, read_body
 from .errors import Unauthorized, install_error_handler
 from .identity import EpisodeId
+from .wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX
 
 __all__ = [
     "BodyLimits",
@@ -51,11 +52,9 @@ __all__ = [
     "ForgetBody",
 ]
 
-CONTROL_PREFIX = "/ng-control/v1/checkpoint"
-CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 CheckpointId = Annotated[str, Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN, strict=True)]
-# strict: a string "1e9" or a bool is not a deadline; allow_inf_nan: PROTOCOL says finite.
+# strict: a string "1e9" or a bool is not a deadline; allow_inf_nan: docs/protocol.md says finite.
 DeadlineTs = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 RolloutId = Annotated[str, Field(min_length=1, strict=True)]
 

@@ -33,7 +33,7 @@ __all__ = [
     "sorted_keys",
 ]
 
-# PROTOCOL: a report lists at most 100 blockers (the full count is reported beside them).
+# docs/protocol.md: a report lists at most 100 blockers (the full count is reported beside them).
 MAX_REPORTED_BLOCKERS = 100
 
 # The furthest ahead a deadline_ts may be, from the plane's clock: 24 hours. Every control call extends
@@ -86,7 +86,7 @@ class Readiness:
 
 @dataclass(frozen=True)
 class PrepareReport:
-    """The merged readiness of one participant, as PROTOCOL's prepare report."""
+    """The merged readiness of one participant, as docs/protocol.md's prepare report."""
 
     blockers: tuple[str, ...]
     restarts: tuple[str, ...]
@@ -157,7 +157,7 @@ class SeedDeclaration:
 class LeasePolicy:
     """How long a participant waits for its controller, and how often a failed self-resume retries.
 
-    ``grace_seconds`` is PROTOCOL's ``lease_grace_seconds``; ``retry_seconds`` is 30 by default.
+    ``grace_seconds`` is docs/protocol.md's ``lease_grace_seconds``; ``retry_seconds`` is 30 by default.
     """
 
     grace_seconds: float

@@ -1,4 +1,4 @@
-"""Failures the control plane must survive the way PROTOCOL "Errors" and "Phases" say.
+"""Failures the control plane must survive the way docs/protocol.md "Errors" and "Phases" say.
 
 A failed write keeps its export (a retry, into the same or another directory, stores the same
 records); a failed export or a readiness regression ends the checkpoint; a reopening of

@@ -6,7 +6,7 @@ blocked prepares, readiness regressing between prepare and commit, writes that f
 their retries, into the same or another directory), id lists at the body limit (a small
 ``BodyLimits`` keeps them cheap), deadlines in milliseconds, and crashes (the process state
 is dropped and a fresh plane starts over the same checkpoint directories). A small model of
-PROTOCOL.md ("Phases", "Retire, forget, restore marks", "Restarts", "Errors") predicts every
+docs/protocol.md ("Phases", "Retire, forget, restore marks", "Restarts", "Errors") predicts every
 reply; after every step the
 invariants are checked: phase and admission never disagree, the status matches the
 model, marks only rise until forgotten, and no reply is a 500.
@@ -33,7 +33,7 @@ from nemo_gym_checkpoint_plugin.routes import BodyLimits
 ROLLOUTS = ("r0", "r1", "r2")
 CHECKPOINT_IDS = tuple(f"c{i}" for i in range(16))
 ATTEMPTS = st.integers(min_value=0, max_value=3)
-# Every refusal's documented status (PROTOCOL "Errors").
+# Every refusal's documented status (docs/protocol.md "Errors").
 STATUS_OF = {
     "stale_checkpoint": 409,
     "checkpoint_conflict": 409,
@@ -55,7 +55,7 @@ def key_of(rollout_id: str, attempt: int) -> str:
 
 @dataclass
 class Model:
-    """What PROTOCOL.md says one participant process must hold."""
+    """What docs/protocol.md says one participant process must hold."""
 
     phase: str = "idle"
     active: str | None = None
@@ -179,7 +179,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.model.phase == "idle")
     @rule(data=st.data())
     def declare_restart(self, data: st.DataObject) -> None:
-        # An episode becomes a restart only while no checkpoint is open (PROTOCOL "Episode steps").
+        # An episode becomes a restart only while no checkpoint is open (docs/protocol.md "Episode steps").
         if not self.model.held:
             return
         key = data.draw(st.sampled_from(sorted(self.model.held)))

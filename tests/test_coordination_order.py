@@ -20,8 +20,8 @@ from nemo_gym_checkpoint_plugin.coordination import (
     retire,
 )
 from nemo_gym_checkpoint_plugin.coordination import coordinator as coordinator_module
+from nemo_gym_checkpoint_plugin.coordination.order import order_manager
 from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin.storage import read_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -171,7 +171,7 @@ class ModelLastOrder:
 
 
 async def test_a_plugin_replaces_the_order(tmp_path):
-    pm = make_plugin_manager([ModelLastOrder()], load_entry_points=False)
+    pm = order_manager([ModelLastOrder()], load_entry_points=False)
     servers = start_participants(tmp_path, [dict(spec) for spec in FOUR])
     try:
         env, model, agent, tools = servers
@@ -218,7 +218,7 @@ async def test_an_order_that_skips_a_kind_fails_before_any_call(tmp_path):
         async def call(self, *args, **kwargs):
             raise AssertionError("no call may be sent")
 
-    pm = make_plugin_manager([SkipsTheModel()], load_entry_points=False)
+    pm = order_manager([SkipsTheModel()], load_entry_points=False)
     coordinator = Coordinator([Participant("m", "http://127.0.0.1:9", "model", "m")], NoCalls(TOKEN), pm=pm)
     with pytest.raises(ValueError, match="exactly once"):
         await coordinator.prepare("step-1", timeout=1)

@@ -17,10 +17,10 @@ from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeB
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
 
 from nemo_gym_checkpoint_plugin.control import ControlPlane
-from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin.settings import SettingsError, settings_from_global_config
+from nemo_gym_checkpoint_plugin.types import RestoredRecord
 
 
 def _plane(book: EpisodeBook) -> ControlPlane:

@@ -6,7 +6,7 @@ from fastapi import FastAPI
 
 from nemo_gym_checkpoint_plugin import errors
 
-# PROTOCOL.md's error table: code -> status.
+# docs/protocol.md's error table: code -> status.
 PROTOCOL_ERRORS = {
     "unauthorized": 401,
     "stale_checkpoint": 409,

@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE
-from nemo_gym_checkpoint_plugin.control.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import (
@@ -38,6 +37,7 @@ from nemo_gym_checkpoint_plugin.testing.harness import (
     GymHarness,
     wait_until_async,
 )
+from nemo_gym_checkpoint_plugin.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 TOKEN = "legacy-relay-token"

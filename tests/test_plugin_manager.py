@@ -12,7 +12,7 @@ from control_support import Harness, Participant, close_harness, make_harness, w
 
 from nemo_gym_checkpoint_plugin.control import Participants, SeedDeclaration
 from nemo_gym_checkpoint_plugin.control.lease import DefaultLeasePolicy
-from nemo_gym_checkpoint_plugin.coordination.order import DefaultCoordinationOrder
+from nemo_gym_checkpoint_plugin.coordination.order import DefaultCoordinationOrder, order_manager
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.markers import PROJECT, hookimpl
 from nemo_gym_checkpoint_plugin.plugins import PluginLoadError, builtin_plugins, make_plugin_manager
@@ -29,12 +29,16 @@ def _entry_points(*points: tuple[str, str]) -> Any:
 
 def test_builtins_are_an_explicit_tuple_of_core_defaults() -> None:
     kinds = [type(p) for p in builtin_plugins()]
-    assert kinds == [LocalStoragePlugin, DefaultLeasePolicy, DefaultCoordinationOrder]
+    # A server's core defaults; the coordination order is the controller side's (order_manager).
+    assert kinds == [LocalStoragePlugin, DefaultLeasePolicy]
     pm = make_plugin_manager(load_entry_points=False)
     assert make_plugin_manager(load_entry_points=False) is not pm  # no module-global manager
-    for hook in ("storage_backend", "lease_policy", "coordination_order"):
+    assert not pm.hook.coordination_order.get_hookimpls()
+    controller = order_manager(load_entry_points=False)
+    assert [type(p) for p in controller.get_plugins()] == [DefaultCoordinationOrder]
+    for manager, hook in ((pm, "storage_backend"), (pm, "lease_policy"), (controller, "coordination_order")):
         # Core defaults answer last, so any user plugin answering first replaces them.
-        assert all(impl.trylast for impl in getattr(pm.hook, hook).get_hookimpls())
+        assert all(impl.trylast for impl in getattr(manager.hook, hook).get_hookimpls())
 
 
 def test_entry_point_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +74,7 @@ def test_an_implementation_with_unknown_arguments_is_refused() -> None:
 
 
 def test_hook_coordination_order_default_and_replacement() -> None:
-    pm = make_plugin_manager(load_entry_points=False)
+    pm = order_manager(load_entry_points=False)
     assert pm.hook.coordination_order(operation="prepare") == [["environment"], ["model"], ["agent"], ["resources"]]
     assert pm.hook.coordination_order(operation="resume") == [["resources"], ["agent"], ["model"], ["environment"]]
     assert pm.hook.coordination_order(operation="retire") == [["environment"], ["agent"], ["model", "resources"]]
@@ -80,7 +84,7 @@ def test_hook_coordination_order_default_and_replacement() -> None:
         def coordination_order(self, operation: str) -> list[list[str]] | None:
             return [["environment", "model", "agent", "resources"]] if operation == "forget" else None
 
-    pm = make_plugin_manager([AllAtOnce()], load_entry_points=False)
+    pm = order_manager([AllAtOnce()], load_entry_points=False)
     assert pm.hook.coordination_order(operation="forget") == [["environment", "model", "agent", "resources"]]
     assert pm.hook.coordination_order(operation="commit") == [["environment", "model", "agent", "resources"]]
     assert pm.hook.coordination_order(operation="retire") == [["environment"], ["agent"], ["model", "resources"]]

@@ -6,11 +6,7 @@ participant hooks; ``types`` the values exchanged with participant plugins.
 
 from __future__ import annotations
 
-from .facade import Participants, maybe_awaitable
-from .lease import DefaultLeasePolicy, Lease
-from .memory import RESUMED_MEMORY
-from .plane import ControlPlane
-from .types import (
+from ..types import (
     MAX_DEADLINE_AHEAD_SECONDS,
     AdmissionNotReopened,
     DeadlineTooFar,
@@ -22,6 +18,10 @@ from .types import (
     RestoredRecord,
     SeedDeclaration,
 )
+from .facade import Participants, maybe_awaitable
+from .lease import DefaultLeasePolicy, Lease
+from .memory import RESUMED_MEMORY
+from .plane import ControlPlane
 
 __all__ = [
     "MAX_DEADLINE_AHEAD_SECONDS",

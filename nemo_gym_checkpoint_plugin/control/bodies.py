@@ -31,7 +31,7 @@ from starlette.requests import Request
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
-from .types import EpisodeIds
+from ..types import EpisodeIds
 
 __all__ = ["BodyLimits", "BodyRefused", "ListField", "read_body", "parse_body"]
 

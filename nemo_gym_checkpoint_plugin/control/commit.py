@@ -1,6 +1,6 @@
 """Commit: export once, write through the storage backend in a thread, then clean up restored state.
 
-Rules (PROTOCOL "Errors", "Phases", "Retire, forget, restore marks", "Restarts"):
+Rules (docs/protocol.md "Errors", "Phases", "Retire, forget, restore marks", "Restarts"):
 
 - only in ``prepared``; a scope naming a reported restart is ``restart_in_scope``;
 - readiness that regressed since prepare ends the checkpoint before anything is exported:
@@ -38,8 +38,8 @@ from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin.storage.executor import run_storage
 from nemo_gym_checkpoint_plugin.storage.reader import capture_key_of
 
+from ..types import Phase, sorted_keys
 from .memory import Active, KeptExport, Replay
-from .types import Phase, sorted_keys
 
 if TYPE_CHECKING:
     from .plane import ControlPlane
@@ -94,7 +94,7 @@ class CommitMixin:
             self.lease.extend(deadline_ts)
             previous = active.commit
             if active.export_error is not None and (previous is None or previous.task.done()):
-                # PROTOCOL: every later commit of the id gets export_failed, whatever its arguments.
+                # docs/protocol.md: every later commit of the id gets export_failed, whatever its arguments.
                 raise active.export_error
             if previous is not None and active.write_error is not None and previous.task.done():
                 # The write failed, the export is kept: write it again, into this call's directory.
@@ -132,7 +132,7 @@ class CommitMixin:
             )
         now = await self.participants.ready(checkpoint_id)
         if not now.ready:
-            # Final (PROTOCOL "Errors"): a later retry would export a later cut than the other participants'.
+            # Final (docs/protocol.md "Errors"): a later retry would export a later cut than the other participants'.
             active.export_error = ExportFailed(
                 f"readiness of {checkpoint_id} regressed since prepare: {len(now.blockers)} blocker(s) "
                 f"({', '.join(now.blockers[:10])}); the checkpoint is over: resume it and prepare a new id",

@@ -24,8 +24,9 @@ import pluggy
 
 from nemo_gym_checkpoint_plugin.errors import ExportFailed, InvalidCheckpointState
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.wire import RESTART_HEADER, VERIFY_HEADER
 
-from .types import ParticipantExport, PrepareReport, Readiness, RestoredRecord, SeedDeclaration, merge_readiness
+from ..types import ParticipantExport, PrepareReport, Readiness, RestoredRecord, SeedDeclaration, merge_readiness
 
 __all__ = ["OWNER_FIELD", "Participants", "maybe_awaitable", "merge_exports", "third_party_names"]
 
@@ -231,9 +232,9 @@ class Participants:
         ]
         headers: dict[str, str] = {}
         if any(d.restart for d in declarations):
-            headers["x-ng-checkpoint-restart"] = "1"
+            headers[RESTART_HEADER] = "1"
         if declarations and all(isinstance(d, SeedDeclaration) and d.verify_replay for d in declarations):
-            headers["x-ng-checkpoint-verify"] = "replay"
+            headers[VERIFY_HEADER] = "replay"
         return headers
 
     async def status_fields(self) -> dict[str, Any]:

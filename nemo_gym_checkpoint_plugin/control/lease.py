@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from nemo_gym_checkpoint_plugin.markers import hookimpl
 
-from .types import LeasePolicy
+from ..types import LeasePolicy
 
 __all__ = ["Lease", "DefaultLeasePolicy"]
 
@@ -72,7 +72,7 @@ class Lease:
                 self.failed_self_resumes += 1
                 logger.exception("checkpoint lease expired and the self-resume failed; retrying in %ss",
                                  self.policy.retry_seconds)
-                # wait-ok: PROTOCOL's retry interval after a failed self-resume.
+                # wait-ok: docs/protocol.md's retry interval after a failed self-resume.
                 await asyncio.sleep(self.policy.retry_seconds)
                 continue
             if self.expires_at == expires_at:

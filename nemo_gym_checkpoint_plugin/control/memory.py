@@ -15,11 +15,11 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError
 
-from .types import PrepareReport
+from ..types import PrepareReport
 
 __all__ = ["RESUMED_MEMORY", "ResumedIds", "Active", "Replay", "KeptExport"]
 
-# PROTOCOL: the last 64 resumed ids are remembered.
+# docs/protocol.md: the last 64 resumed ids are remembered.
 RESUMED_MEMORY = 64
 
 

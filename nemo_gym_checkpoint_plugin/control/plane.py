@@ -1,6 +1,6 @@
 """The control plane of one participant server: phases, fencing, replay, lease, admission.
 
-PROTOCOL.md's "Phases" section, exactly:
+docs/protocol.md's "Phases" section, exactly:
 
 - one ``asyncio.Lock`` serializes transitions; long work (waiting for readiness, the
   export and write, reading and installing a restore, stopping retired work) runs in
@@ -44,12 +44,7 @@ from nemo_gym_checkpoint_plugin.errors import (
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
 
-from .commit import CommitMixin
-from .facade import Participants
-from .lease import Lease
-from .memory import Active, ResumedIds
-from .restore import RestoreMixin
-from .types import (
+from ..types import (
     MAX_DEADLINE_AHEAD_SECONDS,
     AdmissionNotReopened,
     DeadlineTooFar,
@@ -58,6 +53,11 @@ from .types import (
     PrepareReport,
     rollout_attempts,
 )
+from .commit import CommitMixin
+from .facade import Participants
+from .lease import Lease
+from .memory import Active, ResumedIds
+from .restore import RestoreMixin
 
 __all__ = ["ControlPlane"]
 
@@ -231,7 +231,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
     # -- prepare ---------------------------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
-        """Close admission and wait (until ``deadline_ts``) for readiness; see PROTOCOL ``prepare``."""
+        """Close admission and wait (until ``deadline_ts``) for readiness; see docs/protocol.md ``prepare``."""
         self._check_deadline(deadline_ts)
         async with self._lock:
             active = self._fence(checkpoint_id)
@@ -250,7 +250,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
         try:
             await self._joined(task, deadline_ts, f"prepare of {checkpoint_id}")
         except DeadlineExceeded:
-            # PROTOCOL: a prepare that reaches its deadline replies 200 with its blockers; admission stays closed.
+            # docs/protocol.md: a prepare reaching its deadline replies 200 with its blockers; admission stays closed.
             report = await self.participants.ready(checkpoint_id)
             return {"phase": Phase.PREPARING.value, "report": report.to_wire()}
         assert active.prepare_reply is not None

@@ -1,6 +1,6 @@
 """Restore, retire and forget: the operations that set or clear retired marks.
 
-Rules (PROTOCOL "Retire, forget, restore marks"):
+Rules (docs/protocol.md "Retire, forget, restore marks"):
 
 - restore marks every scoped episode retired up to its checkpointed attempt *before*
   any deadline-bound work, closes admission, reads and verifies the records in a
@@ -36,8 +36,8 @@ from nemo_gym_checkpoint_plugin.errors import (
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin.storage.executor import run_storage
 
+from ..types import Phase, RestoredRecord, sorted_keys
 from .memory import Active, Replay
-from .types import Phase, RestoredRecord, sorted_keys
 
 if TYPE_CHECKING:
     from .plane import ControlPlane

@@ -11,7 +11,7 @@ CLI) drives a deployment with::
             await commit(coordinator, "step-120", "/ckpt/step-120", scope)
         await resume(coordinator, "step-120")
 
-Orders, pools, bounds and failure handling are those of PROTOCOL.md's
+Orders, pools, bounds and failure handling are those of docs/protocol.md's
 "Coordination order"; every failure is a ``CoordinationError`` naming each
 failing server and its code.
 """
@@ -112,14 +112,14 @@ async def discover(
     (a server down or hung, an unknown kind, no model participant, a config block without
     host/port) raises ``CoordinationError`` naming each server and its code; otherwise the
     coordinator carries them in ``failures``. ``pm`` is the plugin manager whose
-    ``coordination_order`` hook gives the orders; by default ``make_plugin_manager()``
-    (built-ins plus the ``nemo_gym_checkpoint`` entry-point group), so an installed plugin
-    can reorder a deployment.
+    ``coordination_order`` hook gives the orders; by default ``order.order_manager()``
+    (the default order plus the ``nemo_gym_checkpoint`` entry-point group), so an installed
+    plugin can reorder a deployment.
     """
     if pm is None:
-        from ..plugins import make_plugin_manager
+        from .order import order_manager
 
-        pm = make_plugin_manager()
+        pm = order_manager()
     failures: list[ParticipantFailure] = []
     from_urls = _is_url_list(config_or_client)
     if from_urls:

@@ -51,7 +51,7 @@ ProgressCallback = Callable[[Progress], None]
 
 
 class Coordinator:
-    """Participants of one deployment, and the operations of PROTOCOL.md's coordination order.
+    """Participants of one deployment, and the operations of docs/protocol.md's coordination order.
 
     Use it as an async context manager (or call ``close``) to release the control pool.
     ``failures`` and ``non_participants`` are what discovery reported besides participants.

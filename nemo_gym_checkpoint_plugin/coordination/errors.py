@@ -4,7 +4,7 @@ A fan-out never stops at the first bad reply without saying who else failed:
 every operation collects one ``ParticipantFailure`` per failing server and
 raises one ``CoordinationError`` naming each of them with its error code.
 
-Codes are the participant's own PROTOCOL.md code when it sent a refusal
+Codes are the participant's own docs/protocol.md code when it sent a refusal
 (``{"error": {"code", "detail"}}``), else one of the controller-side codes
 below, which never come from a participant:
 

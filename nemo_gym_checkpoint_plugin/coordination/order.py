@@ -2,7 +2,7 @@
 
 An order is a list of stages; each stage is a list of participant kinds. Stages
 run one after the other; the participants of one stage are called at once.
-The default (PROTOCOL.md, "Coordination order"):
+The default (docs/protocol.md, "Coordination order"):
 
 - ``prepare``: environment, then model, then agent, then resources.
 - ``resume``: the reverse of prepare.
@@ -28,6 +28,7 @@ __all__ = [
     "OPERATIONS",
     "DefaultCoordinationOrder",
     "default_order",
+    "order_manager",
     "stages_for",
 ]
 
@@ -50,7 +51,7 @@ _DEFAULT: dict[str, tuple[tuple[str, ...], ...]] = {
 
 
 def default_order(operation: str) -> list[list[str]]:
-    """The PROTOCOL.md stages for ``operation``; ``ValueError`` for an unknown operation."""
+    """The docs/protocol.md stages for ``operation``; ``ValueError`` for an unknown operation."""
     try:
         stages = _DEFAULT[operation]
     except KeyError:
@@ -59,7 +60,7 @@ def default_order(operation: str) -> list[list[str]]:
 
 
 class DefaultCoordinationOrder:
-    """Core plugin answering ``coordination_order`` with PROTOCOL.md's orders (``trylast``)."""
+    """Core plugin answering ``coordination_order`` with docs/protocol.md's orders (``trylast``)."""
 
     @hookimpl(trylast=True)
     def coordination_order(self, operation: str) -> list[list[str]] | None:
@@ -92,3 +93,16 @@ def stages_for(pm: Any, operation: str) -> list[list[str]]:
         if answer is not None:
             return _check(operation, answer)
     return default_order(operation)
+
+
+def order_manager(extra_plugins: Sequence[Any] = (), *, load_entry_points: bool = True) -> Any:
+    """The controller side's plugin manager: the default order plus the ``nemo_gym_checkpoint`` group.
+
+    An installed plugin answering ``coordination_order`` reorders the deployment. No server
+    runtime plugin is registered here (no storage backend, no lease policy).
+    """
+    from ..plugins import make_plugin_manager
+
+    return make_plugin_manager(
+        extra_plugins, load_entry_points=load_entry_points, builtins=(DefaultCoordinationOrder(),)
+    )

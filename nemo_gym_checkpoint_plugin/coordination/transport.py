@@ -11,7 +11,7 @@ A fan-out encodes its body once (``encode_body``, orjson) and sends the same
 bytes to every participant. Every call is bounded: the caller gives a timeout
 and a call that has not completed by then fails with ``timeout``; a refused or
 dropped connection fails with ``unreachable``; a refusal from the participant
-keeps its PROTOCOL.md code.
+keeps its docs/protocol.md code.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .errors import BAD_REPLY, TIMEOUT, UNREACHABLE, ParticipantFailure
 
 __all__ = ["CONTROL_PREFIX", "CallFailed", "ControlTransport", "Endpoint", "encode_body"]
 
-CONTROL_PREFIX = "/ng-control/v1/checkpoint"
+from ..wire import CONTROL_PREFIX
 
 
 @dataclass(frozen=True)

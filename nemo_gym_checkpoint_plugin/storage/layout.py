@@ -1,4 +1,4 @@
-"""Names and paths of the on-disk checkpoint layout (PROTOCOL.md, "Storage layout").
+"""Names and paths of the on-disk checkpoint layout (docs/protocol.md, "Storage layout").
 
 ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
 ``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``, and the controller's

@@ -20,7 +20,7 @@ __all__ = ["LocalStorage", "LocalStoragePlugin"]
 
 
 class LocalStorage:
-    """Storage backend ``local``: the layout of PROTOCOL.md on a filesystem path."""
+    """Storage backend ``local``: the layout of docs/protocol.md on a filesystem path."""
 
     name = "local"
 

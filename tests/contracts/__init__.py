@@ -49,7 +49,7 @@ class Harness(Protocol):
         ...
 
     async def status(self) -> Mapping[str, Any]:
-        """The control plane's ``status`` reply for this server (PROTOCOL)."""
+        """The control plane's ``status`` reply for this server (docs/protocol.md)."""
         ...
 
 

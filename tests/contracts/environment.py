@@ -1,6 +1,6 @@
 """Environment-kind contract: a participant holding an environment server's episodes and their steps.
 
-PROTOCOL "Episode steps" and "Restarts" on top of the shared checks. The harness's
+docs/protocol.md "Episode steps" and "Restarts" on top of the shared checks. The harness's
 ``start`` leaves the episode in flight *inside a step* (its server's real callers are
 held), and it also needs ``finish_step(episode)``: let that step complete, so the episode
 reaches its next boundary. Environments report restarts (an episode some other

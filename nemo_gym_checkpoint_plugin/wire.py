@@ -1,0 +1,34 @@
+"""Names on the wire, shared by the server runtime and the controller side (docs/protocol.md).
+
+One place for every string both sides (or several modules of one side) must agree on:
+the control routes' prefix, the checkpoint id pattern, Gym's rollout path prefix, and the
+headers a participant declares through.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AGENT_SESSION_HEADER",
+    "CHECKPOINT_ID_PATTERN",
+    "CONTROL_PATH_PREFIX",
+    "CONTROL_PREFIX",
+    "RESTART_HEADER",
+    "ROLLOUT_PATH_PREFIX",
+    "VERIFY_HEADER",
+]
+
+# The control routes: /ng-control/v1/checkpoint/{status,prepare,renew,commit,restore,resume,retire,forget}.
+CONTROL_PREFIX = "/ng-control/v1/checkpoint"
+# Everything under it passes the admission gate (the controller must reach a closed participant).
+CONTROL_PATH_PREFIX = "/ng-control/"
+CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+# Gym's ROLLOUT_PATH_PREFIX ("ng-rollout") as a path prefix: /ng-rollout/<capture key>/<route>.
+ROLLOUT_PATH_PREFIX = "/ng-rollout/"
+
+# A resources seed reply declaring its episode a restart (value "1").
+RESTART_HEADER = "x-ng-checkpoint-restart"
+# A resources seed reply declaring /verify replayable (value "replay").
+VERIFY_HEADER = "x-ng-checkpoint-verify"
+# An agent's /v1/agent_sessions reply declaring its sessions capturable (value "capture").
+AGENT_SESSION_HEADER = "x-ng-checkpoint-agent-session"
