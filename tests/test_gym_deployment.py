@@ -171,7 +171,8 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
         )
     pgid = proc.pid
     try:
-        line = json.loads(_read_line(proc, timeout=120))
+        # A bound, not a wait: serve starts five processes, which takes minutes on a loaded 2-core machine.
+        line = json.loads(_read_line(proc, timeout=300))
         names = (BACKEND, MODEL, AGENT, RESOURCES, ENVIRONMENT)
         assert line["servers"] == {name: f"http://127.0.0.1:{port_base + i}" for i, name in enumerate(names)}
         assert line["token_env"] == TOKEN_ENV

@@ -23,6 +23,8 @@ class LocalStorage:
     """Storage backend ``local``: the layout of docs/protocol.md on a filesystem path."""
 
     name = "local"
+    # A class default too: a subclass that does not call ``__init__`` still has the limit.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     def __init__(self, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.max_record_bytes = max_record_bytes
