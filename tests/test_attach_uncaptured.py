@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 import pytest
-from contracts.gym_inprocess import GymServers, InProcessServer
 from control_support import wait_until
 from gym_fakes import FakeReply
+from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.server_utils import ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
 from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contracts import MakeHarness
-from contracts import agent as agent_contract
-from contracts.gym_inprocess import GymServers, InProcessServer
+from gym_inprocess import GymServers, InProcessServer
 from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
+from nemo_gym_checkpoint_plugin.testing.contracts import agent as agent_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
@@ -87,7 +87,7 @@ async def test_a_restored_session_points_its_tool_access_at_the_replacement_atte
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Simple Agent specifics beyond the kind contract: the tool base URL and cookies carry over.
-    from contracts.base import _restored, _round_trip
+    from nemo_gym_checkpoint_plugin.testing.contracts.base import _restored, _round_trip
 
     servers = GymServers(tmp_path, monkeypatch, AGENT)
     first = SimpleAgentHarness(servers.build(SimpleAgentSessions))

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contracts import MakeHarness
-from contracts import environment as environment_contract
-from contracts.gym_inprocess import GymServers, InProcessServer
 from gym_fakes import FakeReply
+from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.rollout_correlation import current_rollout_id
 from nemo_gym.server_utils import ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
@@ -25,6 +23,8 @@ from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AG
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
+from nemo_gym_checkpoint_plugin.testing.contracts import environment as environment_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
 
 _BOUND_SECONDS = 10.0

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contracts import MakeHarness
-from contracts import resources as resources_contract
-from contracts.gym_inprocess import GymServers, InProcessServer
+from gym_inprocess import GymServers, InProcessServer
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import RESTART_TASK_KEY, ResourcesSessions
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
+from nemo_gym_checkpoint_plugin.testing.contracts import resources as resources_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES
 
 

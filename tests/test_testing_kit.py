@@ -140,7 +140,10 @@ import nemo_gym_checkpoint_plugin.builtin_participants, nemo_gym_checkpoint_plug
 import nemo_gym_checkpoint_plugin.errors, nemo_gym_checkpoint_plugin.markers
 import nemo_gym_checkpoint_plugin.testing.pytest_plugin
 from nemo_gym_checkpoint_plugin.testing.deployment import fake_backend_script
+from nemo_gym_checkpoint_plugin import api
 print(json.dumps({
+    "api": api.__file__,
+    "api_names": sorted(name for name in api.__all__ if getattr(api, name, None) is not None),
     "package": nemo_gym_checkpoint_plugin.__file__,
     "hookspecs": nemo_gym_checkpoint_plugin.hookspecs.__file__,
     "builtin_participants": nemo_gym_checkpoint_plugin.builtin_participants.__file__,
@@ -206,6 +209,10 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_from_outside_the_source_tree(t
     assert Path(probe["hookspecs"]).parent == installed / "hookspecs"
     assert Path(probe["builtin_participants"]).parent == installed / "builtin_participants"
     assert Path(probe["fake_backend"]) == installed / "testing" / "fake_backend.py"
+    # The public API a plugin author imports is in the wheel, every name it promises there.
+    assert Path(probe["api"]) == installed / "api.py"
+    assert {"hookimpl", "EpisodeId", "ParticipantExport", "StorageBackend", "InvalidCheckpointState"} <= set(
+        probe["api_names"])
     assert Path(probe["nemo_gym"]).is_relative_to(sysconfig.get_path("purelib"))  # nemo-gym from .venv
     assert probe["editable_finders"] == []
     assert not Path(probe["package"]).is_relative_to(ROOT)

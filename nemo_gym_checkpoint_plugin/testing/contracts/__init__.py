@@ -1,12 +1,14 @@
 """Contract test suites per participant kind (the hookspec docstrings of ``hookspecs.participant``, as tests).
 
+Shipped in the wheel, so a third-party participant runs the very suites the built-in ones pass.
 An implementation runs a suite by subclassing its ``Test*`` class in a ``tests/test_*.py``
 module and overriding the one fixture ``make_harness``: an async factory that builds a new,
 empty server of that kind (one call = one server process, so a second call stands for the
-process that restores after a crash) and returns a ``Harness`` over it. Import the suite
-module, not the class, so pytest does not also collect the fixture-less base::
+process that restores after a crash) and returns a ``Harness`` over it. The suites are async
+tests: run them with pytest-asyncio (``asyncio_mode = "auto"``). Import the suite module, not
+the class, so pytest does not also collect the fixture-less base::
 
-    from contracts import agent as agent_contract
+    from nemo_gym_checkpoint_plugin.testing.contracts import agent as agent_contract
 
     class TestMyAgent(agent_contract.TestAgentContract):
         @pytest.fixture

@@ -9,8 +9,8 @@ agent session was closed is past its agent step: it holds nothing to continue.
 
 from __future__ import annotations
 
-from contracts import MakeHarness, call_hook
-from contracts.base import ParticipantContract, _episode, _export, _exported_episodes
+from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness, call_hook
+from nemo_gym_checkpoint_plugin.testing.contracts.base import ParticipantContract, _episode, _export, _exported_episodes
 
 __all__ = ["TestAgentContract"]
 

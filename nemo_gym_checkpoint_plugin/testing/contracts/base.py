@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from contracts import Harness, MakeHarness, call_hook
 from nemo_gym_checkpoint_plugin.errors import CheckpointError
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
 from nemo_gym_checkpoint_plugin.storage import decode_line, encode_line
+from nemo_gym_checkpoint_plugin.testing.contracts import Harness, MakeHarness, call_hook
 from nemo_gym_checkpoint_plugin.types import (
     MAX_REPORTED_BLOCKERS,
     ParticipantExport,

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import asyncio
 
-from contracts import Harness, MakeHarness, call_hook
-from contracts.base import ParticipantContract, _episode, _export, _exported_episodes, _next, _restored, _round_trip
+from nemo_gym_checkpoint_plugin.testing.contracts import Harness, MakeHarness, call_hook
+from nemo_gym_checkpoint_plugin.testing.contracts.base import (
+    ParticipantContract,
+    _episode,
+    _export,
+    _exported_episodes,
+    _next,
+    _restored,
+    _round_trip,
+)
 
 __all__ = ["TestEnvironmentContract"]
 

@@ -7,8 +7,8 @@ neither exported nor reported as a restart any more.
 
 from __future__ import annotations
 
-from contracts import MakeHarness, call_hook
-from contracts.base import ParticipantContract, _episode, _export, _exported_episodes
+from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness, call_hook
+from nemo_gym_checkpoint_plugin.testing.contracts.base import ParticipantContract, _episode, _export, _exported_episodes
 
 __all__ = ["TestResourcesContract"]
 
