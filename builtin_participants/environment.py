@@ -53,11 +53,11 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
+
+from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
 
 from nemo_gym_checkpoint_plugin.admission import RetiredMarks
 from nemo_gym_checkpoint_plugin.errors import StaleAttempt
@@ -67,39 +67,6 @@ from nemo_gym_checkpoint_plugin.types import ParticipantExport, Readiness, Resto
 
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 
-class StepMode(enum.StrEnum):
-    """``checkpoint.step_mode``: what a step in flight does when a checkpoint closes admission."""
-
-    WAIT = "wait"
-    REPLAY = "replay"
-
-
-@dataclass(frozen=True)
-class RestoredEpisode:
-    """What a restored episode continues from: its checkpointed attempt, boundary and state."""
-
-    checkpointed: EpisodeId
-    boundary: str | None
-    state: Mapping[str, Any]
-
-
-@dataclass(eq=False)
-class Episode:
-    """One running episode attempt as the book sees it."""
-
-    episode_id: EpisodeId
-    key: str
-    task: asyncio.Task[Any] | None
-    restored: RestoredEpisode | None = None
-    boundary: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-    step: str | None = None
-    restart: bool = False
-    pending_restart: bool = False
-    retiring: bool = False
-    parked: bool = False
-    # The episode's asyncio.Timeout, paused while parked (None: no deadline).
-    deadline: asyncio.Timeout | None = None
 
 
 def _wire(episode_id: EpisodeId) -> dict[str, Any]:

@@ -1,0 +1,48 @@
+"""What the environment participant's ``EpisodeBook`` keeps per episode (see ``environment.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.identity import EpisodeId
+
+__all__ = ["Episode", "RestoredEpisode", "StepMode"]
+
+
+class StepMode(enum.StrEnum):
+    """``checkpoint.step_mode``: what a step in flight does when a checkpoint closes admission."""
+
+    WAIT = "wait"
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class RestoredEpisode:
+    """What a restored episode continues from: its checkpointed attempt, boundary and state."""
+
+    checkpointed: EpisodeId
+    boundary: str | None
+    state: Mapping[str, Any]
+
+
+@dataclass(eq=False)
+class Episode:
+    """One running episode attempt as the book sees it."""
+
+    episode_id: EpisodeId
+    key: str
+    task: asyncio.Task[Any] | None
+    restored: RestoredEpisode | None = None
+    boundary: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    step: str | None = None
+    restart: bool = False
+    pending_restart: bool = False
+    retiring: bool = False
+    parked: bool = False
+    # The episode's asyncio.Timeout, paused while parked (None: no deadline).
+    deadline: asyncio.Timeout | None = None
