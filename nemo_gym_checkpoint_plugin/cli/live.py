@@ -89,15 +89,9 @@ def _what_next(args: argparse.Namespace, deployment: Deployment) -> str | None:
     return None
 
 
-def _summary(args: argparse.Namespace, payload: Any, text: str) -> None:
-    if args.json:
-        print_json(payload)
-    else:
-        print(text)
-
-
 async def _operate(args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator,
                    scope: list[str] | None) -> int:
+    """Run the operation with its progress shown, then print the summary (after the live line is gone)."""
     command, checkpoint_id = args.command, args.checkpoint_id
     deadline_ts = time.time() + args.deadline
     display = None
@@ -106,48 +100,52 @@ async def _operate(args: argparse.Namespace, deployment: Deployment, coordinator
         print(f"{command} {checkpoint_id} on {len(coordinator.participants)} participant(s), "
               f"deadline in {args.deadline:g}s", file=sys.stderr)
     async with showing_progress(display, coordinator):
-        if command == "prepare":
-            result = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts)
-            if result.ready:
-                text = f"prepared {checkpoint_id}: ready"
-            else:
-                text = (f"prepare {checkpoint_id} NOT ready: stopped at {words(result.stopped_at or [])}, "
-                        f"{result.blocker_count()} blocker(s): {words(result.blockers())}; not reached: "
-                        f"{words(result.not_reached)}. Admission stays closed until you resume:\n"
-                        f"  {suggest('resume', deployment, checkpoint_id)}")
-            if result.restarts():
-                text += f"\nrestarts (leave them out of the commit scope): {words(result.restarts(), limit=50)}"
-            _summary(args, result.to_json(), text)
-            return 0 if result.ready else NOT_READY
-        if command == "commit":
-            result = await coordinator.commit(checkpoint_id, str(Path(args.dir).resolve()), scope,
-                                              stop=args.stop, deadline_ts=deadline_ts)
-            counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
-            _summary(args, result.to_json(), f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}")
-            return 0
-        if command == "restore":
-            result = await coordinator.restore(checkpoint_id, str(Path(args.dir).resolve()), scope or [],
-                                               deadline_ts=deadline_ts)
-            _summary(args, result.to_json(),
-                     f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
-                     f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
-                     f"  {suggest('resume', deployment, checkpoint_id)}")
-            return 0
-        if command == "retire":
-            replies = await coordinator.retire(checkpoint_id, scope or [], deadline_ts=deadline_ts)
-            _summary(args, replies, f"retired {len(scope or [])} episode(s) on {len(replies)} participant(s)")
-            return 0
-        if command == "forget":
-            replies = await coordinator.forget(checkpoint_id, args.rollout, deadline_ts=deadline_ts)
-            _summary(args, replies, f"forgot {len(args.rollout)} rollout(s) on {len(replies)} participant(s)")
-            return 0
-        if command == "renew":
-            leases = await coordinator.renew(checkpoint_id, deadline_ts=deadline_ts)
-            _summary(args, leases, "renewed: " + ", ".join(f"{n} {lease(v)}" for n, v in leases.items()))
-            return 0
-        replies = await coordinator.resume(checkpoint_id, deadline_ts=deadline_ts)
-        _summary(args, replies, f"resumed {checkpoint_id} on {len(replies)} participant(s)")
-        return 0
+        code, payload, text = await _call(args, deployment, coordinator, scope, deadline_ts)
+    if args.json:
+        print_json(payload)
+    else:
+        print(text)
+    return code
+
+
+async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator,
+                scope: list[str] | None, deadline_ts: float) -> tuple[int, Any, str]:
+    """The operation itself: (exit status, the JSON document, the summary in words)."""
+    command, checkpoint_id = args.command, args.checkpoint_id
+    if command == "prepare":
+        result = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts)
+        if result.ready:
+            text = f"prepared {checkpoint_id}: ready"
+        else:
+            text = (f"prepare {checkpoint_id} NOT ready: stopped at {words(result.stopped_at or [])}, "
+                    f"{result.blocker_count()} blocker(s): {words(result.blockers())}; not reached: "
+                    f"{words(result.not_reached)}. Admission stays closed until you resume:\n"
+                    f"  {suggest('resume', deployment, checkpoint_id)}")
+        if result.restarts():
+            text += f"\nrestarts (leave them out of the commit scope): {words(result.restarts(), limit=50)}"
+        return (0 if result.ready else NOT_READY), result.to_json(), text
+    if command == "commit":
+        result = await coordinator.commit(checkpoint_id, str(Path(args.dir).resolve()), scope,
+                                          stop=args.stop, deadline_ts=deadline_ts)
+        counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
+        return 0, result.to_json(), f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
+    if command == "restore":
+        result = await coordinator.restore(checkpoint_id, str(Path(args.dir).resolve()), scope or [],
+                                           deadline_ts=deadline_ts)
+        return 0, result.to_json(), (f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
+                                     f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
+                                     f"  {suggest('resume', deployment, checkpoint_id)}")
+    if command == "retire":
+        replies = await coordinator.retire(checkpoint_id, scope or [], deadline_ts=deadline_ts)
+        return 0, replies, f"retired {len(scope or [])} episode(s) on {len(replies)} participant(s)"
+    if command == "forget":
+        replies = await coordinator.forget(checkpoint_id, args.rollout, deadline_ts=deadline_ts)
+        return 0, replies, f"forgot {len(args.rollout)} rollout(s) on {len(replies)} participant(s)"
+    if command == "renew":
+        leases = await coordinator.renew(checkpoint_id, deadline_ts=deadline_ts)
+        return 0, leases, "renewed: " + ", ".join(f"{n} {lease(v)}" for n, v in leases.items())
+    replies = await coordinator.resume(checkpoint_id, deadline_ts=deadline_ts)
+    return 0, replies, f"resumed {checkpoint_id} on {len(replies)} participant(s)"
 
 
 async def run_live(args: argparse.Namespace) -> int:
@@ -169,9 +167,10 @@ async def run_live(args: argparse.Namespace) -> int:
         message = explain_error(exc, deployment, servers)
         advice = _what_next(args, deployment) if exc.operation == args.command and deployment else None
         if args.json:
-            lines, _ = explain(exc.failures, deployment, servers)
-            print_error(args.command, message, as_json=True, code="coordination_failed", **exc.to_json(),
-                        messages=lines, what_next=advice)
+            lines, shown = explain(exc.failures, deployment, servers)
+            print_error(args.command, message, as_json=True, code="coordination_failed",
+                        **{**exc.to_json(), "failures": [f.to_json() for f in shown]}, messages=lines,
+                        what_next=advice)
         else:
             print(f"error: {message}", file=sys.stderr)
             if advice:

@@ -14,7 +14,7 @@ import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..coordination import Coordinator, Progress, stages_for
 from ..coordination.discovery import Participant
@@ -36,6 +36,7 @@ class ProgressDisplay:
         self.console = console(self.stream)
         self.every = every
         self.replied: set[str] = set()
+        self.live_status: Any = None  # rich's Status while the live line shows
         self.started = time.monotonic()
         # Whom the operation calls, stage by stage: whom it waits for is the first stage not all replied.
         self.stages = [staged for kinds in stages_for(coordinator.pm, operation)
@@ -54,6 +55,8 @@ class ProgressDisplay:
         line = (f"  [{event.done:>{width}}/{event.total}] {event.operation:<8} {event.participant.kind:<11} "
                 f"{event.participant.name}  {outcome}  {event.elapsed:.2f}s")
         if self.tty:
+            if self.live_status is not None:
+                self.live_status.update(self.waiting_line() or "")  # now, not at the next refresh
             self.console.print(line)
         else:
             self.stream.write(line + "\n")
@@ -77,13 +80,17 @@ class ProgressDisplay:
                 f"({waited:.0f}s, {deadline})")
 
     async def run(self) -> None:
-        """Until cancelled: refresh the live line (terminal) or write a waiting line every ``every`` s."""
+        """Until cancelled or no reply is awaited: the live line (terminal), else a line every ``every`` s."""
         if self.tty:
-            with self.console.status(self.waiting_line() or "", spinner="dots") as status:
-                while True:
-                    # A display refresh interval, not a wait for a condition.
-                    await asyncio.sleep(TTY_REFRESH)
-                    status.update(self.waiting_line() or "")
+            # Not redirecting stdout: the summary is printed after this line is gone, never wrapped by it.
+            with self.console.status(self.waiting_line() or "", spinner="dots") as self.live_status:
+                try:
+                    while (line := self.waiting_line()) is not None:
+                        self.live_status.update(line)
+                        await asyncio.sleep(TTY_REFRESH)  # a display refresh interval, not a wait for a condition
+                finally:
+                    self.live_status = None
+            return
         while True:
             await asyncio.sleep(self.every)  # a log line interval, not a wait for a condition
             line = self.waiting_line()

@@ -72,7 +72,7 @@ async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict
             "participants": [{"name": p.name, "url": p.url, **statuses[p.name]}
                              for p in coordinator.participants if p.name in statuses],
             "non_participants": [{"name": e.name, "url": e.url} for e in coordinator.non_participants],
-            "failures": [f.to_json() for f in failures],
+            "failures": [f.to_json() for f in shown],  # a refused token's follow-on failure left out
         }
         rows = []
         for participant in coordinator.participants:
