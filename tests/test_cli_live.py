@@ -27,8 +27,10 @@ def four(tmp_path):
     stop_participants(servers)
 
 
-def cli(*args: str, env_token: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, TOKEN_ENV: TOKEN} if env_token else {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+def cli(*args: str, env_token: bool = True, **extra_env: str) -> subprocess.CompletedProcess:
+    # The CLI's own variables come only from the test that sets them.
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "NG_CHECKPOINT_TOKEN", "NG_CHECKPOINT_CONFIG")}
+    env.update({TOKEN_ENV: TOKEN} if env_token else {}, COLUMNS="80", **extra_env)
     done = subprocess.run([*NG_CHECKPOINT, *args], capture_output=True, text=True, timeout=120, env=env)
     # The token is never printed, whatever happened.
     assert TOKEN not in done.stdout and TOKEN not in done.stderr
@@ -45,15 +47,15 @@ def test_drive_a_checkpoint_by_hand_then_verify_it(four, tmp_path):
 
     status = cli("status", *where)
     assert status.returncode == 0, status.stderr
-    header, rule, *rows = status.stdout.splitlines()
-    assert header.split()[:5] == ["NAME", "KIND", "INSTANCE", "PHASE", "CHECKPOINT"]
+    header, *rows = status.stdout.splitlines()
+    assert header.split() == ["NAME", "KIND", "PHASE", "CHECKPOINT", "LEASE", "NOTES"]
     assert sorted(row.split()[1] for row in rows) == ["agent", "environment", "model", "resources"]
-    assert all(row.split()[3] == "idle" for row in rows)
+    assert all(row.split()[2] == "idle" for row in rows)
 
     prepared = cli("prepare", "step-1", *where, "--deadline", "20")
     assert prepared.returncode == 0, prepared.stderr
     assert "prepared step-1: ready" in prepared.stdout
-    assert "restarts (leave them out of the commit scope): ['r3']" in prepared.stdout
+    assert "restarts (leave them out of the commit scope): r3\n" in prepared.stdout
     # The progress display: one line per participant reply, in the prepare order.
     progress = [line.split() for line in prepared.stderr.splitlines() if line.strip().startswith("[")]
     assert [(line[0], line[2]) for line in progress] == [
@@ -108,7 +110,7 @@ def test_prepare_not_ready_exits_3_and_commit_failure_names_the_server(tmp_path)
         where = [*urls(servers), "--token-env", TOKEN_ENV]
         prepared = cli("prepare", "step-1", *where, "--deadline", "1")
         assert prepared.returncode == 3
-        assert "NOT ready: stopped at ['model'], 1 blocker(s) ['r5']" in prepared.stdout
+        assert "NOT ready: stopped at model, 1 blocker(s): r5; not reached: none." in prepared.stdout
         # Commit while the model is still preparing: refused, and the error names it and its code.
         committed = cli("commit", "step-1", *where, "--dir", str(tmp_path / "c"), "--all")
         assert committed.returncode == 1
@@ -128,7 +130,8 @@ def test_status_reports_a_down_server(tmp_path):
         status = cli("status", *urls(servers), "--url", down, "--token-env", TOKEN_ENV,
                      "--probe-timeout", "0.5", "--tries", "2")
         assert status.returncode == 1
-        assert any(row.startswith(down) and "ERROR unreachable" in row for row in status.stdout.splitlines())
+        assert any(row.startswith(down) and row.split()[2:] == ["ERROR", "-", "-", "unreachable"]
+                   for row in status.stdout.splitlines())
         assert f"error: {down} [{down}] status: unreachable" in status.stderr
         # The deployment is still listed.
         assert any(" model " in row and " idle " in row for row in status.stdout.splitlines())

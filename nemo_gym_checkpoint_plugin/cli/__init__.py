@@ -2,60 +2,100 @@
 
 Commands that talk to a deployment (``status``, ``prepare``, ``commit``, ``resume``,
 ``restore``, ``retire``, ``forget``, ``renew``) find it from ``--config`` (the Gym YAML:
-top-level server blocks with host/port) or ``--url`` (repeatable), with the control
-token from ``--token-env VAR`` or the config's ``checkpoint:`` block; the token is never
-printed. ``inspect DIR`` and ``verify DIR`` read a checkpoint directory offline.
-Every command has ``--help`` and ``--json``.
+top-level server blocks with host/port), ``--url`` (repeatable), or else the Gym config
+``NG_CHECKPOINT_CONFIG`` names. The control token comes from ``--token-file`` or
+``--token-env`` (explicit), else the config's ``checkpoint.control_auth_token_env``, else
+``NG_CHECKPOINT_TOKEN``; it is never printed (see ``where``). ``inspect DIR`` and
+``verify DIR`` read a checkpoint directory offline. Every command has ``--help`` and
+``--json`` (before or after the command; errors are JSON documents too); ``--version``.
 
 Exit status: 0 success; 1 a server failed or a checkpoint does not verify; 2 bad usage;
 3 ``prepare`` not ready by its deadline.
+
+Libraries: the parser stays the standard library's ``argparse``: it already gave every
+command, option, help text and exit status (usage errors exit 2) that scripts rely on, so
+keeping it changes none of them. Terminal output uses ``rich`` (already installed with
+NeMo Gym, widely used and maintained): tables sized to the terminal (80 columns when not
+one) that wrap long cells, and a live progress line on a terminal's stderr. ``click``
+would have given shell completion for free, but at the price of re-declaring every
+command and changing its help and usage texts; argparse gives no completion, so there is none.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..coordination import DEFAULT_TIMEOUT
-from .live import UsageError, run_live
+from .live import run_live
 from .offline import inspect_checkpoint, verify_checkpoint
-from .output import print_json, table
+from .output import print_error, print_json, table
+from .scope import CheckpointUnreadable
+from .where import CONFIG_ENV, TOKEN_ENV, UsageError
 
 __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
+DEFAULT_WATCH = 2.0
+
+TOKEN_HELP = (f"the control token, first match wins: --token-file or --token-env (explicit), else the "
+              f"config's checkpoint.control_auth_token_env, else {TOKEN_ENV}; the token is never printed")
+EPILOG = (f"deployment: --config or --url, else the Gym config ${CONFIG_ENV} names. {TOKEN_HELP}. "
+          "exit status: 0 ok, 1 a server failed or a checkpoint does not verify, 2 usage, 3 prepare not ready")
 
 
 def _positive(value: str) -> float:
-    number = float(value)
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value} is not a number of seconds") from None
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
     return number
 
 
+def _count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive whole number")
+    return int(value)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("nemo-gym-checkpoint")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _common(json_only: bool = False) -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--json", action="store_true", help="print one JSON document on stdout (for scripts)")
+    # SUPPRESS: the subcommand's --json must not reset a --json given before the subcommand.
+    parent.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print one JSON document on stdout, errors included (for scripts)")
     if json_only:
         return parent
-    where = parent.add_argument_group("deployment")
-    where.add_argument("--config", metavar="GYM_YAML", help="the Gym config: top-level server blocks with host/port")
+    where = parent.add_argument_group("deployment", f"{TOKEN_HELP}.")
+    where.add_argument("--config", metavar="GYM_YAML",
+                       help=f"the Gym config: top-level server blocks with host/port (default: ${CONFIG_ENV})")
     where.add_argument("--url", action="append", metavar="URL",
                        help="a server's base URL, e.g. http://127.0.0.1:8001 (repeatable; instead of --config)")
-    where.add_argument("--token-env", metavar="VAR",
-                       help="environment variable holding the control token (default: the config's "
-                            "checkpoint.control_auth_token_env)")
+    token = where.add_mutually_exclusive_group()
+    token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
+    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
     where.add_argument("--probe-timeout", type=_positive, default=2.0, metavar="S",
                        help="seconds to wait for each status probe (default 2)")
     where.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
+    # Seconds between "still waiting" lines when stderr is not a terminal (hidden: for tests and logs).
+    where.add_argument("--progress-every", type=_positive, default=10.0, help=argparse.SUPPRESS)
     return parent
 
 
 def _operation(sub: argparse._SubParsersAction, name: str, help_text: str, parents: list) -> argparse.ArgumentParser:
-    parser = sub.add_parser(name, help=help_text, description=help_text, parents=parents)
+    parser = sub.add_parser(name, help=help_text, description=help_text, parents=parents, epilog=EPILOG)
     parser.add_argument("checkpoint_id", help="the operation's checkpoint id")
     parser.add_argument("--deadline", type=_positive, default=DEFAULT_TIMEOUT, metavar="S",
                         help=f"seconds from now the participants have to finish (default {DEFAULT_TIMEOUT:g})")
@@ -72,13 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ng-checkpoint",
         description="Checkpoint a running NeMo Gym deployment, drive it by hand, and check checkpoints offline.",
-        epilog="exit status: 0 ok, 1 a server failed or a checkpoint does not verify, 2 usage, 3 prepare not ready",
+        epilog=EPILOG,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--json", action="store_true", default=False,
+                        help="print one JSON document on stdout, errors included (also accepted after COMMAND)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     live = [_common()]
-    sub.add_parser("status", parents=live, help="every participant's kind, phase, checkpoint, lease and counts",
-                   description="Probe every server and show each participant's kind, phase, checkpoint id, "
-                               "lease, retired rollouts, blockers, restarts and counts.")
+    status = sub.add_parser("status", parents=live, epilog=EPILOG,
+                            help="every participant's kind, phase, checkpoint, lease and notes",
+                            description="Probe every server and show each participant's kind, phase, checkpoint "
+                                        "id, lease, blockers, restarts and retired rollouts (--json: everything).")
+    status.add_argument("--watch", nargs="?", type=_positive, const=DEFAULT_WATCH, metavar="SECONDS",
+                        help=f"refresh every SECONDS (default {DEFAULT_WATCH:g}) until Ctrl-C")
+    # Stop a watch after N refreshes (hidden: for tests and scripts that want a bounded watch).
+    status.add_argument("--count", type=_count, help=argparse.SUPPRESS)
     _operation(sub, "prepare", "close admission stage by stage and wait for readiness", live)
     commit = _operation(sub, "commit", "write every participant's state into a checkpoint directory", live)
     commit.add_argument("--dir", required=True, help="the checkpoint directory (shared by every participant)")
@@ -88,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     _operation(sub, "resume", "reopen admission everywhere (reverse order), past failures", live)
     restore = _operation(sub, "restore", "restore a checkpoint everywhere, all or nothing", live)
     restore.add_argument("--dir", required=True, help="the checkpoint directory to restore from")
-    _scope_args(restore, "a checkpointed attempt to restore")
+    _scope_args(restore, "a checkpointed attempt to restore (the checkpoint must hold it)")
+    restore.add_argument("--all", action="store_true", help="scope: every episode the checkpoint holds")
     retire = _operation(sub, "retire", "retire episode attempts everywhere", live)
     _scope_args(retire, "an attempt to retire")
     forget = _operation(sub, "forget", "remove retired marks of rollouts everywhere", live)
@@ -109,15 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _offline_dir(args: argparse.Namespace) -> Path:
+    directory = Path(args.dir)
+    if not directory.exists():
+        raise CheckpointUnreadable(f"{args.dir} does not exist")
+    if not directory.is_dir():
+        raise CheckpointUnreadable(f"{args.dir} is not a directory")
+    return directory
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    checks = inspect_checkpoint(Path(args.dir), episodes=args.episodes)
+    checks = inspect_checkpoint(_offline_dir(args), episodes=args.episodes)
     if args.json:
         print_json({"dir": args.dir, "participants": [c.to_json() for c in checks]})
     else:
         rows = [[c.kind, c.instance, c.manifest.get("checkpoint_id"), c.manifest.get("record_count"),
                  c.records_bytes, (c.manifest.get("records_sha256") or "")[:12] or None,
                  "ok" if c.ok else f"BAD: {c.problem}"] for c in checks]
-        print(table(["KIND", "INSTANCE", "CHECKPOINT", "RECORDS", "BYTES", "SHA256", "STATE"], rows))
+        print(table(["KIND", "INSTANCE", "CHECKPOINT", "RECORDS", "BYTES", "SHA256", "STATE"], rows,
+                    wrap=("INSTANCE", "CHECKPOINT", "STATE")))
         for check in checks:
             if check.episodes is not None:
                 print(f"{check.name}: {' '.join(check.episodes) or '(no records)'}")
@@ -126,24 +185,30 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     warnings: list[str] = []
-    checks = verify_checkpoint(Path(args.dir), warnings)
+    checks = verify_checkpoint(_offline_dir(args), warnings)
     ok = bool(checks) and all(c.ok for c in checks)
+    error = None
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    if args.json:
-        print_json({"dir": args.dir, "ok": ok, "participants": [c.to_json() for c in checks], "warnings": warnings})
-    else:
-        for check in checks:
-            if check.ok:
-                manifest = check.manifest
-                print(f"ok    {check.name}  {manifest['checkpoint_id']}  {manifest['record_count']} records")
-            else:
-                print(f"FAIL  {check.name}: {check.problem}")
     if not checks:
-        print(f"error: {args.dir} holds no participant directories under gym/", file=sys.stderr)
+        error = f"{args.dir} holds no participant directories under gym/"
     elif not ok:
         bad = [c.name for c in checks if not c.ok]
-        print(f"error: {len(bad)} of {len(checks)} participant(s) do not verify: {', '.join(bad)}", file=sys.stderr)
+        error = f"{len(bad)} of {len(checks)} participant(s) do not verify: {', '.join(bad)}"
+    if args.json:
+        document = {"dir": args.dir, "ok": ok, "participants": [c.to_json() for c in checks], "warnings": warnings}
+        if error:
+            document["error"] = {"code": "does_not_verify", "detail": error}
+        print_json(document)
+        return 0 if ok else 1
+    for check in checks:
+        if check.ok:
+            manifest = check.manifest
+            print(f"ok    {check.name}  {manifest['checkpoint_id']}  {manifest['record_count']} records")
+        else:
+            print(f"FAIL  {check.name}: {check.problem}")
+    if error:
+        print(f"error: {error}", file=sys.stderr)
     return 0 if ok else 1
 
 
@@ -157,10 +222,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify(args)
         return asyncio.run(run_live(args))
     except UsageError as exc:
-        print(f"ng-checkpoint {args.command}: error: {exc}", file=sys.stderr)
+        print_error(args.command, str(exc), as_json=args.json, code="usage")
         return USAGE_ERROR
-    except FileNotFoundError as exc:
-        print(f"ng-checkpoint {args.command}: error: {exc}", file=sys.stderr)
+    except CheckpointUnreadable as exc:
+        print_error(args.command, str(exc), as_json=args.json, code="checkpoint_unreadable", dir=args.dir)
+        return 1
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        # find_participants: a directory without gym/ is not a checkpoint directory.
+        print_error(args.command, str(exc), as_json=args.json, code="not_a_checkpoint", dir=args.dir)
+        return 1
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        print_error(args.command, f"{exc.strerror or exc}{where}", as_json=args.json, code="io_error")
         return 1
     except KeyboardInterrupt:
+        print(f"ng-checkpoint {args.command}: interrupted", file=sys.stderr)
         return 130

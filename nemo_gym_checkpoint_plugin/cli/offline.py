@@ -159,6 +159,7 @@ def verify_checkpoint(checkpoint_dir: Path, warnings: list[str] | None = None) -
             if check.ok:
                 check.ok = False
                 check.problem = (
-                    f"holds checkpoint {check.manifest['checkpoint_id']!r}, but the directory mixes {sorted(ids)}"
+                    f"holds checkpoint {check.manifest['checkpoint_id']}, "
+                    f"but the directory mixes {', '.join(sorted(ids))}"
                 )
     return checks

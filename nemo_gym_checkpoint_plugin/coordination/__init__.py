@@ -133,7 +133,9 @@ async def discover(
             try:
                 resolved = await resolve_through_head_server(config, probe_timeout * tries)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                resolved, why = None, f"no host/port in the config, and its head server did not answer: {exc!r}"
+                # Words, not a repr: the CLI shows this detail as it is.
+                answer = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                resolved, why = None, f"no host/port in the config, and its head server did not answer ({answer})"
             if resolved is not None:
                 config = resolved
                 endpoints, unresolved = endpoints_from_config(config)

@@ -343,11 +343,11 @@ class Coordinator:
         replies, failures, _, _ = await self._run("restore", payload, deadline)
         sources = {name: reply.get("source_checkpoint_id") for name, reply in replies.items()}
         if not failures and len(set(sources.values())) > 1:
-            every = sorted(set(map(str, sources.values())))
+            every = ", ".join(sorted(set(map(str, sources.values()))))
             failures = [
                 ParticipantFailure(
                     p.name, p.url, "restore", INCONSISTENT_CHECKPOINT,
-                    f"restored checkpoint {sources[p.name]!r} while the deployment restored {every}",
+                    f"restored checkpoint {sources[p.name]} while the deployment restored {every}",
                 )
                 for p in self.participants if p.name in sources
             ]

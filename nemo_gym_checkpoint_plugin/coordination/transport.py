@@ -52,6 +52,12 @@ def encode_body(payload: Mapping[str, Any]) -> bytes:
     return orjson.dumps(payload)
 
 
+def _excerpt(raw: bytes) -> str:
+    """The start of a reply as text for a message (never a bytes repr)."""
+    text = raw[:120].decode("utf-8", "replace")
+    return text + ("..." if len(raw) > 120 else "") if text else "(empty body)"
+
+
 def _refusal(endpoint: Endpoint, operation: str, status: int, raw: bytes) -> ParticipantFailure:
     """A non-2xx reply: the protocol's ``{"error": {"code", "detail"}}`` if it is one."""
     code, detail = f"http_{status}", raw[:300].decode("utf-8", "replace") or "(empty body)"
@@ -135,7 +141,7 @@ class ControlTransport:
         try:
             reply = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise fail(BAD_REPLY, f"reply is not JSON: {raw[:120]!r}", status) from None
+            raise fail(BAD_REPLY, f"reply is not JSON: {_excerpt(raw)}", status) from None
         if not isinstance(reply, dict):
-            raise fail(BAD_REPLY, f"reply is not a JSON object: {raw[:120]!r}", status)
+            raise fail(BAD_REPLY, f"reply is not a JSON object: {_excerpt(raw)}", status)
         return reply
