@@ -223,4 +223,9 @@ def test_verify_warns_about_unreferenced_files_and_still_exits_0(tmp_path, capsy
     assert report["ok"] is True
     assert sorted(Path(w.split(":")[0]).name for w in report["warnings"]) == [
         ".records.0123.tmp", f"records-{'a' * 64}.jsonl"]
+    assert all("not referenced by any manifest" in w for w in report["warnings"])
+    # With --json everything is told once, in the document.
+    assert captured.err == ""
+    assert main(["verify", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
     assert captured.err.count("warning: ") == 2 and "not referenced by any manifest" in captured.err

@@ -188,8 +188,9 @@ def _verify(args: argparse.Namespace) -> int:
     checks = verify_checkpoint(_offline_dir(args), warnings)
     ok = bool(checks) and all(c.ok for c in checks)
     error = None
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    if not args.json:  # with --json they are told once, in the document
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     if not checks:
         error = f"{args.dir} holds no participant directories under gym/"
     elif not ok:
