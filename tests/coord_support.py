@@ -333,3 +333,10 @@ FOUR = [
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
     serve()
+
+
+def four_participants(tmp: Path) -> list[Server]:
+    """``FOUR`` holding r1, r2-a1 and r3, the agent reporting r3 as a restart (the CLI tests' deployment)."""
+    specs = [dict(spec, holds=["r1", "r2-a1", "r3"]) for spec in FOUR]
+    specs[2]["restarts"] = ["r3"]
+    return start_participants(tmp, specs)

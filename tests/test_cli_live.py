@@ -10,7 +10,7 @@ import sys
 import orjson
 import pytest
 import yaml
-from coord_support import FOUR, TOKEN, config_for, start_participants, stop_participants
+from coord_support import FOUR, TOKEN, config_for, four_participants, start_participants, stop_participants
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +20,7 @@ TOKEN_ENV = "COORD_CLI_TOKEN"
 
 @pytest.fixture
 def four(tmp_path):
-    specs = [dict(spec, holds=["r1", "r2-a1", "r3"]) for spec in FOUR]
-    specs[2]["restarts"] = ["r3"]
-    servers = start_participants(tmp_path, specs)
+    servers = four_participants(tmp_path)
     yield servers
     stop_participants(servers)
 

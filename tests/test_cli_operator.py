@@ -18,7 +18,7 @@ from pathlib import Path
 import orjson
 import pytest
 import yaml
-from coord_support import FOUR, TOKEN, config_for, start_participants, stop_participants
+from coord_support import FOUR, TOKEN, config_for, four_participants, start_participants, stop_participants
 
 from nemo_gym_checkpoint_plugin.cli import main
 
@@ -36,9 +36,7 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def four(tmp_path):
-    specs = [dict(spec, holds=["r1", "r2-a1", "r3"]) for spec in FOUR]
-    specs[2]["restarts"] = ["r3"]
-    servers = start_participants(tmp_path, specs)
+    servers = four_participants(tmp_path)
     yield servers
     stop_participants(servers)
 
