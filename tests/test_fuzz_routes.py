@@ -8,22 +8,30 @@ protocol error body. Bodies mix near-valid ones (which drive the phases: prepare
 restore, retire...) with arbitrary JSON, raw bytes, near-valid bodies encoded as UTF-16 or
 UTF-32 (always 422: the routes read UTF-8 JSON only), id lists over the limit (422) and
 bodies over the byte limit (413); the harness's ``BodyLimits`` are small so these stay cheap.
+A restore from tampered, special-file and duplicate checkpoints is fuzzed through the route too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from control_support import AUTH, TOKEN, close_harness, make_harness
+import orjson
+from control_support import AUTH, INSTANCE, KIND, TOKEN, close_harness, make_harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from storage_support import fd_count, record
+from test_storage_fuzz import replace_with
 
 from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
 from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits
+from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin.storage.layout import participant_dir
 
 LIMITS = BodyLimits(max_body_bytes=4096, max_ids=16)
 
@@ -191,3 +199,69 @@ def test_fuzz_reaches_the_phases(tmp_path: Path) -> None:
     ]
     asyncio.run(_scenario(tmp_path, sequence))
     assert (tmp_path / "ckpt" / "gym").is_dir()
+
+
+async def _restore_tampered(tmp: Path, mutations: list, duplicate: bool) -> None:
+    root = tmp / "tampered"
+    shutil.rmtree(root, ignore_errors=True)
+    records = [record(f"r{i}", step=i) for i in range(3)]
+    if duplicate:  # a valid digest over a file that holds one episode twice
+        records.append(record("r1", step=9))
+    CheckpointWriter(root, KIND, INSTANCE, "c1").write(records)
+    directory = participant_dir(root, KIND, INSTANCE)
+    for target, how, data, position in mutations:
+        path = directory / "manifest.json"
+        if target == "records":
+            if not path.is_file():
+                continue
+            try:
+                path = directory / orjson.loads(path.read_bytes())["records_file"]
+            except (ValueError, KeyError, TypeError):
+                continue
+        if os.path.lexists(path) and not path.is_file() and how in ("append", "duplicate_line", "flip", "truncate"):
+            continue
+        try:
+            replace_with(path, how, data, position)
+        except OSError:
+            continue
+    before = fd_count()
+    harness = await make_harness(tmp / "harness")
+    try:
+        body = {"checkpoint_id": "re-1", "deadline_ts": time.time() + 20, "checkpoint_dir": str(root),
+                "episode_ids": [{"rollout_id": f"r{i}", "attempt": 0} for i in range(3)]}
+        # Bounded: a FIFO or a directory in a file's place must be refused, never waited on.
+        response = await asyncio.wait_for(harness.client.post(f"{CONTROL_PREFIX}/restore", json=body, headers=AUTH),
+                                          30)
+        status = (await harness.client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)).json()
+    finally:
+        await close_harness(harness)
+    assert response.status_code in (200, 422), response.text
+    if response.status_code == 422:
+        assert response.json()["error"]["code"] == "invalid_checkpoint_state"
+        assert status["phase"] == "idle"
+    else:
+        assert not duplicate and status["phase"] == "restored"
+    if duplicate and not mutations:
+        assert "r1" in response.json()["error"]["detail"]
+    assert fd_count() == before
+
+
+TAMPERING = st.tuples(
+    st.sampled_from(["manifest", "records"]),
+    st.sampled_from(["append", "duplicate_line", "flip", "truncate", "remove", "fifo", "directory", "symlink_out",
+                     "symlink_fifo", "bytes"]),
+    st.binary(max_size=64) | st.sampled_from([b"\n", b"{}\n", b"null", b"7" * 300]),
+    st.integers(0, 10_000),
+)
+
+
+def test_restore_through_the_route_refuses_special_files_and_duplicates(tmp_path: Path) -> None:
+    """Special files, duplicates and tampering reach a participant only through ``restore``: always a 422
+    ``invalid_checkpoint_state`` (or a clean restore of an untouched checkpoint), never a hang, a 500 or a leak."""
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(mutations=st.lists(TAMPERING, max_size=2), duplicate=st.booleans())
+    def run(mutations: list, duplicate: bool) -> None:
+        asyncio.run(_restore_tampered(tmp_path, mutations, duplicate))
+
+    run()
