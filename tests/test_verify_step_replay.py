@@ -25,6 +25,7 @@ from test_contract_environment import _RESPONSE, FakeGymPeers
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
+from nemo_gym_checkpoint_plugin.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.wire import VERIFY_HEADER
 
 DECLARED = EpisodeId(rollout_id="declared", attempt=0)
@@ -81,7 +82,8 @@ async def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncI
         return built, peers
 
     async def run_to_verify(built: InProcessServer, peers: VerifyHoldingPeers, episode: EpisodeId) -> None:
-        runs.append(asyncio.ensure_future(built.post("/run", rollout_body(episode.rollout_id))))
+        body = rollout_body(episode.rollout_id, attempt=episode.attempt)
+        runs.append(asyncio.ensure_future(built.post("/run", body)))
         await wait_until(lambda: episode.capture_key in peers.in_verify, timeout=10.0, what="the verify step")
 
     yield build, run_to_verify, runs
@@ -122,3 +124,28 @@ async def test_wait_mode_blocks_on_every_verify(environment: Any) -> None:
     await run_to_verify(built, peers, DECLARED)
     await run_to_verify(built, peers, UNDECLARED)
     assert sorted(built.participant.ready(None).blockers) == sorted([DECLARED.capture_key, UNDECLARED.capture_key])
+
+
+async def test_a_restored_episode_keeps_its_verifier_declaration(environment: Any) -> None:
+    build, run_to_verify, _runs = environment
+    built, peers = build("replay")
+    await run_to_verify(built, peers, DECLARED)
+    await run_to_verify(built, peers, UNDECLARED)
+    book: EpisodeBook = built.participant
+    exported = book.export("c1", None).records
+    assert {r["boundary"] for r in exported} == {"replied"}
+
+    # A fresh server (a restarted process) continues both from their boundary: no seed runs again,
+    # so the declaration comes from the restored state alone.
+    restored, restored_peers = build("replay")
+    restored_peers.replayable_rollouts.clear()
+    records = []
+    for record in exported:
+        checkpointed = EpisodeId.model_validate(record["episode_id"])
+        replacement = EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
+        records.append(RestoredRecord(checkpointed=checkpointed, replacement=replacement, record=record))
+    restored.participant.install("c1", {}, records)
+    declared, undeclared = (EpisodeId(rollout_id=e.rollout_id, attempt=1) for e in (DECLARED, UNDECLARED))
+    await run_to_verify(restored, restored_peers, declared)
+    await run_to_verify(restored, restored_peers, undeclared)
+    assert list(restored.participant.ready(None).blockers) == [undeclared.capture_key]
