@@ -128,3 +128,21 @@ def test_gym_passes_the_key_through_its_config_but_the_server_config_drops_it() 
     assert parsed.resources_servers["x"].model_extra == {"checkpoint_mode": "stateless"}
     config = BaseResourcesServerConfig.model_validate({**block, "name": "x"})
     assert not hasattr(config, "checkpoint_mode")
+
+
+async def test_the_key_survives_gyms_config_parser(servers: GymServers) -> None:
+    # The whole global config, with the key in the resources block, parsed again as Gym parses a YAML.
+    from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from omegaconf import OmegaConf
+
+    _declare(servers, "stateless")
+    servers.config = GlobalConfigDictParser().parse(
+        GlobalConfigDictParserConfig(
+            initial_global_config_dict=OmegaConf.create(OmegaConf.to_container(servers.config)),
+            skip_load_from_cli=True,
+            skip_load_from_dotenv=True,
+            offline=True,
+        )
+    )
+    built = servers.build(ResourcesSessions)
+    assert (await _seed(built, "r1")).get(VERIFY_HEADER) == "replay"
