@@ -4,7 +4,9 @@
   logic of ``single_agent_turn.py`` (a mixin the wrapper adds to that server class), and by
   the ``legacy_agent`` relay of ``legacy_agent.py`` (every relayed episode is a restart);
 - agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
-- resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings;
+- resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings,
+  following the verifier's ``checkpoint_mode`` (``declarations.py``: its config key, or the
+  built-in table of the wheel's stateless verifiers);
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
 - model: none yet (a model server holds no episode state between calls here).

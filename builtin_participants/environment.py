@@ -22,7 +22,9 @@ Rules kept here:
 - **Step modes.** ``wait`` (default): a step in flight when admission closes blocks the
   checkpoint until it completes and the episode parks at its new boundary. ``replay``: it
   does not block; the episode is exported at its last boundary and the step runs again
-  after a crash (effects it had downstream, e.g. model calls, repeat).
+  after a crash (effects it had downstream, e.g. model calls, repeat). A step the run logic
+  marks not replayable (``step(..., replayable=False)``: a verify whose verifier did not
+  declare ``/verify`` replayable) blocks in ``replay`` mode too.
 - **Parking.** ``step`` and ``park`` wait while a checkpoint holds admission closed
   (``close_admission``/``open_admission``); a parked episode that wakes to a new closed
   checkpoint stays parked. While parked, the episode's deadline is paused (``deadline`` is
@@ -149,9 +151,13 @@ class EpisodeBook:
             self._notify()
 
     @asynccontextmanager
-    async def step(self, episode: Episode, name: str) -> AsyncIterator[None]:
-        """Run one step: park first while a checkpoint is open, then mark the step in flight."""
+    async def step(self, episode: Episode, name: str, *, replayable: bool = True) -> AsyncIterator[None]:
+        """Run one step: park first while a checkpoint is open, then mark the step in flight.
+
+        ``replayable=False``: the step must not run twice, so it blocks a checkpoint whatever the step mode.
+        """
         await self.park(episode)
+        episode.step_replayable = replayable
         episode.step = name
         try:
             yield
@@ -219,7 +225,9 @@ class EpisodeBook:
     def _blocks(self, episode: Episode) -> bool:
         if episode.retiring:
             return True
-        return episode.step is not None and self.step_mode is StepMode.WAIT and not episode.restart
+        if episode.step is None or episode.restart:
+            return False
+        return self.step_mode is StepMode.WAIT or not episode.step_replayable
 
     def _notify(self) -> None:
         self._generation += 1

@@ -40,6 +40,8 @@ class Episode:
     boundary: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
     step: str | None = None
+    # Whether the step in flight may run again after a crash (replay mode only blocks on one that may not).
+    step_replayable: bool = True
     restart: bool = False
     pending_restart: bool = False
     retiring: bool = False

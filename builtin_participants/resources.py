@@ -9,10 +9,18 @@ What a resources server must keep for a restored episode to reuse its session:
   participant exports the bindings of the episodes in scope (``{"episode_id",
   "resources_session_id", "task_id"}``) and installs them bound to the replacement
   attempt, which is the attempt whose cleanup closes the session.
-- A server whose ``seed_session`` is Gym's default keeps no per-episode state: nothing to
-  export, its episodes are capturable.
-- Any other server keeps state this participant does not know: every session it seeds
+- A server that declares its ``checkpoint_mode`` (``declarations.py``: its config key, or
+  the built-in table of the wheel's stateless verifiers) is taken at its word:
+  ``stateless`` -> capturable, and every seed declares ``/verify`` replayable
+  (``x-ng-checkpoint-verify: replay``); ``export_restore`` -> capturable, a plugin exports
+  the state (and declares replay itself if it may); ``restart_only`` -> every seed a restart.
+- Undeclared: a server whose ``seed_session`` is Gym's default keeps no per-episode state:
+  nothing to export, its episodes are capturable (``/verify`` not declared replayable).
+  Any other server keeps state this participant does not know: every session it seeds
   is declared a **restart** (``x-ng-checkpoint-restart`` on the seed reply).
+- This participant only declares what it knows: for a capturable episode of an undeclared
+  or ``export_restore`` server it answers no declaration, so a plugin's
+  ``SeedDeclaration(verify_replay=True)`` is not overruled.
 - A task may declare itself not capturable (e.g. external side effects that cannot be
   re-attached): ``task_data`` ``{"ng_checkpoint": "restart"}`` makes its session a restart.
 
@@ -32,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared_mode
 
 from nemo_gym_checkpoint_plugin.gate import json_as_gym_reads
 from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire
@@ -58,7 +67,13 @@ class ResourcesSessions:
         self.server = server
         table = getattr(server, "_session_episodes", None)
         self._table: dict[str, Any] | None = table if isinstance(table, dict) else None
-        self.capturable = self._table is not None or _stateless(server)
+        # Raises SettingsError (the server does not start) for a bad checkpoint_mode value.
+        self.mode = declared_mode(server)
+        if self.mode is None:
+            self.capturable = self._table is not None or _stateless(server)
+        else:
+            self.capturable = self.mode is not CheckpointMode.RESTART_ONLY
+        self.verify_replay = self.mode is CheckpointMode.STATELESS
         self.seed_calls = 0
         self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
         self._restarts: set[str] = set()
@@ -67,7 +82,7 @@ class ResourcesSessions:
     # -- seeds and closes (from the middleware) ---------------------------------------------------
 
     @hookimpl
-    def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration:
+    def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
         self.seed_calls += 1
         rollout = episode_id.rollout_id
         self.seeds_by_rollout[rollout] = self.seeds_by_rollout.pop(rollout, 0) + 1
@@ -78,7 +93,10 @@ class ResourcesSessions:
         restart = declared or not self.capturable
         if restart:
             self._restarts.add(episode_id.capture_key)
-        return SeedDeclaration(restart=restart)
+            return SeedDeclaration(restart=True)
+        if self.verify_replay:
+            return SeedDeclaration(verify_replay=True)
+        return None  # nothing known to declare: another plugin's declaration stands
 
     def session_closed(self, episode_id: EpisodeId) -> None:
         self._restarts.discard(episode_id.capture_key)
@@ -165,6 +183,7 @@ class ResourcesSessions:
     def status_fields(self) -> dict[str, Any]:
         return {
             "capturable": self.capturable,
+            "checkpoint_mode": self.mode.value if self.mode is not None else None,
             "seed_session_calls": self.seed_calls,
             "seed_sessions_by_rollout": dict(self.seeds_by_rollout),
         }

@@ -20,6 +20,11 @@ A restored attempt (N+1) starts at its boundary and reuses its sessions: no seed
 again. The resources session is still closed by the episode's cleanup, and the agent
 session too while it is open (boundary ``seeded``).
 
+The verify step is replayed (``checkpoint.step_mode: replay``) only when the resources
+seed replied ``x-ng-checkpoint-verify: replay`` (its verifier declared ``/verify``
+replayable); otherwise it runs as in ``wait`` mode: a checkpoint waits for it. The
+declaration is kept in the episode state (``verify_replay``) so a restored episode keeps it.
+
 An episode is a **restart** when the resources seed replies ``x-ng-checkpoint-restart``,
 or when the agent's session reply does not carry ``x-ng-checkpoint-agent-session:
 capture`` (the built-in agent participant sends it; an agent without it cannot restore
@@ -61,11 +66,13 @@ __all__ = [
     "AGENT_CAPTURE_HEADER",
     "BOUNDARIES",
     "RESTART_HEADER",
+    "VERIFY_HEADER",
     "SingleAgentTurnSteps",
     "validate_state",
 ]
 
 RESTART_HEADER = wire.RESTART_HEADER
+VERIFY_HEADER = wire.VERIFY_HEADER
 AGENT_CAPTURE_HEADER = wire.AGENT_SESSION_HEADER
 BOUNDARIES = ("seeded", "replied", "verified")
 _REQUIRED_STATE = {
@@ -111,6 +118,8 @@ class _Sessions:
     resources_cookies: dict[str, str] = field(default_factory=dict)
     agent_cookies: dict[str, str] = field(default_factory=dict)
     agent_close: AgentCloseSessionResponse | None = None
+    # The resources seed declared /verify replayable (x-ng-checkpoint-verify: replay).
+    verify_replay: bool = False
 
 
 class SingleAgentTurnSteps:
@@ -174,6 +183,7 @@ class SingleAgentTurnSteps:
             agent_session_id=state.get("agent_session_id") or f"agent-session-{uuid4().hex}",
             resources_cookies=dict(state.get("resources_cookies") or {}),
             agent_cookies=dict(state.get("agent_cookies") or {}),
+            verify_replay=state.get("verify_replay") is True,
         )
         # Registered before any seed so a lost seed reply cannot hide a caller-assigned session id.
         close_resources = self._ng_closer(request, sessions, "resources")
@@ -201,7 +211,8 @@ class SingleAgentTurnSteps:
             book.reach(episode, "replied", state)
 
         if boundary != "verified":
-            async with book.step(episode, "verify"):
+            # A verifier not declared replayable must not run twice: its step blocks as in wait mode.
+            async with book.step(episode, "verify", replayable=sessions.verify_replay):
                 verification = await self._ng_verify(request, sessions, state["agent_response"])
             state = {**state, "verification": verification}
             book.reach(episode, "verified", state)
@@ -218,6 +229,7 @@ class SingleAgentTurnSteps:
             "resources_cookies": dict(sessions.resources_cookies),
             "agent_session_id": sessions.agent_session_id,
             "agent_cookies": dict(sessions.agent_cookies),
+            "verify_replay": sessions.verify_replay,
         }
 
     def _ng_closer(self, request: Any, sessions: _Sessions, which: str) -> Any:
@@ -286,6 +298,7 @@ class SingleAgentTurnSteps:
                 raise ValueError("Resources seed returned a different resources_session_id")
         except Exception as error:
             raise self._ng_fail("seed", error) from error
+        sessions.verify_replay = reply.headers.get(VERIFY_HEADER) == "replay"
         if reply.headers.get(RESTART_HEADER):
             book.declare_restart(episode)
         if "mcp" in config.resources_tool_transports:

@@ -186,8 +186,11 @@ def seed_session(episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDecla
     with its request body; not phase-bound. Return ``SeedDeclaration(restart=...,
     verify_replay=...)`` or ``None``: ``restart`` from any plugin makes the episode a
     restart (reply header ``x-ng-checkpoint-restart``); ``verify_replay`` is sent as
-    ``x-ng-checkpoint-verify: replay`` only when every declaring plugin allows it.
-    Raising fails the seed request.
+    ``x-ng-checkpoint-verify: replay`` only when every declaring plugin allows it
+    (``None`` declares nothing; the built-in resources participant answers ``None`` for a
+    capturable episode of a server not declared ``stateless``, and never replay for a
+    restart). Declare replay only if running ``/verify`` twice on a request gives the same
+    verdict and changes nothing. Raising fails the seed request.
     """
 
 
