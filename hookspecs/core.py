@@ -25,7 +25,9 @@ def storage_backend(name: str) -> StorageBackend | None:
     ``None`` when ``name`` is not yours. The backend implements ``api.StorageBackend``
     (``open_writer``, ``read``, ``read_manifest``) with the semantics of docs/protocol.md's
     on-disk format. Raising aborts startup. ``firstresult``: the first non-``None`` answer is
-    used; the built-in ``local`` backend answers last.
+    used; the built-in ``local`` backend answers last. When no plugin answers, the server
+    refuses to start (exit status 2) listing the names plugins declare in a
+    ``storage_backend_names`` attribute: declare yours there.
     """
 
 

@@ -24,7 +24,9 @@ installs nothing at all. When enabled it:
 The plugin's server client (``client.py``) is swapped in by ``install_client`` *before*
 the server's ``setup_webserver()``, since a server may hand its client to what it builds.
 Settings come from the global config the server was built with; a bad block raises
-``SettingsError`` naming the key, before anything is installed. So does a server config
+``SettingsError`` naming the key, before anything is installed; so does a
+``checkpoint.storage.backend`` no plugin provides (``UnknownStorageBackend``, naming the
+server and the backends available). So does a server config
 checkpointing cannot serve yet (``refuse_unsupported``): ``expose_tools_over_mcp: true``
 with the block enabled.
 """
@@ -83,8 +85,19 @@ def server_kind(server_class: type) -> str:
 
 
 def server_settings(server: Any) -> tuple[CheckpointSettings, str | None]:
-    """The validated ``checkpoint:`` block of the config ``server`` was built with, and its token (None: off)."""
-    return load_settings(server.server_client.global_config_dict)
+    """The validated ``checkpoint:`` block of the config ``server`` was built with, and its token (None: off).
+
+    ``SettingsError`` names the server (its config name).
+    """
+    try:
+        return load_settings(server.server_client.global_config_dict)
+    except SettingsError as exc:
+        raise exc.for_server(_server_name(server)) from None
+
+
+def _server_name(server: Any) -> str | None:
+    name = getattr(getattr(server, "config", None), "name", None)
+    return str(name) if name else None
 
 
 def refuse_unsupported(server_config: Any, settings: CheckpointSettings) -> None:
@@ -100,9 +113,10 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings) -> None
         return
     name = getattr(server_config, "name", None)
     raise SettingsError(
-        f"server {name!r}: expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
+        "expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
         "yet (Gym's MCP dispatch calls tool handlers directly, past the checkpoint admission gate); set "
-        "expose_tools_over_mcp: false on this server or checkpoint.enabled: false"
+        "expose_tools_over_mcp: false on this server or checkpoint.enabled: false",
+        server=str(name) if name else None,
     )
 
 
@@ -222,7 +236,10 @@ def attach_checkpointing(
         return None
     refuse_unsupported(server.config, settings)
     if token is None:
-        token = settings.resolve_token()
+        try:
+            token = settings.resolve_token()
+        except SettingsError as exc:
+            raise exc.for_server(_server_name(server)) from None
     if getattr(app.state, ATTACHMENT_STATE, None) is not None:
         raise RuntimeError("checkpointing is already attached to this app")
 
@@ -243,7 +260,10 @@ def attach_checkpointing(
     dropped = attach_plugins(pm, server=server, app=app, kind=kind, instance=instance, settings=settings)
     if dropped:
         logger.info("checkpoint plugins %s do not apply to %s (%s); unregistered", dropped, instance, kind)
-    control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
+    try:
+        control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
+    except SettingsError as exc:  # an unknown checkpoint.storage.backend
+        raise exc.for_server(instance) from None
     for plugin in builtins:
         if hasattr(plugin, "bind_marks"):
             # Where an episode begins, the marks are checked too (a request past the gate stays refused).

@@ -13,8 +13,9 @@ as without the mixin: same routes, same middleware, same client (nothing is inst
 Always, whatever the block says:
 
 - Ray stays off (``ray_enabled = False``) unless the class itself declares otherwise;
-- the block is validated before the server builds anything: a bad block makes
-  ``run_webserver`` exit with status 2 and a message naming the key; so does a server
+- the block is validated before the server builds anything: a bad block (or, enabled,
+  a storage backend no plugin provides) makes ``run_webserver`` exit with status 2 and
+  a message naming the server and the key; so does a server
   config checkpointing does not support yet (``expose_tools_over_mcp: true`` with the
   block enabled: the message names both keys);
 - Gym's session cookie name and secret are those of the class the mixin was added to
@@ -30,6 +31,7 @@ calls are attributed the same way.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -41,22 +43,37 @@ from nemo_gym_checkpoint_plugin.attach import (
 )
 from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
 
-__all__ = ["CheckpointMixin", "exit_on_bad_settings"]
+__all__ = ["CheckpointMixin", "check_storage_backend", "exit_on_bad_settings"]
+
+# Where Gym tells a server process its config name (what nemo_gym.server_utils reads too).
+_GYM_SERVER_NAME_ENV = "NEMO_GYM_CONFIG_PATH"
 
 
 def exit_on_bad_settings(global_config: Any = None, server_config: Any = None) -> None:
-    """Validate the ``checkpoint:`` block (and its token) now; on failure print why and exit with status 2.
+    """Validate the ``checkpoint:`` block (its token, its storage backend) now; on failure print why and exit 2.
 
     With ``server_config`` (the server's own validated config) a combination checkpointing
-    does not support yet (``refuse_unsupported``) exits the same way.
+    does not support yet (``refuse_unsupported``) exits the same way. The message names the
+    server: its config name (``server_config.name``, else Gym's ``NEMO_GYM_CONFIG_PATH``).
     """
     try:
         settings, _ = load_settings(global_config)
         if server_config is not None:
             refuse_unsupported(server_config, settings)
+        if settings.enabled:
+            check_storage_backend(settings)
     except SettingsError as exc:
-        print(f"nemo-gym-checkpoint: refusing to start: {exc}", file=sys.stderr, flush=True)
+        server = getattr(server_config, "name", None) or os.environ.get(_GYM_SERVER_NAME_ENV)
+        print(f"nemo-gym-checkpoint: refusing to start: {exc.for_server(server)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def check_storage_backend(settings: Any) -> None:
+    """``UnknownStorageBackend`` (a ``SettingsError``) when no plugin answers ``checkpoint.storage.backend``."""
+    from nemo_gym_checkpoint_plugin.plugins import get_storage_backend, make_plugin_manager
+
+    # The manager the server builds later is the same one (built-ins + the entry-point group).
+    get_storage_backend(make_plugin_manager(), settings.storage.backend)
 
 
 class CheckpointMixin:

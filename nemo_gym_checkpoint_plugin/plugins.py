@@ -5,6 +5,7 @@ The manager lives on the app (the control plane), never in a module global.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import inspect
 import logging
@@ -14,11 +15,13 @@ from typing import Any
 import pluggy
 
 from .markers import PROJECT
+from .settings import SettingsError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "CheckpointPluginManager",
     "PluginLoadError",
+    "UnknownStorageBackend",
     "attach_plugins",
     "builtin_plugins",
     "get_storage_backend",
@@ -37,6 +40,10 @@ class PluginLoadError(RuntimeError):
         super().__init__(f"checkpoint plugin {name!r} failed to load: {type(cause).__name__}: {cause}")
         self.cause = cause
         self.plugin_name = name
+
+
+class UnknownStorageBackend(SettingsError, LookupError):
+    """No plugin answers ``storage_backend`` for the configured name: a configuration error (exit status 2)."""
 
 
 class CheckpointPluginManager(pluggy.PluginManager):
@@ -156,8 +163,37 @@ def get_storage_backend(pm: pluggy.PluginManager, name: Any) -> Any:
         name = settings.backend
     backend = pm.hook.storage_backend(name=name)
     if backend is None:
-        raise LookupError(f"no storage backend named {name!r} (checkpoint.storage.backend); is its plugin installed?")
+        raise UnknownStorageBackend(_unknown_backend_message(pm, name))
     configured = getattr(backend, "configured", None)
     if settings is not None and callable(configured):
         backend = configured(settings)
     return backend
+
+
+def storage_backend_names(pm: pluggy.PluginManager) -> tuple[list[str], list[str]]:
+    """``(backend names declared, plugins answering storage_backend without declaring theirs)``.
+
+    A plugin declares the names it answers as a ``storage_backend_names`` attribute (the built-in
+    ``LocalStoragePlugin`` does); only then can an unknown name's message list them.
+    """
+    names: list[str] = []
+    undeclared: list[str] = []
+    for impl in pm.hook.storage_backend.get_hookimpls():
+        declared = getattr(impl.plugin, "storage_backend_names", None)
+        if declared is None:
+            undeclared.append(impl.plugin_name)
+            continue
+        names.extend(str(n) for n in declared if str(n) not in names)
+    return sorted(names), undeclared
+
+
+def _unknown_backend_message(pm: pluggy.PluginManager, name: Any) -> str:
+    names, undeclared = storage_backend_names(pm)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    message = f"checkpoint.storage.backend: no storage backend named {name!r}"
+    if close:
+        message += f" (did you mean {close[0]!r}?)"
+    message += f"; the backends available: {', '.join(repr(n) for n in names) or 'none'}"
+    if undeclared:
+        message += f" (plus those of plugins that do not list theirs: {', '.join(undeclared)})"
+    return message + "; is the backend's plugin installed?"

@@ -192,6 +192,35 @@ def test_enabled_without_the_token_variable_raises_naming_the_key(
         server.setup_webserver()
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "key"),
+    [
+        ({**ENABLED, "enabeld": True}, "checkpoint.enabeld"),
+        ({**ENABLED, "storage": {"backend": "s3"}}, "checkpoint.storage.backend"),
+        ({"enabled": True, "control_auth_token_env": "UNSET_VARIABLE_XYZ"}, "checkpoint.control_auth_token_env"),
+    ],
+)
+def test_a_refusal_at_setup_names_the_server(tmp_path: Path, checkpoint: dict, key: str) -> None:
+    config = _config(tmp_path, checkpoint)
+    server = _build(derive_checkpointable(_server_class(config, RESOURCES)), config, RESOURCES)
+    with pytest.raises(SettingsError) as refused:
+        server.setup_webserver()
+    assert str(refused.value).startswith(f"server {RESOURCES!r}: ") and key in str(refused.value)
+    assert str(refused.value).count(RESOURCES) == 1
+
+
+def test_an_unknown_backend_installs_nothing(tmp_path: Path) -> None:
+    from fastapi import FastAPI
+
+    config = _config(tmp_path, {**ENABLED, "storage": {"backend": "s3"}})
+    server = _build(derive_checkpointable(_server_class(config, RESOURCES)), config, RESOURCES)
+    app = FastAPI()
+    with pytest.raises(SettingsError, match="the backends available: 'local'"):
+        attach_checkpointing(server, app)
+    assert getattr(app.state, ATTACHMENT_STATE, None) is None
+    assert not any(path.startswith("/ng-control") for path in _paths(app)) and _middleware(app) == []
+
+
 async def test_attaching_twice_is_refused(tmp_path: Path) -> None:
     config = _config(tmp_path, ENABLED)
     server = _build(derive_checkpointable(_server_class(config, RESOURCES)), config, RESOURCES)

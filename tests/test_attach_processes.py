@@ -168,6 +168,16 @@ def _start_wrapped_resources(tmp_path: Path, checkpoint: dict, env: dict[str, st
         ),
         ({"enabled": True, "lease_grace_seconds": 0, "control_auth_token": "t"}, {}, "checkpoint.lease_grace_seconds"),
         (DEFAULT_CHECKPOINT_BLOCK, {}, "checkpoint.control_auth_token_env"),
+        (
+            {**DEFAULT_CHECKPOINT_BLOCK, "enabeld": True},
+            {TOKEN_ENV: "t"},
+            "checkpoint.enabeld: unknown key (did you mean 'enabled'?)",
+        ),
+        (
+            {**DEFAULT_CHECKPOINT_BLOCK, "storage": {"backend": "s3"}},
+            {TOKEN_ENV: "t"},
+            "checkpoint.storage.backend: no storage backend named 's3'; the backends available: 'local'",
+        ),
     ],
 )
 def test_a_bad_block_makes_the_wrapped_server_refuse_to_start(
@@ -176,4 +186,14 @@ def test_a_bad_block_makes_the_wrapped_server_refuse_to_start(
     done = _start_wrapped_resources(tmp_path, checkpoint, env)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "refusing to start" in done.stderr and key in done.stderr, done.stderr[-2000:]
+    # The message names the server, and it is the only thing said: no traceback.
+    assert f"server {RESOURCES!r}: " in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "Uvicorn running" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("pasted", ["sk-live-9f8e7d6c5b4a3210", "TokenThatLooksLikeAName42"])
+def test_a_token_pasted_as_the_variable_name_is_never_echoed(tmp_path: Path, pasted: str) -> None:
+    done = _start_wrapped_resources(tmp_path, {"enabled": True, "control_auth_token_env": pasted}, {})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "checkpoint.control_auth_token_env" in done.stderr, done.stderr[-2000:]
+    assert pasted not in done.stdout + done.stderr

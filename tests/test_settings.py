@@ -34,8 +34,8 @@ def test_reads_gym_omegaconf_dict() -> None:
     ("block", "environ", "names"),
     [
         ({"enabled": True}, {}, "checkpoint.control_auth_token_env"),
-        ({"enabled": True, "control_auth_token_env": "T"}, {}, "'T'"),
-        ({"enabled": True, "control_auth_token_env": "T"}, {"T": ""}, "'T'"),
+        ({"enabled": True, "control_auth_token_env": "T"}, {}, "checkpoint.control_auth_token_env .*unset"),
+        ({"enabled": True, "control_auth_token_env": "T"}, {"T": ""}, "checkpoint.control_auth_token_env .*unset"),
     ],
 )
 def test_enabled_without_token_fails_naming_the_key(block: dict, environ: dict, names: str) -> None:
@@ -84,3 +84,55 @@ def test_block_must_be_a_mapping() -> None:
 def test_settings_are_frozen() -> None:
     with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is an implementation detail
         CheckpointSettings().enabled = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("block", "key", "suggestion"),
+    [
+        ({"enabeld": True}, "checkpoint.enabeld", "'enabled'"),
+        ({"lease_grace_second": 3}, "checkpoint.lease_grace_second", "'lease_grace_seconds'"),
+        ({"control_auth_token_envv": "T"}, "checkpoint.control_auth_token_envv", "'control_auth_token_env'"),
+        ({"storage": {"backnd": "local"}}, "checkpoint.storage.backnd", "'backend'"),
+        ({"storage": {"max_record_byte": 5}}, "checkpoint.storage.max_record_byte", "'max_record_bytes'"),
+    ],
+)
+def test_a_misspelt_key_gets_a_did_you_mean(block: dict, key: str, suggestion: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        load_settings({"checkpoint": block}, environ={})
+    assert f"{key}: unknown key (did you mean {suggestion}?)" in str(refused.value)
+
+
+def test_a_key_like_no_other_lists_the_known_keys() -> None:
+    with pytest.raises(SettingsError, match=r"checkpoint\.zzz: unknown key \(known keys: enabled, "):
+        load_settings({"checkpoint": {"zzz": 1}}, environ={})
+
+
+def test_for_server_names_the_server_once() -> None:
+    error = SettingsError("checkpoint.x: bad")
+    named = error.for_server("my_env")
+    assert str(named) == "server 'my_env': checkpoint.x: bad" and named.server == "my_env"
+    assert named.for_server("other") is named and error.for_server(None) is error
+
+
+# Tokens pasted where the variable's name belongs: not a name at all, or name-like but unset.
+PASTED = ["sk-live-9f8e7d6c5b4a3210", "3f9a1c0e8b7d6a5f4e3d2c1b0a998877", "TokenThatLooksLikeAName42"]
+
+
+@pytest.mark.parametrize("pasted", PASTED)
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_token_pasted_into_the_env_key_is_never_echoed(
+    pasted: str, enabled: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    block = {"enabled": enabled, "control_auth_token_env": pasted}
+    with caplog.at_level(logging.DEBUG):
+        try:
+            settings, _ = load_settings({"checkpoint": block}, environ={})
+        except SettingsError as exc:
+            message = str(exc)
+            assert "checkpoint.control_auth_token_env" in message
+        else:
+            # Only a name-like value of a disabled block passes; even then its repr does not show it.
+            assert not enabled and pasted.isidentifier()
+            message = repr(settings) + str(settings)
+    assert pasted not in message
+    assert pasted not in caplog.text

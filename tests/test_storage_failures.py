@@ -44,15 +44,15 @@ def test_every_os_failure_while_storing_is_write_failed(tmp_path: Path, monkeypa
 
 
 def test_a_full_disk_while_writing_records_is_write_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_open = open
+    real_create = writer_module.create_private
 
-    def open_full(path, mode="r", *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def create_full(path, buffering=-1):  # noqa: ANN001, ANN202
         if Path(path).name.startswith(".records."):
-            real_open(path, mode).close()  # the temporary name exists, as it would
-            return real_open("/dev/full", "wb", *args, **kwargs)
-        return real_open(path, mode, *args, **kwargs)
+            real_create(path).close()  # the temporary name exists, as it would
+            return open("/dev/full", "wb", buffering=buffering)
+        return real_create(path, buffering)
 
-    monkeypatch.setattr(writer_module, "open", open_full, raising=False)
+    monkeypatch.setattr(writer_module, "create_private", create_full)
     with pytest.raises(WriteFailed, match="no space left on device"):
         write(tmp_path, [record(f"r{i}", blob="x" * 100_000) for i in range(200)])
     assert [p.name for p in tmp_path.joinpath(*PDIR).iterdir()] == []

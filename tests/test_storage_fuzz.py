@@ -54,7 +54,8 @@ def replace_with(path: Path, how: str, data: bytes, position: int) -> None:
         return
     if how == "duplicate_line":
         lines = path.read_bytes().splitlines(keepends=True)
-        path.write_bytes(b"".join([*lines, lines[position % len(lines)]]))
+        if lines:  # an earlier mutation may have truncated it to nothing: no line to repeat
+            path.write_bytes(b"".join([*lines, lines[position % len(lines)]]))
         return
     if how == "flip":
         body = bytearray(path.read_bytes())

@@ -8,7 +8,8 @@ import pytest
 from storage_support import record
 
 from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import get_storage_backend, make_plugin_manager
+from nemo_gym_checkpoint_plugin.plugins import UnknownStorageBackend, get_storage_backend, make_plugin_manager
+from nemo_gym_checkpoint_plugin.settings import SettingsError
 from nemo_gym_checkpoint_plugin.storage import LocalStorage
 
 
@@ -23,6 +24,32 @@ def test_default_backend_is_local_and_round_trips(tmp_path: Path) -> None:
 def test_unknown_backend_names_the_setting() -> None:
     with pytest.raises(LookupError, match="checkpoint.storage.backend"):
         get_storage_backend(make_plugin_manager(load_entry_points=False), "s3")
+
+
+class DeclaredBackend:
+    storage_backend_names = ("s3-archive",)
+
+    @hookimpl
+    def storage_backend(self, name: str) -> LocalStorage | None:
+        return None
+
+
+class UndeclaredBackend:
+    @hookimpl
+    def storage_backend(self, name: str) -> LocalStorage | None:
+        return None
+
+
+def test_unknown_backend_is_a_settings_error_listing_the_backends_available() -> None:
+    pm = make_plugin_manager([DeclaredBackend()], load_entry_points=False,
+                             named_plugins={"mystery": UndeclaredBackend()})
+    with pytest.raises(UnknownStorageBackend) as refused:
+        get_storage_backend(pm, "locl")
+    message = str(refused.value)
+    assert isinstance(refused.value, SettingsError)
+    assert message.startswith("checkpoint.storage.backend: no storage backend named 'locl' (did you mean 'local'?)")
+    assert "the backends available: 'local', 's3-archive'" in message
+    assert "plugins that do not list theirs: mystery" in message
 
 
 class CountingLocal(LocalStorage):

@@ -5,6 +5,10 @@ where a records file should be). Every file the storage reads is opened with
 ``O_NONBLOCK | O_NOFOLLOW`` (opening a FIFO then never waits for a writer), checked with
 ``fstat`` to be a regular file before a byte is read, and closed on every path.
 
+Records hold session data, so every file the storage creates (records files, manifests,
+``participants.json``) is readable and writable by its owner only (``0600``), and every
+directory it creates is ``0700``; directories that already exist are left as they are.
+
 Every ``OSError`` while storing becomes ``WriteFailed`` naming the cause in words and the
 path, so a caller can tell a filesystem that refused the write (the export is kept and
 a retry may succeed elsewhere) from an export that cannot be stored at all.
@@ -22,9 +26,13 @@ from pathlib import Path
 from ..errors import InvalidCheckpointState, WriteFailed
 
 __all__ = [
+    "DIRECTORY_MODE",
+    "FILE_MODE",
     "DirectoryLock",
     "LEFTOVER",
     "cause_in_words",
+    "create_private",
+    "make_private_dirs",
     "open_regular",
     "read_regular",
     "write_failed",
@@ -34,6 +42,41 @@ __all__ = [
 LEFTOVER = re.compile(r"^(\.records\.[0-9a-f]+\.tmp|\.manifest\.[0-9a-f]+\.tmp|records(-[0-9a-f]{64})?\.jsonl)$")
 
 _READ_CHUNK = 1 << 16
+
+# Owner only: records and manifests hold session data (prompts, tool state) of every episode.
+FILE_MODE = 0o600
+DIRECTORY_MODE = 0o700
+
+
+def create_private(path: Path | str, buffering: int = -1):  # noqa: ANN201 - a binary file object
+    """Create ``path`` (never an existing file, never through a symlink) mode ``0600``, open for binary writing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        # The umask can only take bits away; fchmod makes the mode exactly 0600 whatever it is.
+        os.fchmod(fd, FILE_MODE)
+        return os.fdopen(fd, "wb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def make_private_dirs(path: Path) -> None:
+    """``mkdir -p path``, each directory it creates mode ``0700`` (``Path.mkdir`` gives parents the default)."""
+    missing: list[Path] = []
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=DIRECTORY_MODE)
+        except FileExistsError:
+            continue  # another writer made it first: its mode is that writer's (also 0700)
+        os.chmod(directory, DIRECTORY_MODE)
+    if missing:
+        return
+    if not path.is_dir():
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
 
 _CAUSES = {
     errno.ENOSPC: "no space left on device",

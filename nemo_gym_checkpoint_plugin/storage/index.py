@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from ..errors import InvalidCheckpointState
-from .files import read_regular, write_failed
+from .files import create_private, make_private_dirs, read_regular, write_failed
 from .layout import INDEX_NAME, MAX_MANIFEST_BYTES, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir
 from .reader import load_manifest
 
@@ -130,7 +130,7 @@ def check_participants_index(checkpoint_dir: str | Path) -> dict[str, Any] | Non
 def write_participants_index(
     checkpoint_dir: str | Path, checkpoint_id: str, participants: Iterable[Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """Create ``gym/participants.json`` (never replacing one); returns the index.
+    """Create ``gym/participants.json`` (mode 0600, never replacing one); returns the index.
 
     ``participants`` are ``{"kind", "instance", "records_sha256"}`` mappings (each participant's
     committed manifest has them). Writing the same index again (a retried commit) returns it; an
@@ -143,8 +143,8 @@ def write_participants_index(
              "participants": _entries(participants, path)}
     tmp = path.parent / f".participants.{uuid.uuid4().hex}.tmp"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as out:
+        make_private_dirs(path.parent)
+        with create_private(tmp) as out:
             out.write(orjson.dumps(index) + b"\n")
             out.flush()
             os.fsync(out.fileno())

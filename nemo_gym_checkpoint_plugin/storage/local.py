@@ -59,6 +59,9 @@ class LocalStorage:
 class LocalStoragePlugin:
     """Core plugin answering ``storage_backend("local")``."""
 
+    # Listed when a configured backend name is unknown (plugins.storage_backend_names).
+    storage_backend_names = (LocalStorage.name,)
+
     def __init__(self) -> None:
         self._backend = LocalStorage()
 

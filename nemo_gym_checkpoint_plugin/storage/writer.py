@@ -2,8 +2,9 @@
 
 Order of work, each step durable before the next:
 
-1. the participant directory is created and locked (shared with other writers); a writer
-   alone in it first removes what a dead writer left there (temporary files, and records
+1. the participant directory is created (``0700``, as are the parents this writer creates;
+   every file it creates is ``0600``: records hold session data) and locked (shared with
+   other writers); a writer alone in it first removes what a dead writer left there (temporary files, and records
    files while no manifest is published);
 2. records are encoded, hashed and appended one at a time to a temporary file
    in the participant directory (never the whole file in memory, never a record
@@ -38,7 +39,7 @@ from typing import Any
 
 from ..errors import InvalidCheckpointState, InvalidPhase, WriteFailed
 from .codec import NotJSON, encode_line, encode_record
-from .files import DirectoryLock, remove_leftovers, write_failed
+from .files import DirectoryLock, create_private, make_private_dirs, remove_leftovers, write_failed
 from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_NAME,
@@ -165,7 +166,7 @@ class CheckpointWriter:
             top = probe.parent
             probe = probe.parent
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.directory)
         except FileExistsError as exc:
             raise WriteFailed(
                 f"{self.directory} cannot hold checkpoint state: not a directory", path=str(exc.filename)
@@ -205,7 +206,7 @@ class CheckpointWriter:
     def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
         count = 0
         limit = self.max_record_bytes
-        with open(tmp, "xb", buffering=_BUFFER) as out:
+        with create_private(tmp, buffering=_BUFFER) as out:
             # This thread encodes; the sink hashes, writes and syncs in its own thread.
             sink = HashingWriter(out)
             try:
@@ -250,7 +251,7 @@ class CheckpointWriter:
 
     def _manifest_tmp(self, manifest: dict) -> Path:
         tmp = self.directory / f".manifest.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "xb") as out:
+        with create_private(tmp) as out:
             out.write(encode_line(manifest))
             out.flush()
             os.fsync(out.fileno())
