@@ -59,6 +59,35 @@ def test_setup_second_run_only_checks_its_stamp() -> None:
     assert "installing" not in result.stdout
 
 
+
+def test_first_install_says_each_step_and_lets_pip_show_its_progress(tmp_path: Path) -> None:
+    # A copy of the repository's set-up inputs, with a stand-in for .venv's python: pip is recorded, not run.
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_bytes((ROOT / "scripts" / "setup.sh").read_bytes())
+    (tmp_path / "scripts" / "setup.sh").chmod(0o755)
+    (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1 $2" = "-m pip" ]; then echo "pip args: $*"; echo "Collecting nemo-gym==0.7.0"; exit 0; fi\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(0o755)
+    env = {**os.environ, "NG_PYTHON": sys.executable}
+
+    first = subprocess.run([str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                           check=True, timeout=60)
+
+    steps = [line for line in first.stdout.splitlines() if line.startswith("setup: [")]
+    assert [step.split("]")[0] for step in steps] == ["setup: [1/3", "setup: [2/3", "setup: [3/3"]
+    (pip_args,) = [line for line in first.stdout.splitlines() if line.startswith("pip args: ")]
+    assert "--quiet" not in pip_args.split() and "-q" not in pip_args.split()
+    assert "Collecting nemo-gym==0.7.0" in first.stdout  # pip's own lines reach the user
+    second = subprocess.run([str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                            check=True, timeout=60)
+    assert second.stdout == "setup: .venv is up to date\n"
+
 @pytest.mark.slow
 def test_demo_checkpoints_crashes_restores_and_finishes(tmp_path: Path) -> None:
     result = subprocess.run(
