@@ -10,11 +10,14 @@ setup:
 test: setup
 	$(PY) -m pytest
 
+# PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 demo: setup
-	$(PY) -m nemo_gym_checkpoint_plugin.testing.demo
+	exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
 
+# exec: make's shell would otherwise stand between make and serve, and a SIGTERM to `make serve`
+# (which make forwards to its recipe) would kill only that shell and leave every server running.
 serve: setup
-	PORT_BASE=$(PORT_BASE) $(PY) -m nemo_gym_checkpoint_plugin.testing.serve
+	PORT_BASE=$(PORT_BASE) exec $(PY) -m nemo_gym_checkpoint_plugin.testing.serve
 
 bench: setup
 	$(PY) benchmarks/storage.py

@@ -176,6 +176,7 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
         names = (BACKEND, MODEL, AGENT, RESOURCES, ENVIRONMENT)
         assert line["servers"] == {name: f"http://127.0.0.1:{port_base + i}" for i, name in enumerate(names)}
         assert line["token_env"] == TOKEN_ENV
+        assert line["token_file"] == str(tmp_path / "serve" / "token")
         config_text = Path(line["config"]).read_text()
         assert "checkpoint:" in config_text and "control_auth_token_env: NG_CHECKPOINT_TOKEN" in config_text
         token_file = tmp_path / "serve" / "token"
@@ -207,3 +208,109 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
             proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def _serve_env(tmp_path: Path, port_base: int, serve_dir: str = "serve") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env.update(PORT_BASE=str(port_base), NG_SERVE_DIR=str(tmp_path / serve_dir))
+    return env
+
+
+def _read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict:
+    """The first stdout line of ``proc`` that is a JSON object (make echoes its recipe first)."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    buffered = b""
+    try:
+        while True:
+            for line in buffered.splitlines(keepends=True):
+                if line.startswith(b"{") and line.endswith(b"\n"):
+                    return json.loads(line)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or proc.poll() is not None:
+                raise AssertionError(f"no JSON line (status {proc.poll()}); got {buffered!r}")
+            if selector.select(timeout=remaining):
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise AssertionError(f"stdout closed after {buffered!r}")
+                buffered += chunk
+    finally:
+        selector.close()
+
+
+def test_sigterm_to_make_serve_alone_stops_every_server(tmp_path: Path) -> None:
+    port_base = free_port_base()
+    # `-o setup`: the venv is this one; the test is about serve, not about (re)installing it.
+    with open(tmp_path / "make.stderr", "wb") as stderr:
+        make = subprocess.Popen(
+            ["make", "--no-print-directory", "-o", "setup", "serve", f"PORT_BASE={port_base}",
+             f"PY={sys.executable}"],
+            cwd=REPO, env=_serve_env(tmp_path, port_base), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
+        )
+    pgid = make.pid
+    try:
+        line = _read_json_line(make, timeout=300)
+        assert len(line["servers"]) == 5
+        assert len(processes_in_groups([pgid])) >= 7  # make, serve and five servers
+
+        os.kill(make.pid, signal.SIGTERM)  # make alone: not its group, as `kill <pid of make>` does
+
+        make.wait(timeout=30)
+        wait_until(lambda: not processes_in_groups([pgid]), timeout=30, what="every server to be gone")
+        assert all(port_is_free(port_base + i) for i in range(5))
+        assert "every server stopped" in (tmp_path / "make.stderr").read_text()
+    finally:
+        if processes_in_groups([pgid]):
+            os.killpg(pgid, signal.SIGKILL)
+        if make.poll() is None:
+            make.wait(timeout=10)
+        assert make.stdout is not None
+        make.stdout.close()
+
+
+def test_a_second_serve_on_a_busy_port_base_fails_and_changes_nothing(tmp_path: Path) -> None:
+    port_base = free_port_base()
+    serve = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.serve"]
+    with open(tmp_path / "first.stderr", "wb") as stderr:
+        first = subprocess.Popen(
+            serve, cwd=REPO, env=_serve_env(tmp_path, port_base), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
+        )
+    try:
+        line = _read_json_line(first, timeout=300)
+        token_file, config = Path(line["token_file"]), Path(line["config"])
+        before = {path: path.read_bytes() for path in (token_file, config)}
+        stat_before = {path: path.stat().st_mtime_ns for path in before}
+
+        # The same work dir (what the default NG_SERVE_DIR gives for one PORT_BASE): the lock refuses it.
+        same = subprocess.run(serve, cwd=REPO, env=_serve_env(tmp_path, port_base), capture_output=True,
+                              text=True, timeout=120)
+        # Another work dir on the same ports: the port check refuses it, before writing its own files.
+        other = subprocess.run(serve, cwd=REPO, env=_serve_env(tmp_path, port_base, "other"),
+                               capture_output=True, text=True, timeout=120)
+
+        assert same.returncode == 2 and other.returncode == 2
+        assert same.stdout == other.stdout == ""
+        assert "another serve is running" in same.stderr and f"PORT_BASE={port_base}" in same.stderr
+        assert f"PORT_BASE={port_base} is busy" in other.stderr
+        assert "Traceback" not in same.stderr + other.stderr
+        assert {path: path.read_bytes() for path in before} == before
+        assert {path: path.stat().st_mtime_ns for path in before} == stat_before
+        assert not (tmp_path / "other" / "token").exists() and not (tmp_path / "other" / "gym_config.yaml").exists()
+        # The first one still serves, with the token it wrote.
+        headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        reply = httpx.get(f"{line['servers'][ENVIRONMENT]}/ng-control/v1/checkpoint/status", headers=headers,
+                          timeout=30, trust_env=False)
+        assert reply.status_code == 200, reply.text
+        assert first.poll() is None
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(timeout=10)
+        assert first.stdout is not None
+        first.stdout.close()

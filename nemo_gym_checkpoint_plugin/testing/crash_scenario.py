@@ -46,10 +46,15 @@ _STATUS = "/ng-control/v1/checkpoint/status"
 _POLL = 0.05
 
 
-def new_deployment(work_dir: Path, token: str, *, step_mode: str = "wait") -> Deployment:
-    """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``."""
+def new_deployment(
+    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None
+) -> Deployment:
+    """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
+
+    ``port_base`` None picks free ports.
+    """
     return Deployment(
-        free_port_base(),
+        free_port_base() if port_base is None else port_base,
         work_dir,
         entrypoints=wrapped_entrypoints(),
         own_process_groups=True,

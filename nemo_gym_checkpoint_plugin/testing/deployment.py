@@ -76,6 +76,7 @@ __all__ = [
     "ProcessSpec",
     "fake_backend_script",
     "free_port_base",
+    "parse_port_base",
     "port_is_free",
 ]
 
@@ -169,6 +170,17 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def parse_port_base(raw: str) -> int:
+    """A ``PORT_BASE`` value checked; ``ValueError`` naming the variable when it is unusable."""
+    try:
+        base = int(raw)
+    except ValueError:
+        raise ValueError(f"PORT_BASE must be an integer, got {raw!r}") from None
+    if not 1024 <= base <= 65535 - PORT_SPAN:
+        raise ValueError(f"PORT_BASE must be between 1024 and {65535 - PORT_SPAN}, got {base}")
+    return base
 
 
 def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:

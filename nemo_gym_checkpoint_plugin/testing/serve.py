@@ -10,21 +10,31 @@ Gym YAML the servers run with (``gym_config.yaml``).
 
 Once every server answers, stdout gets exactly one JSON line and nothing else::
 
-    {"servers": {"<name>": "<url>", ...}, "token_env": "NG_CHECKPOINT_TOKEN", "config": "<yaml path>"}
+    {"servers": {"<name>": "<url>", ...}, "token_env": "NG_CHECKPOINT_TOKEN", "config": "<yaml path>",
+     "token_file": "<work dir>/token"}
+
+``token_file`` is null when the token came from ``NG_CHECKPOINT_TOKEN`` (then nothing is written).
+
+One ``make serve`` per ``PORT_BASE``: before writing anything, serve takes an exclusive lock on
+``<work dir>/serve.lock`` and checks that its ports on 127.0.0.1 are free; when another serve
+holds the lock or a port is taken it exits 2 with one line saying so, and the running
+deployment's token and config files stay as they were.
 
 Everything else (the servers' logs included) goes to stderr.
 
-Stopping: ``make serve`` is usually stopped by a SIGTERM to its whole process group, so
-this process gets SIGTERM twice (directly and forwarded by make) and the servers, which
-stay in this process's group, get it too. The first SIGTERM/SIGINT starts a bounded stop
-(SIGTERM each child, SIGKILL what outlives 5 s); later ones are only noted. Exit status:
-0 after a requested stop, 1 when a server failed to start or died, 2 for a bad ``PORT_BASE`` or argument.
+Stopping: a SIGTERM or SIGINT to this process alone is enough (GNU make forwards a SIGTERM
+sent to ``make serve`` to its recipe, i.e. here). Ctrl-C or a SIGTERM to the whole process group
+gets here twice (directly and forwarded by make), and reaches the servers too, which stay in
+this process's group. The first SIGTERM/SIGINT starts a bounded stop (SIGTERM each child,
+SIGKILL what outlives 5 s); later ones are only noted. Exit status: 0 after a requested stop,
+1 when a server failed to start or died, 2 for a bad or busy ``PORT_BASE`` or a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -35,8 +45,16 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from .deployment import PORT_SPAN, TOKEN_ENV, Deployment, DeploymentAborted, DeploymentError
-from .gym_config import wrapped_entrypoints
+from .deployment import (
+    PORT_SPAN,
+    TOKEN_ENV,
+    Deployment,
+    DeploymentAborted,
+    DeploymentError,
+    parse_port_base,
+    port_is_free,
+)
+from .gym_config import PORT_OFFSETS, wrapped_entrypoints
 
 __all__ = ["main"]
 
@@ -47,19 +65,40 @@ _WATCH_SECONDS = 0.5
 
 def _port_base() -> int:
     """``PORT_BASE`` from the environment; ``ValueError`` naming the variable when it is unusable."""
-    raw = os.environ.get("PORT_BASE") or str(DEFAULT_PORT_BASE)
+    return parse_port_base(os.environ.get("PORT_BASE") or str(DEFAULT_PORT_BASE))
+
+
+def _claim(work_dir: Path, port_base: int) -> int:
+    """Lock ``work_dir`` for this serve and check its ports; ``RuntimeError`` when another one has them.
+
+    Runs before anything is written: a second serve on the same ``PORT_BASE`` must leave the running
+    one's token and config alone. The lock covers a first serve still starting (ports not bound yet);
+    the port check covers a first serve with another ``NG_SERVE_DIR`` and any other program.
+    """
+    # The descriptor stays open (and locked) until this process exits; children do not inherit it.
+    fd = os.open(work_dir / "serve.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        base = int(raw)
-    except ValueError:
-        raise ValueError(f"PORT_BASE must be an integer, got {raw!r}") from None
-    if not 1024 <= base <= 65535 - PORT_SPAN:
-        raise ValueError(f"PORT_BASE must be between 1024 and {65535 - PORT_SPAN}, got {base}")
-    return base
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(
+            f"another serve is running with PORT_BASE={port_base} (it holds {work_dir / 'serve.lock'}); "
+            "stop it, or choose another PORT_BASE"
+        ) from None
+    taken = sorted(port_base + offset for offset in PORT_OFFSETS.values() if not port_is_free(port_base + offset))
+    if taken:
+        os.close(fd)
+        raise RuntimeError(
+            f"PORT_BASE={port_base} is busy: 127.0.0.1 port(s) {taken} already in use; "
+            f"choose another PORT_BASE (serve uses {PORT_SPAN} consecutive ports)"
+        )
+    return fd
 
 
-def _ensure_token(work_dir: Path) -> None:
+def _ensure_token(work_dir: Path) -> Path | None:
+    """The token file written, or None when the token came from the environment."""
     if os.environ.get(TOKEN_ENV):
-        return
+        return None
     token = secrets.token_urlsafe(32)
     # Children copy os.environ, so this is how every server gets the token.
     os.environ[TOKEN_ENV] = token
@@ -69,6 +108,7 @@ def _ensure_token(work_dir: Path) -> None:
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
     print(f"serve: {TOKEN_ENV} was unset; generated a token, written to {token_path}", file=sys.stderr)
+    return token_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     default_dir = Path(tempfile.gettempdir()) / f"nemo-gym-checkpoint-serve-{port_base}"
     work_dir = Path(os.environ.get("NG_SERVE_DIR") or default_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _claim(work_dir, port_base)
+    except RuntimeError as busy:
+        print(f"serve: {busy}", file=sys.stderr)
+        return 2
 
     stop = threading.Event()
 
@@ -102,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout = sys.stdout
     # Gym's config parser and the servers may print; stdout carries only the one JSON line.
     with contextlib.redirect_stdout(sys.stderr):
-        _ensure_token(work_dir)
+        token_file = _ensure_token(work_dir)
         try:
             # Every Gym server through the wrapper: each one a checkpoint participant.
             deployment = Deployment(
@@ -117,7 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serve: {failed}", file=sys.stderr)
             return 1
 
-    line = {"servers": deployment.urls, "token_env": TOKEN_ENV, "config": str(config_path)}
+    line = {
+        "servers": deployment.urls,
+        "token_env": TOKEN_ENV,
+        "config": str(config_path),
+        "token_file": None if token_file is None else str(token_file),
+    }
     print(json.dumps(line), file=real_stdout, flush=True)
 
     status = 0
