@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from control_support import AUTH, INSTANCE, KIND, TOKEN, close_harness, make_har
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from storage_support import fd_count, record
-from test_storage_fuzz import replace_with
+from test_storage_fuzz import tamper
 
 from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
 from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits
@@ -218,12 +217,7 @@ async def _restore_tampered(tmp: Path, mutations: list, duplicate: bool) -> None
                 path = directory / orjson.loads(path.read_bytes())["records_file"]
             except (ValueError, KeyError, TypeError):
                 continue
-        if os.path.lexists(path) and not path.is_file() and how in ("append", "duplicate_line", "flip", "truncate"):
-            continue
-        try:
-            replace_with(path, how, data, position)
-        except OSError:
-            continue
+        tamper(path, how, data, position)
     before = fd_count()
     harness = await make_harness(tmp / "harness")
     try:

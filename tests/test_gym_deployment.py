@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -131,25 +133,31 @@ async def test_sigkill_of_every_group_leaves_nothing_and_a_fresh_start_serves(gy
     assert (await harness.fake.stats())["calls_total"] == 4  # a fresh backend: only the new wave's calls
 
 
-def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
-    """The first line of ``proc``'s stdout, waiting at most ``timeout``."""
+def _stdout_until(proc: subprocess.Popen[bytes], timeout: float, found: Callable[[bytes], Any]) -> Any:
+    """Read ``proc``'s stdout until ``found(everything read)`` is not None, waiting at most ``timeout``."""
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
     buffered = b""
     try:
-        while b"\n" not in buffered:
+        while (answer := found(buffered)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or proc.poll() is not None:
-                raise AssertionError(f"serve printed no line (status {proc.poll()}); got {buffered!r}")
+                raise AssertionError(f"no line of the expected kind (status {proc.poll()}); got {buffered!r}")
             if selector.select(timeout=remaining):
                 chunk = os.read(proc.stdout.fileno(), 65536)
                 if not chunk:
-                    raise AssertionError(f"serve closed stdout after {buffered!r}")
+                    raise AssertionError(f"stdout closed after {buffered!r}")
                 buffered += chunk
     finally:
         selector.close()
+    return answer
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    """The first line of ``proc``'s stdout (and nothing after it), waiting at most ``timeout``."""
+    buffered = _stdout_until(proc, timeout, lambda out: out if b"\n" in out else None)
     line, _, rest = buffered.partition(b"\n")
     assert rest == b"", f"serve printed more than one line: {rest!r}"
     return line
@@ -218,26 +226,14 @@ def _serve_env(tmp_path: Path, port_base: int, serve_dir: str = "serve") -> dict
 
 def _read_json_line(proc: subprocess.Popen[bytes], timeout: float) -> dict:
     """The first stdout line of ``proc`` that is a JSON object (make echoes its recipe first)."""
-    assert proc.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    buffered = b""
-    try:
-        while True:
-            for line in buffered.splitlines(keepends=True):
-                if line.startswith(b"{") and line.endswith(b"\n"):
-                    return json.loads(line)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or proc.poll() is not None:
-                raise AssertionError(f"no JSON line (status {proc.poll()}); got {buffered!r}")
-            if selector.select(timeout=remaining):
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                if not chunk:
-                    raise AssertionError(f"stdout closed after {buffered!r}")
-                buffered += chunk
-    finally:
-        selector.close()
+
+    def json_line(out: bytes) -> dict | None:
+        for line in out.splitlines(keepends=True):
+            if line.startswith(b"{") and line.endswith(b"\n"):
+                return json.loads(line)
+        return None
+
+    return _stdout_until(proc, timeout, json_line)
 
 
 def test_sigterm_to_make_serve_alone_stops_every_server(tmp_path: Path) -> None:

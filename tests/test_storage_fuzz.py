@@ -84,6 +84,18 @@ def replace_with(path: Path, how: str, data: bytes, position: int) -> None:
         path.write_bytes(data)
 
 
+def tamper(path: Path, how: str, data: bytes, position: int) -> None:
+    """``replace_with`` where the mutation applies to what is there now; otherwise leave ``path`` alone."""
+    if not os.path.lexists(path) and how not in ("remove", "fifo", "directory", "bytes"):
+        return
+    if os.path.lexists(path) and not path.is_file() and how in ("append", "duplicate_line", "flip", "truncate"):
+        return
+    try:
+        replace_with(path, how, data, position)
+    except OSError:
+        return
+
+
 MUTATION = st.tuples(
     st.sampled_from(TARGETS),
     st.integers(0, len(PARTICIPANTS) - 1),
@@ -106,15 +118,7 @@ def test_tampered_directories_are_refused_cleanly(mutations: list) -> None:
                 path = path_of(root, target, which)
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # the manifest naming the records file is already gone or mangled
-            if not os.path.lexists(path) and how not in ("remove", "fifo", "directory", "bytes"):
-                continue
-            if os.path.lexists(path) and not path.is_file() and how in ("append", "duplicate_line", "flip",
-                                                                         "truncate"):
-                continue
-            try:
-                replace_with(path, how, data, position)
-            except OSError:
-                continue
+            tamper(path, how, data, position)
         before = fd_count()
 
         def read_everything() -> list[BaseException]:
