@@ -34,9 +34,9 @@ from fastapi import FastAPI
 from nemo_gym.rollout_correlation import RolloutContextMiddleware
 from pydantic import BaseModel, ConfigDict
 
-from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
-from nemo_gym_checkpoint_plugin.gate import install_gate
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin._gate import install_gate
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 RETIRED_OTHER_ROLLOUTS = 200
 
@@ -192,7 +192,7 @@ def gate_cost_us(calls: int = 20000) -> dict[str, float]:
 
     Independent of the machine's load far more than req/s are, so it says what the gate itself adds.
     """
-    from nemo_gym_checkpoint_plugin.gate import AdmissionGate, GateCounters
+    from nemo_gym_checkpoint_plugin._gate import AdmissionGate, GateCounters
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["path"] == "/run":

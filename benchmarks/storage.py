@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from nemo_gym_checkpoint_plugin.plugins import get_storage_backend, make_plugin_manager
+from nemo_gym_checkpoint_plugin._plugins import get_storage_backend, make_plugin_manager
 
 
 def make_records(count: int, record_bytes: int) -> list[dict]:

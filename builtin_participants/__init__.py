@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 
 __all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
 

@@ -39,10 +39,10 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import RestoredRecord
-from nemo_gym_checkpoint_plugin.wire import ROLLOUT_PATH_PREFIX
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 __all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
 

@@ -29,7 +29,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.settings import SettingsError
+from nemo_gym_checkpoint_plugin._settings import SettingsError
 
 __all__ = ["BUILTIN_MODES", "CHECKPOINT_MODE_KEY", "CheckpointMode", "declared_mode"]
 

@@ -61,11 +61,11 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
 
-from nemo_gym_checkpoint_plugin.admission import RetiredMarks
-from nemo_gym_checkpoint_plugin.errors import StaleAttempt
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import ParticipantExport, Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._admission import RetiredMarks
+from nemo_gym_checkpoint_plugin._errors import StaleAttempt
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 
@@ -379,6 +379,6 @@ class EpisodeBook:
 
 
 def _from_key(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin.identity import from_capture_key
+    from nemo_gym_checkpoint_plugin._identity import from_capture_key
 
     return from_capture_key(key)

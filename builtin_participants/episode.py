@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 __all__ = ["Episode", "RestoredEpisode", "StepMode"]
 

@@ -41,9 +41,9 @@ from fastapi.responses import JSONResponse
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import names_no_episode, rollout_id_required
 
-from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, StaleAttempt
-from nemo_gym_checkpoint_plugin.gate import episode_of_run_body
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, CheckpointError, StaleAttempt
+from nemo_gym_checkpoint_plugin._gate import episode_of_run_body
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 __all__ = ["LegacyAgentRelay", "relay_book", "relayed_episode_id", "validate_relay_state"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.asgi import Message, buffer_body
-from nemo_gym_checkpoint_plugin.wire import ROLLOUT_PATH_PREFIX
+from nemo_gym_checkpoint_plugin._asgi import Message, buffer_body
+from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 __all__ = ["ReplyHeaders", "route_of"]
 

@@ -42,10 +42,10 @@ from typing import Any
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared_mode
 
-from nemo_gym_checkpoint_plugin.gate import json_as_gym_reads
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 
@@ -190,7 +190,7 @@ class ResourcesSessions:
 
 
 def _key_episode(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin.identity import from_capture_key
+    from nemo_gym_checkpoint_plugin._identity import from_capture_key
 
     return from_capture_key(key)
 

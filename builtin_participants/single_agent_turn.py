@@ -60,7 +60,7 @@ from nemo_gym.server_utils import get_response_json, raise_for_status
 from nemo_gym.tool_access import DirectHTTPToolAccess
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
 
-from nemo_gym_checkpoint_plugin import wire
+from nemo_gym_checkpoint_plugin import _wire as wire
 
 __all__ = [
     "AGENT_CAPTURE_HEADER",

@@ -43,13 +43,13 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin.admission import RetiredMarks
-from nemo_gym_checkpoint_plugin.asgi import Message, Send, buffer_body
-from nemo_gym_checkpoint_plugin.errors import CheckpointConflict, CheckpointError, RolloutIdRequired, StaleAttempt
-from nemo_gym_checkpoint_plugin.gate import episode_of_run_body, json_as_gym_reads
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import Readiness
+from nemo_gym_checkpoint_plugin._admission import RetiredMarks
+from nemo_gym_checkpoint_plugin._asgi import Message, Send, buffer_body
+from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, CheckpointError, RolloutIdRequired, StaleAttempt
+from nemo_gym_checkpoint_plugin._gate import episode_of_run_body, json_as_gym_reads
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness
 
 __all__ = ["RunTracker", "UncapturedRuns", "install_run_tracker", "names_no_episode", "rollout_id_required"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from nemo_gym_checkpoint_plugin.hookspecs import core, participant
 
-from nemo_gym_checkpoint_plugin.markers import hookimpl, hookspec
+from nemo_gym_checkpoint_plugin._markers import hookimpl, hookspec
 
 __all__ = ["core", "participant", "hookimpl", "hookspec", "SPEC_MODULES"]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nemo_gym_checkpoint_plugin.markers import hookspec
+from nemo_gym_checkpoint_plugin._markers import hookspec
 
 if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin._types import LeasePolicy
     from nemo_gym_checkpoint_plugin.api import StorageBackend
-    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
-    from nemo_gym_checkpoint_plugin.types import LeasePolicy
 
 
 @hookspec(firstresult=True)

@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_checkpoint_plugin.markers import hookspec
+from nemo_gym_checkpoint_plugin._markers import hookspec
 
 if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin.identity import EpisodeId
-    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
-    from nemo_gym_checkpoint_plugin.types import (
+    from nemo_gym_checkpoint_plugin._identity import EpisodeId
+    from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin._types import (
         ParticipantExport,
         Readiness,
         RestoredRecord,

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import (
+from ._errors import (
     CheckpointConflict,
     CheckpointError,
     CheckpointParked,
@@ -40,11 +40,11 @@ from .errors import (
     Unauthorized,
     WriteFailed,
 )
-from .identity import AmbiguousEpisodeId, EpisodeId, episode_from_wire, from_capture_key, make_episode_id
-from .markers import PROJECT as ENTRY_POINT_GROUP
-from .markers import hookimpl
-from .settings import CheckpointSettings
-from .types import (
+from ._identity import AmbiguousEpisodeId, EpisodeId, episode_from_wire, from_capture_key, make_episode_id
+from ._markers import PROJECT as ENTRY_POINT_GROUP
+from ._markers import hookimpl
+from ._settings import CheckpointSettings
+from ._types import (
     LeasePolicy,
     ParticipantExport,
     Phase,

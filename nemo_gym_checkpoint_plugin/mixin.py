@@ -35,13 +35,13 @@ import os
 import sys
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.attach import (
+from nemo_gym_checkpoint_plugin._attach import (
     attach_checkpointing,
     install_client,
     refuse_unsupported,
     server_settings,
 )
-from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
+from nemo_gym_checkpoint_plugin._settings import SettingsError, load_settings
 
 __all__ = ["CheckpointMixin", "check_storage_backend", "exit_on_bad_settings"]
 
@@ -70,7 +70,7 @@ def exit_on_bad_settings(global_config: Any = None, server_config: Any = None) -
 
 def check_storage_backend(settings: Any) -> None:
     """``UnknownStorageBackend`` (a ``SettingsError``) when no plugin answers ``checkpoint.storage.backend``."""
-    from nemo_gym_checkpoint_plugin.plugins import get_storage_backend, make_plugin_manager
+    from nemo_gym_checkpoint_plugin._plugins import get_storage_backend, make_plugin_manager
 
     # The manager the server builds later is the same one (built-ins + the entry-point group).
     get_storage_backend(make_plugin_manager(), settings.storage.backend)
@@ -108,7 +108,7 @@ class CheckpointMixin:
             return rollout_id
         from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
 
-        from nemo_gym_checkpoint_plugin.client import CheckpointServerClient
+        from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
 
         # The plugin's client is installed exactly when checkpointing is on.
         if not isinstance(getattr(self, "server_client", None), CheckpointServerClient):

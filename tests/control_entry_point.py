@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin._markers import hookimpl
 
 
 @hookimpl

@@ -11,10 +11,10 @@ import os
 from control_support import INSTANCE, KIND, Participant
 from fastapi import FastAPI
 
-from nemo_gym_checkpoint_plugin.control import ControlPlane
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.routes import attach
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+from nemo_gym_checkpoint_plugin._control import ControlPlane
+from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin._routes import attach
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 
 
 def make_app() -> FastAPI:

@@ -18,13 +18,13 @@ import httpx
 import pluggy
 from fastapi import FastAPI
 
-from nemo_gym_checkpoint_plugin.control import ControlPlane, LeasePolicy, ParticipantExport, Readiness, SeedDeclaration
-from nemo_gym_checkpoint_plugin.errors import WriteFailed
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits, attach
-from nemo_gym_checkpoint_plugin.storage import LocalStorage
+from nemo_gym_checkpoint_plugin._control import ControlPlane, LeasePolicy, ParticipantExport, Readiness, SeedDeclaration
+from nemo_gym_checkpoint_plugin._errors import WriteFailed
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin._routes import CONTROL_PREFIX, BodyLimits, attach
+from nemo_gym_checkpoint_plugin._storage import LocalStorage
 
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

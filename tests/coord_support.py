@@ -38,10 +38,10 @@ from typing import Any
 import orjson
 from fastapi import Request  # at module level: FastAPI resolves the routes' string annotations here
 
-from nemo_gym_checkpoint_plugin.control import Readiness
-from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
-from nemo_gym_checkpoint_plugin.identity import from_capture_key
-from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin._control import Readiness
+from nemo_gym_checkpoint_plugin._errors import ERRORS_BY_CODE
+from nemo_gym_checkpoint_plugin._identity import from_capture_key
+from nemo_gym_checkpoint_plugin._markers import hookimpl
 
 CONTROL = "/ng-control/v1/checkpoint"
 TOKEN = "coord-test-token"
@@ -163,10 +163,10 @@ def build_app(spec: dict[str, Any]) -> Any:
     """A participant server: the real control plane and routes, with the in-test plugin."""
     from fastapi import FastAPI
 
-    from nemo_gym_checkpoint_plugin.control import ControlPlane
-    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-    from nemo_gym_checkpoint_plugin.routes import attach
-    from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+    from nemo_gym_checkpoint_plugin._control import ControlPlane
+    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+    from nemo_gym_checkpoint_plugin._routes import attach
+    from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 
     log = open(spec["log"], "ab", buffering=0)  # noqa: SIM115 - lives as long as the process
 

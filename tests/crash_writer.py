@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
 
 root, count, size, pause_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 

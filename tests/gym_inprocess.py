@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from test_attach_inprocess import _app, _build, _config, _server_class
 
-from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE
+from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
 from nemo_gym_checkpoint_plugin.testing.gym_config import TOKEN_ENV
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
 
 
 def record(rollout_id: str, attempt: int = 0, **fields: Any) -> dict[str, Any]:

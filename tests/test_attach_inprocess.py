@@ -18,10 +18,10 @@ import pytest
 from nemo_gym.server_utils import BaseServerConfig, ServerClient, _server_uses_ray
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE, RolloutAttribution, attach_checkpointing
-from nemo_gym_checkpoint_plugin.client import CheckpointServerClient
-from nemo_gym_checkpoint_plugin.gate import AdmissionGate
-from nemo_gym_checkpoint_plugin.settings import SettingsError
+from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE, RolloutAttribution, attach_checkpointing
+from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
+from nemo_gym_checkpoint_plugin._gate import AdmissionGate
+from nemo_gym_checkpoint_plugin._settings import SettingsError
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
     AGENT,
     ENVIRONMENT,

@@ -20,9 +20,9 @@ from nemo_gym.server_utils import ServerClient
 from omegaconf import OmegaConf
 from test_attach_inprocess import ENABLED, _build, _config, _middleware, _paths, _server_class
 
-from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE, attach_checkpointing, refuse_unsupported
+from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE, attach_checkpointing, refuse_unsupported
+from nemo_gym_checkpoint_plugin._settings import SettingsError, load_settings
 from nemo_gym_checkpoint_plugin.mixin import exit_on_bad_settings
-from nemo_gym_checkpoint_plugin.settings import SettingsError, load_settings
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
     RESOURCES,
     TOKEN_ENV,

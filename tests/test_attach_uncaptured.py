@@ -23,8 +23,8 @@ from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
 from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 from pydantic import ConfigDict
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 _BOUND = 10.0

@@ -10,9 +10,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin._storage.index import write_participants_index
 from nemo_gym_checkpoint_plugin.cli import build_parser, main
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
-from nemo_gym_checkpoint_plugin.storage.index import write_participants_index
 
 PARTICIPANTS = [("environment", "env"), ("model", "policy_model"), ("agent", "agent"), ("resources", "tools")]
 NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]

@@ -13,9 +13,9 @@ import orjson
 import pytest
 import yaml
 
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
 from nemo_gym_checkpoint_plugin.cli import main
-from nemo_gym_checkpoint_plugin.cli.where import UsageError, resolve_deployment
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin.cli._where import UsageError, resolve_deployment
 
 NOWHERE = "http://127.0.0.1:9"  # nothing listens there; every test here stops before any call
 

@@ -22,7 +22,7 @@ from nemo_gym.rollout_correlation import rollout_context
 from nemo_gym.server_utils import GlobalAIOHTTPAsyncClientConfig, ServerClient, set_global_aiohttp_client
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.client import CheckpointServerClient, never_resent
+from nemo_gym_checkpoint_plugin._client import CheckpointServerClient, never_resent
 from nemo_gym_checkpoint_plugin.testing.deployment import port_is_free
 from nemo_gym_checkpoint_plugin.testing.harness import free_port_base, wait_until
 

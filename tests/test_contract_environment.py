@@ -22,7 +22,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeB
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER, RESTART_HEADER
 from pydantic import ConfigDict
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import environment as environment_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
@@ -163,7 +163,7 @@ async def test_retired_attempt_that_got_past_the_gate_never_begins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The marks are checked where the episode begins too: a gate bypass still cannot run a retired attempt."""
-    import nemo_gym_checkpoint_plugin.gate as gate_module
+    import nemo_gym_checkpoint_plugin._gate as gate_module
 
     servers = GymServers(tmp_path, monkeypatch, ENVIRONMENT)
     harness = SingleAgentTurnHarness(servers.build(EpisodeBook))

@@ -10,7 +10,7 @@ import pytest
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import RESTART_TASK_KEY, ResourcesSessions
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import resources as resources_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES

@@ -17,8 +17,8 @@ import orjson
 import pytest
 from control_support import FailingStorage, close_harness, deadline, make_harness, wire
 
-from nemo_gym_checkpoint_plugin.control import MAX_DEADLINE_AHEAD_SECONDS
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._control import MAX_DEADLINE_AHEAD_SECONDS
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 PARTICIPANT_DIR = Path("gym") / "environment" / "env_one"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from control_support import Gate, Harness, close_harness, make_harness, wait_until, wire
 
-from nemo_gym_checkpoint_plugin.control import ControlPlane, LeasePolicy
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings
+from nemo_gym_checkpoint_plugin._control import ControlPlane, LeasePolicy
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 
 
 @pytest.fixture

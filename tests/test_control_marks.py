@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from control_support import Gate, Harness, Participant, close_harness, make_harness, wait_until, wire
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from control_support import Gate, Harness, close_harness, deadline, make_harness, wait_until, wire
 
-from nemo_gym_checkpoint_plugin.control import RESUMED_MEMORY
+from nemo_gym_checkpoint_plugin._control import RESUMED_MEMORY
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ async def test_prepare_that_raises_reopens_admission(h: Harness) -> None:
 
 
 async def test_hook_close_admission_raising_reopens_admission(h: Harness) -> None:
-    from nemo_gym_checkpoint_plugin.errors import InvalidPhase
+    from nemo_gym_checkpoint_plugin._errors import InvalidPhase
 
     h.participant.close_error = InvalidPhase("cannot close")
     await h.error("prepare", "invalid_phase", checkpoint_id="c1")

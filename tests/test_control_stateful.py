@@ -27,8 +27,8 @@ from control_support import FailingStorage, Harness, close_harness, make_harness
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
-from nemo_gym_checkpoint_plugin.routes import BodyLimits
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._routes import BodyLimits
 
 ROLLOUTS = ("r0", "r1", "r2")
 CHECKPOINT_IDS = tuple(f"c{i}" for i in range(16))

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from coord_support import FOUR, TOKEN, config_for, start_participants, stop_participants
 
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._storage import read_checkpoint
 from nemo_gym_checkpoint_plugin.coordination import (
     CoordinationError,
     commit,
@@ -19,10 +21,8 @@ from nemo_gym_checkpoint_plugin.coordination import (
     resume,
     retire,
 )
-from nemo_gym_checkpoint_plugin.coordination import coordinator as coordinator_module
-from nemo_gym_checkpoint_plugin.coordination.order import order_manager
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.storage import read_checkpoint
+from nemo_gym_checkpoint_plugin.coordination import _coordinator as coordinator_module
+from nemo_gym_checkpoint_plugin.coordination._order import order_manager
 
 pytestmark = pytest.mark.slow
 
@@ -225,8 +225,8 @@ async def test_an_order_that_skips_a_kind_fails_before_any_call(tmp_path):
 
 
 def test_continued_accepts_every_form_of_episode_id():
+    from nemo_gym_checkpoint_plugin._identity import EpisodeId
     from nemo_gym_checkpoint_plugin.coordination import PrepareResult
-    from nemo_gym_checkpoint_plugin.identity import EpisodeId
 
     result = PrepareResult("c", reports={"a": {"ready": True, "restarts": ["r2-a1"]}, "b": {"restarts": ["r4"]}})
     scope = result.continued([EpisodeId(rollout_id="r1", attempt=3), {"rollout_id": "r2", "attempt": 1}, "r3", "r4"])

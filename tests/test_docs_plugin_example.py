@@ -8,7 +8,7 @@ from pathlib import Path
 
 from control_support import close_harness, make_harness, wire
 
-from nemo_gym_checkpoint_plugin.plugins import attach_plugins
+from nemo_gym_checkpoint_plugin._plugins import attach_plugins
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
 
@@ -56,7 +56,7 @@ async def test_the_documented_plugin_round_trips_its_budgets(tmp_path: Path) -> 
 
 
 def test_the_documented_plugin_opts_out_of_other_servers() -> None:
-    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
 
     plugin = _example_module().plugin
     pm = make_plugin_manager(load_entry_points=False, named_plugins={"acme_budget": plugin})

@@ -16,11 +16,11 @@ from control_support import wait_until
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
 
-from nemo_gym_checkpoint_plugin.control import ControlPlane
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.settings import SettingsError, settings_from_global_config
-from nemo_gym_checkpoint_plugin.types import RestoredRecord
+from nemo_gym_checkpoint_plugin._control import ControlPlane
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin._settings import SettingsError, settings_from_global_config
+from nemo_gym_checkpoint_plugin._types import RestoredRecord
 
 
 def _plane(book: EpisodeBook) -> ControlPlane:
@@ -280,8 +280,8 @@ def test_step_mode_comes_from_the_checkpoint_block_and_is_validated() -> None:
 
 
 async def test_begin_refuses_a_retired_attempt_once_marks_are_bound() -> None:
-    from nemo_gym_checkpoint_plugin.admission import RetiredMarks
-    from nemo_gym_checkpoint_plugin.errors import StaleAttempt
+    from nemo_gym_checkpoint_plugin._admission import RetiredMarks
+    from nemo_gym_checkpoint_plugin._errors import StaleAttempt
 
     book, marks = EpisodeBook(), RetiredMarks()
     marks.mark("r", 1)

@@ -4,7 +4,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from nemo_gym_checkpoint_plugin import errors
+from nemo_gym_checkpoint_plugin import _errors as errors
 
 # docs/protocol.md's error table: code -> status.
 PROTOCOL_ERRORS = {

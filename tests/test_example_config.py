@@ -8,7 +8,7 @@ from pathlib import Path
 from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.settings import load_settings, settings_from_global_config
+from nemo_gym_checkpoint_plugin._settings import load_settings, settings_from_global_config
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
     GYM_SERVERS,
     TOKEN_ENV,

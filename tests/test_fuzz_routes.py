@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from storage_support import fd_count, record
 from test_storage_fuzz import tamper
 
-from nemo_gym_checkpoint_plugin.errors import ERRORS_BY_CODE
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter
-from nemo_gym_checkpoint_plugin.storage.layout import participant_dir
+from nemo_gym_checkpoint_plugin._errors import ERRORS_BY_CODE
+from nemo_gym_checkpoint_plugin._routes import CONTROL_PREFIX, BodyLimits
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
+from nemo_gym_checkpoint_plugin._storage.layout import participant_dir
 
 LIMITS = BodyLimits(max_body_bytes=4096, max_ids=16)
 

@@ -22,15 +22,15 @@ from nemo_gym.rollout_correlation import RolloutContextMiddleware, current_rollo
 from pydantic import BaseModel, ConfigDict
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from nemo_gym_checkpoint_plugin.admission import Admission, RetiredMarks
-from nemo_gym_checkpoint_plugin.gate import (
+from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin._gate import (
     AdmissionGate,
     GateCounters,
     attempt_from_path,
     attempt_from_run_body,
     install_gate,
 )
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 T = TypeVar("T")
 
@@ -347,8 +347,8 @@ async def test_mark_of_a_later_attempt_only_leaves_an_earlier_parked_one_parked(
 
 
 async def test_retire_replies_only_after_parked_requests_of_its_attempts_were_answered() -> None:
-    from nemo_gym_checkpoint_plugin.control import ControlPlane
-    from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
+    from nemo_gym_checkpoint_plugin._control import ControlPlane
+    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
 
     plane = ControlPlane(make_plugin_manager([], load_entry_points=False), kind="environment", instance="env")
     entered: list[str] = []

@@ -74,7 +74,7 @@ def test_servers_run_without_ray_and_with_the_checkpoint_block(gym_deployment: G
     assert deployment.config["checkpoint"]["control_auth_token_env"] == TOKEN_ENV
     assert "checkpoint:" in deployment.config_yaml
     env_server = deployment.config[ENVIRONMENT]["environment_servers"]["single_agent_turn"]
-    assert env_server["entrypoint"] == "nemo_gym_checkpoint_plugin.ray_off"
+    assert env_server["entrypoint"] == "nemo_gym_checkpoint_plugin._ray_off"
     # Ray would show as helper processes (gcs_server, raylet...) under a server: each is alone.
     for name, proc in deployment.processes.items():
         assert children_of(proc.pid) == [], f"{name} has child processes"

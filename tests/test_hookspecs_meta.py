@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from nemo_gym_checkpoint_plugin.hookspecs import SPEC_MODULES
 
-from nemo_gym_checkpoint_plugin.markers import PROJECT
+from nemo_gym_checkpoint_plugin._markers import PROJECT
 
 TESTS = Path(__file__).parent
 SPEC_MARK = f"{PROJECT}_spec"

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from nemo_gym_checkpoint_plugin.identity import (
+from nemo_gym_checkpoint_plugin._identity import (
     AmbiguousEpisodeId,
     EpisodeId,
     episode_from_wire,

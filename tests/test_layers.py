@@ -15,8 +15,8 @@ import pytest
 PACKAGE = "nemo_gym_checkpoint_plugin"
 # Modules of the server runtime, by prefix.
 RUNTIME = tuple(f"{PACKAGE}.{name}" for name in (
-    "control", "gate", "routes", "admission", "attach", "mixin", "wrap", "client", "ray_off",
-    "builtin_participants", "storage.writer", "storage.local", "storage.executor",
+    "_control", "_gate", "_routes", "_admission", "_attach", "mixin", "wrap", "_client", "_ray_off",
+    "builtin_participants", "_storage.writer", "_storage.local", "_storage.executor",
 ))
 # Modules of the controller side.
 CONTROLLER = tuple(f"{PACKAGE}.{name}" for name in ("coordination", "cli"))
@@ -35,13 +35,14 @@ def _of(modules: list[str], prefixes: tuple[str, ...]) -> list[str]:
 
 def test_the_server_runtime_loads_no_controller_module() -> None:
     loaded = _loaded_after(
-        "import nemo_gym_checkpoint_plugin.attach, nemo_gym_checkpoint_plugin.mixin, nemo_gym_checkpoint_plugin.wrap\n"
-        "import nemo_gym_checkpoint_plugin.routes, nemo_gym_checkpoint_plugin.gate, nemo_gym_checkpoint_plugin.client\n"
+        "import nemo_gym_checkpoint_plugin._attach, nemo_gym_checkpoint_plugin.mixin, nemo_gym_checkpoint_plugin.wrap\n"
+        "import nemo_gym_checkpoint_plugin._routes, nemo_gym_checkpoint_plugin._gate\n"
+        "import nemo_gym_checkpoint_plugin._client\n"
         "import nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn\n"
         "import nemo_gym_checkpoint_plugin.builtin_participants.agent\n"
         "import nemo_gym_checkpoint_plugin.builtin_participants.resources\n"
-        "from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager, get_storage_backend\n"
-        "from nemo_gym_checkpoint_plugin.control import ControlPlane\n"
+        "from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager, get_storage_backend\n"
+        "from nemo_gym_checkpoint_plugin._control import ControlPlane\n"
         "pm = make_plugin_manager()\n"
         "ControlPlane(pm, kind='model', instance='m')\n"
     )
@@ -53,8 +54,8 @@ def test_the_server_runtime_loads_no_controller_module() -> None:
 def test_the_controller_side_loads_no_server_runtime_module() -> None:
     loaded = _loaded_after(
         "import nemo_gym_checkpoint_plugin.coordination, nemo_gym_checkpoint_plugin.cli\n"
-        "import nemo_gym_checkpoint_plugin.cli.offline, nemo_gym_checkpoint_plugin.cli.live\n"
-        "from nemo_gym_checkpoint_plugin.coordination.order import order_manager\n"
+        "import nemo_gym_checkpoint_plugin.cli._offline, nemo_gym_checkpoint_plugin.cli._live\n"
+        "from nemo_gym_checkpoint_plugin.coordination._order import order_manager\n"
         "order_manager().hook.coordination_order(operation='prepare')\n"
         "from nemo_gym_checkpoint_plugin.cli import build_parser\n"
         "build_parser()\n"
@@ -68,3 +69,22 @@ def test_the_controller_side_loads_no_server_runtime_module() -> None:
 def test_the_plugin_authors_modules_load_neither_side(module: str) -> None:
     loaded = _loaded_after(f"import {module}")
     assert _of(loaded, RUNTIME) == [] and _of(loaded, CONTROLLER) == []
+
+
+# The public surface, by name: every other module of the package starts with "_" (docs/plugins.md).
+PUBLIC_TOP = {"api", "cli", "coordination", "mixin", "wrap", "testing", "hookspecs", "builtin_participants"}
+
+
+def test_every_module_outside_the_documented_public_ones_is_private_by_name() -> None:
+    import pkgutil
+
+    import nemo_gym_checkpoint_plugin
+    from nemo_gym_checkpoint_plugin import cli, coordination
+
+    top = {info.name for info in pkgutil.iter_modules(nemo_gym_checkpoint_plugin.__path__)}
+    assert {"api", "coordination", "_control", "_storage"} <= top
+    assert sorted(name for name in top if not name.startswith("_") and name not in PUBLIC_TOP) == []
+    for package in (coordination, cli):
+        inner = {info.name for info in pkgutil.iter_modules(package.__path__)}
+        assert inner, package.__name__
+        assert sorted(name for name in inner if not name.startswith("_")) == [], package.__name__

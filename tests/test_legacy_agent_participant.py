@@ -29,15 +29,15 @@ from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyA
 from omegaconf import OmegaConf
 from pydantic import ConfigDict
 
-from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._types import RestoredRecord
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import (
     HARNESS_TOKEN,
     GymHarness,
     wait_until_async,
 )
-from nemo_gym_checkpoint_plugin.types import RestoredRecord
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 TOKEN = "legacy-relay-token"

@@ -10,13 +10,13 @@ import pluggy
 import pytest
 from control_support import Harness, Participant, close_harness, make_harness, wire
 
-from nemo_gym_checkpoint_plugin.control import Participants, SeedDeclaration
-from nemo_gym_checkpoint_plugin.control.lease import DefaultLeasePolicy
-from nemo_gym_checkpoint_plugin.coordination.order import DefaultCoordinationOrder, order_manager
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import PROJECT, hookimpl
-from nemo_gym_checkpoint_plugin.plugins import PluginLoadError, builtin_plugins, make_plugin_manager
-from nemo_gym_checkpoint_plugin.storage import LocalStorage, LocalStoragePlugin
+from nemo_gym_checkpoint_plugin._control import Participants, SeedDeclaration
+from nemo_gym_checkpoint_plugin._control.lease import DefaultLeasePolicy
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import PROJECT, hookimpl
+from nemo_gym_checkpoint_plugin._plugins import PluginLoadError, builtin_plugins, make_plugin_manager
+from nemo_gym_checkpoint_plugin._storage import LocalStorage, LocalStoragePlugin
+from nemo_gym_checkpoint_plugin.coordination._order import DefaultCoordinationOrder, order_manager
 
 
 def _entry_points(*points: tuple[str, str]) -> Any:

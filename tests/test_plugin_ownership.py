@@ -15,11 +15,11 @@ import orjson
 import pytest
 from control_support import Participant, close_harness, make_harness, wire
 
-from nemo_gym_checkpoint_plugin.control import ParticipantExport
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import PluginLoadError, attach_plugins, make_plugin_manager
-from nemo_gym_checkpoint_plugin.storage.layout import participant_dir
+from nemo_gym_checkpoint_plugin._control import ParticipantExport
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._plugins import PluginLoadError, attach_plugins, make_plugin_manager
+from nemo_gym_checkpoint_plugin._storage.layout import participant_dir
 
 VERIFIER = "acme_verifier"
 
@@ -177,7 +177,7 @@ def test_a_plugin_whose_attach_raises_stops_the_server_naming_it() -> None:
 
 def test_the_public_api_names_what_a_plugin_author_needs_and_the_local_backend_fits_its_protocol() -> None:
     from nemo_gym_checkpoint_plugin import api
-    from nemo_gym_checkpoint_plugin.plugins import get_storage_backend
+    from nemo_gym_checkpoint_plugin._plugins import get_storage_backend
 
     for name in api.__all__:
         assert getattr(api, name) is not None, name
@@ -190,8 +190,8 @@ def test_the_public_api_names_what_a_plugin_author_needs_and_the_local_backend_f
 
 
 async def test_one_record_per_owner_and_episode_is_allowed_two_of_one_owner_are_not(tmp_path: Path) -> None:
-    from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
-    from nemo_gym_checkpoint_plugin.storage.reader import read_checkpoint
+    from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+    from nemo_gym_checkpoint_plugin._storage.reader import read_checkpoint
 
     directory = await _checkpoint_with_both(tmp_path)
     both = read_checkpoint(directory, "environment", "env_one")
@@ -203,7 +203,7 @@ async def test_one_record_per_owner_and_episode_is_allowed_two_of_one_owner_are_
     manifest = orjson.loads((folder / "manifest.json").read_bytes())
     lines = (folder / manifest["records_file"]).read_bytes().splitlines(keepends=True)
     tagged = next(line for line in lines if VERIFIER.encode() in line)
-    from nemo_gym_checkpoint_plugin.storage.writer import CheckpointWriter
+    from nemo_gym_checkpoint_plugin._storage.writer import CheckpointWriter
 
     copy = tmp_path / "copy"
     CheckpointWriter(copy, "environment", "env_one", "ck-dup").write(

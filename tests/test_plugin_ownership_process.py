@@ -28,8 +28,8 @@ PLUGIN_SOURCE = '''
 import json
 import os
 
-from nemo_gym_checkpoint_plugin.control import ParticipantExport
-from nemo_gym_checkpoint_plugin.markers import hookimpl
+from nemo_gym_checkpoint_plugin._control import ParticipantExport
+from nemo_gym_checkpoint_plugin._markers import hookimpl
 
 
 @hookimpl

@@ -12,8 +12,8 @@ import pytest
 from control_support import AUTH, INSTANCE, KIND, TOKEN, Harness, close_harness, deadline, make_harness, wire
 from fastapi import FastAPI
 
-from nemo_gym_checkpoint_plugin.errors import StaleCheckpoint
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, attach, make_router
+from nemo_gym_checkpoint_plugin._errors import StaleCheckpoint
+from nemo_gym_checkpoint_plugin._routes import CONTROL_PREFIX, attach, make_router
 
 ROUTES: dict[str, dict[str, Any]] = {
     "prepare": {"checkpoint_id": "c1"},
@@ -74,7 +74,7 @@ async def test_the_scheme_is_case_insensitive(h: Harness, scheme: str) -> None:
 def test_the_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     import hmac
 
-    from nemo_gym_checkpoint_plugin import routes
+    from nemo_gym_checkpoint_plugin import _routes as routes
 
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest

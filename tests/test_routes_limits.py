@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from nemo_gym_checkpoint_plugin.control import bodies
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX, BodyLimits, RetireBody
+from nemo_gym_checkpoint_plugin._control import bodies
+from nemo_gym_checkpoint_plugin._routes import CONTROL_PREFIX, BodyLimits, RetireBody
 
 SMALL = BodyLimits(max_body_bytes=2_000, max_ids=5)
 
@@ -216,6 +216,6 @@ async def test_numbers_beyond_64_bits_are_never_a_500(small: Harness, number: by
 
 
 def _retire_parsing() -> tuple[Any, Any]:
-    from nemo_gym_checkpoint_plugin.routes import _PARSING
+    from nemo_gym_checkpoint_plugin._routes import _PARSING
 
     return _PARSING[RetireBody]

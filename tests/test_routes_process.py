@@ -15,7 +15,7 @@ import httpx
 import pytest
 from control_support import INSTANCE, KIND, wire
 
-from nemo_gym_checkpoint_plugin.routes import CONTROL_PREFIX
+from nemo_gym_checkpoint_plugin._routes import CONTROL_PREFIX
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, SettingsError, load_settings
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings, SettingsError, load_settings
 
 
 def test_absent_block_is_disabled() -> None:
@@ -49,7 +49,7 @@ def test_disabled_needs_no_token() -> None:
 
 
 def test_plain_token_works_but_warns(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="nemo_gym_checkpoint_plugin.settings"):
+    with caplog.at_level(logging.WARNING, logger="nemo_gym_checkpoint_plugin._settings"):
         _, token = load_settings({"checkpoint": {"enabled": True, "control_auth_token": "plain"}}, environ={})
     assert token == "plain"
     assert "control_auth_token_env" in caplog.text and "unauthenticated" in caplog.text

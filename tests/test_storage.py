@@ -9,8 +9,8 @@ import orjson
 import pytest
 from storage_support import record, write
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, WriteFailed
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, WriteStopped, load_manifest, read_checkpoint
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, WriteFailed
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter, WriteStopped, load_manifest, read_checkpoint
 
 PDIR = ("gym", "model", "policy_model")
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_gym_checkpoint_plugin.storage.codec import NotJSON, decode_line, encode_line
+from nemo_gym_checkpoint_plugin._storage.codec import NotJSON, decode_line, encode_line
 
 json_scalars = st.one_of(
     st.none(),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, read_checkpoint
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter, read_checkpoint
 
 HERE = Path(__file__).parent
 COUNT = 120

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from storage_support import record, write
 
-from nemo_gym_checkpoint_plugin.control import ControlPlane
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, WriteFailed
-from nemo_gym_checkpoint_plugin.plugins import make_plugin_manager
-from nemo_gym_checkpoint_plugin.settings import CheckpointSettings, SettingsError, settings_from_global_config
-from nemo_gym_checkpoint_plugin.storage import writer as writer_module
-from nemo_gym_checkpoint_plugin.storage.executor import STORAGE_THREADS, run_storage
+from nemo_gym_checkpoint_plugin._control import ControlPlane
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, WriteFailed
+from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings, SettingsError, settings_from_global_config
+from nemo_gym_checkpoint_plugin._storage import writer as writer_module
+from nemo_gym_checkpoint_plugin._storage.executor import STORAGE_THREADS, run_storage
 
 PDIR = ("gym", "model", "policy_model")
 
@@ -107,8 +107,8 @@ async def test_stuck_storage_calls_do_not_starve_the_default_executor() -> None:
 async def test_commit_and_restore_run_storage_on_the_storage_threads(tmp_path: Path) -> None:
     from control_support import close_harness, make_harness
 
-    from nemo_gym_checkpoint_plugin.markers import hookimpl
-    from nemo_gym_checkpoint_plugin.storage import LocalStorage
+    from nemo_gym_checkpoint_plugin._markers import hookimpl
+    from nemo_gym_checkpoint_plugin._storage import LocalStorage
 
     threads: dict[str, str] = {}
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from storage_support import fd_count, record
 from test_storage_hostile import bounded
 
-from nemo_gym_checkpoint_plugin.cli.offline import inspect_checkpoint, verify_checkpoint
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, read_checkpoint
-from nemo_gym_checkpoint_plugin.storage.index import check_participants_index, write_participants_index
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter, read_checkpoint
+from nemo_gym_checkpoint_plugin._storage.index import check_participants_index, write_participants_index
+from nemo_gym_checkpoint_plugin.cli._offline import inspect_checkpoint, verify_checkpoint
 
 PARTICIPANTS = [("environment", "env"), ("model", "m"), ("agent", "a")]
 TARGETS = ["manifest", "records", "index"]

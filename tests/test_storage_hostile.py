@@ -11,9 +11,9 @@ import orjson
 import pytest
 from storage_support import fd_count, record, write
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, WriteFailed
-from nemo_gym_checkpoint_plugin.storage import CheckpointWriter, LocalStorage, read_checkpoint
-from nemo_gym_checkpoint_plugin.storage.pipeline import hashed_lines
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, WriteFailed
+from nemo_gym_checkpoint_plugin._storage import CheckpointWriter, LocalStorage, read_checkpoint
+from nemo_gym_checkpoint_plugin._storage.pipeline import hashed_lines
 
 KIND, INSTANCE = "model", "policy_model"
 
@@ -239,8 +239,8 @@ def test_stop_between_rename_and_link_leaves_no_orphan(tmp_path: Path, monkeypat
 
 
 def test_stop_before_the_rename_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nemo_gym_checkpoint_plugin.storage import WriteStopped
-    from nemo_gym_checkpoint_plugin.storage import writer as writer_module
+    from nemo_gym_checkpoint_plugin._storage import WriteStopped
+    from nemo_gym_checkpoint_plugin._storage import writer as writer_module
 
     writer = CheckpointWriter(tmp_path, KIND, INSTANCE, "c1")
     real = writer_module.CheckpointWriter._manifest_tmp

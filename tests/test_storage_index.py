@@ -12,14 +12,14 @@ import pytest
 from coord_support import FOUR, TOKEN, start_participants, stop_participants
 from storage_support import record, write
 
-from nemo_gym_checkpoint_plugin.coordination import CoordinationError, commit, discover, prepare, restore, resume
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
-from nemo_gym_checkpoint_plugin.storage.index import (
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._storage.index import (
     check_participants_index,
     index_path,
     read_participants_index,
     write_participants_index,
 )
+from nemo_gym_checkpoint_plugin.coordination import CoordinationError, commit, discover, prepare, restore, resume
 
 
 def entry(manifest: dict) -> dict:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from storage_support import record, write
 
-from nemo_gym_checkpoint_plugin.storage.files import create_private, make_private_dirs
-from nemo_gym_checkpoint_plugin.storage.index import index_path, write_participants_index
-from nemo_gym_checkpoint_plugin.storage.layout import MANIFEST_NAME, participant_dir
+from nemo_gym_checkpoint_plugin._storage.files import create_private, make_private_dirs
+from nemo_gym_checkpoint_plugin._storage.index import index_path, write_participants_index
+from nemo_gym_checkpoint_plugin._storage.layout import MANIFEST_NAME, participant_dir
 
 
 def _mode(path: Path) -> int:

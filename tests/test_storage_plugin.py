@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from storage_support import record
 
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.plugins import UnknownStorageBackend, get_storage_backend, make_plugin_manager
-from nemo_gym_checkpoint_plugin.settings import SettingsError
-from nemo_gym_checkpoint_plugin.storage import LocalStorage
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._plugins import UnknownStorageBackend, get_storage_backend, make_plugin_manager
+from nemo_gym_checkpoint_plugin._settings import SettingsError
+from nemo_gym_checkpoint_plugin._storage import LocalStorage
 
 
 def test_default_backend_is_local_and_round_trips(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def _imports_the_kit(path: Path) -> list[str]:
 
 def test_no_product_module_imports_the_testing_kit() -> None:
     files = _product_files()
-    assert PACKAGE / "gate.py" in files and ROOT / "builtin_participants" / "__init__.py" in files
+    assert PACKAGE / "_gate.py" in files and ROOT / "builtin_participants" / "__init__.py" in files
     assert [hit for path in files for hit in _imports_the_kit(path)] == []
 
 
@@ -104,7 +104,7 @@ def test_importing_every_product_module_loads_no_testing_module(tmp_path: Path) 
     )
     assert reply.returncode == 0, reply.stderr[-3000:]
     loaded = json.loads(reply.stdout.strip().splitlines()[-1])
-    expected = {"gate", "cli.live", "control", "storage", "coordination", "hookspecs", "builtin_participants"}
+    expected = {"_gate", "cli._live", "_control", "_storage", "coordination", "hookspecs", "builtin_participants"}
     assert {f"nemo_gym_checkpoint_plugin.{name}" for name in expected} <= set(loaded["imported"])
     assert loaded["kit"] == []
 
@@ -137,7 +137,7 @@ _PROBE = r"""
 import json, sys
 import nemo_gym, nemo_gym_checkpoint_plugin
 import nemo_gym_checkpoint_plugin.builtin_participants, nemo_gym_checkpoint_plugin.hookspecs
-import nemo_gym_checkpoint_plugin.errors, nemo_gym_checkpoint_plugin.markers
+import nemo_gym_checkpoint_plugin._errors, nemo_gym_checkpoint_plugin._markers
 import nemo_gym_checkpoint_plugin.testing.pytest_plugin
 from nemo_gym_checkpoint_plugin.testing.deployment import fake_backend_script
 from nemo_gym_checkpoint_plugin import api

@@ -17,12 +17,12 @@ from nemo_gym.base_resources_server import BaseResourcesServerConfig
 from nemo_gym.config_types import ResourcesServerTypeConfig
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.settings import SettingsError
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._settings import SettingsError
+from nemo_gym_checkpoint_plugin._types import SeedDeclaration
+from nemo_gym_checkpoint_plugin._wire import RESTART_HEADER, VERIFY_HEADER
 from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES, server_location
-from nemo_gym_checkpoint_plugin.types import SeedDeclaration
-from nemo_gym_checkpoint_plugin.wire import RESTART_HEADER, VERIFY_HEADER
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.declarations import BUILTIN
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 from omegaconf import OmegaConf
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 STATELESS = sorted(path for path, mode in BUILTIN_MODES.items() if mode is CheckpointMode.STATELESS)

@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..coordination import DEFAULT_TIMEOUT
-from .live import run_live
-from .offline import inspect_checkpoint, verify_checkpoint
-from .output import print_error, print_json, table
-from .scope import CheckpointUnreadable
-from .where import CONFIG_ENV, TOKEN_ENV, UsageError
+from ._live import run_live
+from ._offline import inspect_checkpoint, verify_checkpoint
+from ._output import print_error, print_json, table
+from ._scope import CheckpointUnreadable
+from ._where import CONFIG_ENV, TOKEN_ENV, UsageError
 
 __all__ = ["build_parser", "main"]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import aiohttp
 
-from .coordinator import DEFAULT_TIMEOUT, Coordinator, Progress
-from .discovery import (
+from ._coordinator import DEFAULT_TIMEOUT, Coordinator, Progress
+from ._discovery import (
     Participant,
     endpoints_from_config,
     load_config,
@@ -33,10 +33,10 @@ from .discovery import (
     resolve_through_head_server,
     token_from_config,
 )
-from .errors import UNRESOLVED_ADDRESS, CoordinationError, ParticipantFailure
-from .order import KINDS, DefaultCoordinationOrder, default_order, stages_for
-from .results import CommitResult, PrepareResult, RestoreResult, capture_key, wire_episode_id
-from .transport import ControlTransport, Endpoint, encode_body
+from ._errors import UNRESOLVED_ADDRESS, CoordinationError, ParticipantFailure
+from ._order import KINDS, DefaultCoordinationOrder, default_order, stages_for
+from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, wire_episode_id
+from ._transport import ControlTransport, Endpoint, encode_body
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -117,7 +117,7 @@ async def discover(
     plugin can reorder a deployment.
     """
     if pm is None:
-        from .order import order_manager
+        from ._order import order_manager
 
         pm = order_manager()
     failures: list[ParticipantFailure] = []

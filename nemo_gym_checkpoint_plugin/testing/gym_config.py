@@ -12,7 +12,7 @@ Names and ports (``port_base`` + offset), all on 127.0.0.1:
 ``build_gym_config`` runs Gym's ``GlobalConfigDictParser`` (CLI and dotenv skipped,
 ``offline`` so it neither probes ports nor touches this process's environment or
 exporters) over the servers' shipped YAML plus overrides that bind names, ports and
-the backend. ``single_agent_turn`` defaults to the ``nemo_gym_checkpoint_plugin.ray_off``
+the backend. ``single_agent_turn`` defaults to the ``nemo_gym_checkpoint_plugin._ray_off``
 entrypoint because its class leaves ``ray_enabled`` unset, which starts Ray;
 ``wrapped_entrypoints()`` runs every server through ``nemo_gym_checkpoint_plugin.wrap``
 instead (Ray off too, and a checkpoint participant when the block is enabled).
@@ -64,7 +64,7 @@ _SHIPPED_CONFIGS = (
     "responses_api_agents/simple_agent/configs/simple_agent.yaml",
     "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
 )
-_DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin.ray_off"}
+_DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin._ray_off"}
 # The wrapper entrypoint: each server a checkpoint participant when the block is enabled (Ray off either way).
 WRAP_ENTRYPOINT = "nemo_gym_checkpoint_plugin.wrap"
 

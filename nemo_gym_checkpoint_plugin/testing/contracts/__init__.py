@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 __all__ = ["Harness", "MakeHarness", "call_hook"]
 

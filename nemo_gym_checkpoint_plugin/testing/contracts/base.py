@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_checkpoint_plugin.errors import CheckpointError
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, episode_from_wire, from_capture_key
-from nemo_gym_checkpoint_plugin.storage import decode_line, encode_line
-from nemo_gym_checkpoint_plugin.testing.contracts import Harness, MakeHarness, call_hook
-from nemo_gym_checkpoint_plugin.types import (
+from nemo_gym_checkpoint_plugin._errors import CheckpointError
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin._storage import decode_line, encode_line
+from nemo_gym_checkpoint_plugin._types import (
     MAX_REPORTED_BLOCKERS,
     ParticipantExport,
     Readiness,
     RestoredRecord,
     merge_readiness,
 )
+from nemo_gym_checkpoint_plugin.testing.contracts import Harness, MakeHarness, call_hook
 
 __all__ = ["ParticipantContract"]
 

@@ -1,0 +1,290 @@
+"""Attach checkpointing to one Gym server's FastAPI app: the single place both attachment modes go through.
+
+``attach_checkpointing(server, app)`` runs after the server's own ``setup_webserver()``
+built ``app`` and before Gym's ``run_webserver`` adds its liveness, exception and
+cancellation middleware. When the ``checkpoint:`` block is absent or disabled it
+installs nothing at all. When enabled it:
+
+1. builds the plugin manager, lets every plugin learn its server through the ``attach``
+   hook (a plugin answering ``False`` is unregistered), and builds this process's
+   ``ControlPlane`` (kind from the server class, instance = the server's config name);
+2. serves the control routes (``routes.attach``: router + error handler);
+3. adds the admission gate (``gate.install_gate``) as the outermost middleware so far, so
+   it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
+   and Gym's cancellation middleware (added later) still wraps it; on environments and
+   agents it also attributes ``POST /run`` by its body (only while something is to decide);
+   the built-in participants are bound to the plane's retired marks (``bind_marks``), so
+   an episode checks them where it begins too;
+4. on agents, sets Gym's rollout context from the ``/ng-rollout/<key>`` prefix (agents
+   route the prefix as a path parameter and never set the context themselves), so the
+   plugin's client attributes the agent's model and resources calls;
+5. with ``num_workers > 1`` registers ``UnmanagedWorkers``: each worker would hold its own
+   state, so the server says ``unmanaged`` in ``status`` and refuses to prepare or restore.
+
+The plugin's server client (``_client.py``) is swapped in by ``install_client`` *before*
+the server's ``setup_webserver()``, since a server may hand its client to what it builds.
+Settings come from the global config the server was built with; a bad block raises
+``SettingsError`` naming the key, before anything is installed; so does a
+``checkpoint.storage.backend`` no plugin provides (``UnknownStorageBackend``, naming the
+server and the backends available). So does a server config
+checkpointing cannot serve yet (``refuse_unsupported``): ``expose_tools_over_mcp: true``
+with the block enabled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from nemo_gym_checkpoint_plugin._errors import InvalidPhase
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._settings import CheckpointSettings, SettingsError, load_settings
+from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
+
+__all__ = [
+    "ATTACHMENT_STATE",
+    "Attachment",
+    "RolloutAttribution",
+    "UnmanagedWorkers",
+    "attach_checkpointing",
+    "install_client",
+    "refuse_unsupported",
+    "server_kind",
+    "server_settings",
+]
+
+logger = logging.getLogger(__name__)
+
+# Where the attachment is kept on ``app.state`` (absent: checkpointing is off for this app).
+ATTACHMENT_STATE = "ng_checkpoint_attachment"
+
+# Gym base class name -> participant kind. Matched by name along the MRO, as Gym itself does,
+# so that classifying a server never imports the other kinds' heavy base modules.
+_KIND_BY_BASE = {
+    "BaseEnvironmentServer": "environment",
+    "SimpleResponsesAPIModel": "model",
+    "SimpleResponsesAPIAgent": "agent",
+    "SimpleResourcesServer": "resources",
+}
+
+
+def server_kind(server_class: type) -> str:
+    """The participant kind of a Gym server class; ``TypeError`` for a class of no known kind."""
+    for base in server_class.__mro__:
+        kind = _KIND_BY_BASE.get(base.__name__)
+        if kind is not None:
+            return kind
+    raise TypeError(
+        f"{server_class.__qualname__} derives from none of {sorted(_KIND_BY_BASE)}: "
+        "it cannot be a checkpoint participant"
+    )
+
+
+def server_settings(server: Any) -> tuple[CheckpointSettings, str | None]:
+    """The validated ``checkpoint:`` block of the config ``server`` was built with, and its token (None: off).
+
+    ``SettingsError`` names the server (its config name).
+    """
+    try:
+        return load_settings(server.server_client.global_config_dict)
+    except SettingsError as exc:
+        raise exc.for_server(_server_name(server)) from None
+
+
+def _server_name(server: Any) -> str | None:
+    name = getattr(getattr(server, "config", None), "name", None)
+    return str(name) if name else None
+
+
+def refuse_unsupported(server_config: Any, settings: CheckpointSettings) -> None:
+    """Raise ``SettingsError`` (naming both keys) for a server config checkpointing does not support yet.
+
+    Only with checkpointing enabled: a disabled block changes nothing. Today one combination
+    is refused: ``expose_tools_over_mcp: true``. Gym's MCP auto-exposure dispatches tool calls
+    straight to the route handlers, past every middleware, so MCP calls would bypass the
+    admission gate and the episode bookkeeping; Gym itself refuses any non-Gym middleware
+    with a ``ValueError`` once the app is built, which does not say why it is there.
+    """
+    if not settings.enabled or not getattr(server_config, "expose_tools_over_mcp", False):
+        return
+    name = getattr(server_config, "name", None)
+    raise SettingsError(
+        "expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
+        "yet (Gym's MCP dispatch calls tool handlers directly, past the checkpoint admission gate); set "
+        "expose_tools_over_mcp: false on this server or checkpoint.enabled: false",
+        server=str(name) if name else None,
+    )
+
+
+def install_client(server: Any) -> None:
+    """Give ``server`` the plugin's server client (same configuration as its current one)."""
+    from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
+
+    server.server_client = CheckpointServerClient.from_client(server.server_client)
+
+
+class UnmanagedWorkers:
+    """Participant plugin of a multi-worker server: reports ``unmanaged``, refuses to checkpoint.
+
+    Each uvicorn worker re-imports the app and holds its own episodes, so one worker's
+    control plane cannot speak for the server. Until multi-worker support exists the
+    server never claims to be safe: ``close_admission`` (the start of every prepare and
+    restore) raises ``invalid_phase``, which aborts it and reopens admission.
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.reason = (
+            f"this server runs num_workers={num_workers}; checkpointing supports one worker per server "
+            "(each uvicorn worker holds its own episodes), so it is unmanaged: set num_workers: 1 to checkpoint it"
+        )
+
+    @hookimpl
+    def status_fields(self) -> dict[str, Any]:
+        return {"unmanaged": True, "unmanaged_reason": self.reason, "num_workers": self.num_workers}
+
+    @hookimpl
+    def close_admission(self, checkpoint_id: str) -> None:
+        raise InvalidPhase(f"cannot checkpoint {checkpoint_id!r}: {self.reason}", num_workers=self.num_workers)
+
+
+class RolloutAttribution:
+    """Pure ASGI middleware: run a request under Gym's rollout context named by its ``/ng-rollout/<key>`` prefix.
+
+    The scope is never rewritten (agents route the prefixed path themselves); a request
+    without the prefix passes untouched at the cost of one ``startswith``.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        from nemo_gym.rollout_correlation import ROLLOUT_ID_PATTERN, rollout_context
+
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if not path.startswith(_ROLLOUT_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        key = path[len(_ROLLOUT_PREFIX) :].partition("/")[0]
+        if not ROLLOUT_ID_PATTERN.match(key):
+            await self.app(scope, receive, send)
+            return
+        with rollout_context(key):
+            await self.app(scope, receive, send)
+
+
+_ROLLOUT_PREFIX = ROLLOUT_PATH_PREFIX
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What ``attach_checkpointing`` installed on one app (kept on ``app.state``)."""
+
+    settings: CheckpointSettings
+    kind: str
+    instance: str
+    control: Any
+    gate_counters: Any
+    unmanaged: UnmanagedWorkers | None
+
+
+def _builtin_participants(server: Any, kind: str, settings: CheckpointSettings) -> list[Any]:
+    from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
+
+    return participants_for(server, kind, settings)
+
+
+def _plugin_manager(extra_plugins: Iterable[Any]) -> pluggy.PluginManager:
+    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+
+    pm = make_plugin_manager(extra_plugins)
+    if not pm.hook.lease_policy.get_hookimpls():
+        # The default lease policy is a core plugin; register it when the built-ins do not.
+        from nemo_gym_checkpoint_plugin._control import DefaultLeasePolicy
+
+        pm.register(DefaultLeasePolicy())
+    return pm
+
+
+def attach_checkpointing(
+    server: Any,
+    app: Any,
+    *,
+    settings: CheckpointSettings | None = None,
+    token: str | None = None,
+    extra_plugins: Iterable[Any] = (),
+    builtin: bool = True,
+) -> Attachment | None:
+    """Install the control routes and the admission gate on ``app`` when checkpointing is enabled.
+
+    ``settings``/``token`` default to ``server_settings(server)``. Returns None (and
+    installs nothing) when disabled. Raises ``SettingsError`` for a bad block or an
+    unsupported server config (``refuse_unsupported``) and ``RuntimeError`` when ``app``
+    already carries an attachment; nothing is installed then.
+    ``extra_plugins`` are registered on the plugin manager after the built-ins and the
+    entry-point group (tests, embedding code). With ``builtin`` the server's built-in
+    participant (``builtin_participants.participants_for``) is registered too, and the reply
+    headers it declares through are installed.
+    """
+    if settings is None:
+        settings, token = server_settings(server)
+    if not settings.enabled:
+        return None
+    refuse_unsupported(server.config, settings)
+    if token is None:
+        try:
+            token = settings.resolve_token()
+        except SettingsError as exc:
+            raise exc.for_server(_server_name(server)) from None
+    if getattr(app.state, ATTACHMENT_STATE, None) is not None:
+        raise RuntimeError("checkpointing is already attached to this app")
+
+    from nemo_gym_checkpoint_plugin._control import ControlPlane
+    from nemo_gym_checkpoint_plugin._gate import install_gate
+    from nemo_gym_checkpoint_plugin._routes import attach as attach_routes
+
+    kind = server_kind(type(server))
+    instance = str(server.config.name)
+    num_workers = int(getattr(server.config, "num_workers", None) or 1)
+    unmanaged = UnmanagedWorkers(num_workers) if num_workers > 1 else None
+    builtins = _builtin_participants(server, kind, settings) if builtin else []
+    plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
+    # Everything that can fail is built before the app is touched: a failure installs nothing.
+    pm = _plugin_manager(plugins)
+    from nemo_gym_checkpoint_plugin._plugins import attach_plugins
+
+    dropped = attach_plugins(pm, server=server, app=app, kind=kind, instance=instance, settings=settings)
+    if dropped:
+        logger.info("checkpoint plugins %s do not apply to %s (%s); unregistered", dropped, instance, kind)
+    try:
+        control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
+    except SettingsError as exc:  # an unknown checkpoint.storage.backend
+        raise exc.for_server(instance) from None
+    for plugin in builtins:
+        if hasattr(plugin, "bind_marks"):
+            # Where an episode begins, the marks are checked too (a request past the gate stays refused).
+            plugin.bind_marks(control.marks)
+
+    attach_routes(app, control, token)
+    if builtins:
+        from nemo_gym_checkpoint_plugin.builtin_participants import install_reply_declarations
+
+        install_reply_declarations(app, control.participants, builtins)
+    if kind == "agent":
+        app.add_middleware(RolloutAttribution)
+    # Added last, so outermost so far: the gate sees the raw prefixed path before any Gym middleware.
+    counters = install_gate(
+        app, control.admission, control.marks, run_path="/run" if kind in ("environment", "agent") else None
+    )
+    app.router.on_shutdown.append(control.aclose)
+    attachment = Attachment(
+        settings=settings, kind=kind, instance=instance, control=control, gate_counters=counters, unmanaged=unmanaged
+    )
+    setattr(app.state, ATTACHMENT_STATE, attachment)
+    if unmanaged is not None:
+        logger.warning("checkpoint participant %s is unmanaged: %s", instance, unmanaged.reason)
+    return attachment

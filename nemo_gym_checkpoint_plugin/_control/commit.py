@@ -1,0 +1,222 @@
+"""Commit: export once, write through the storage backend in a thread, then clean up restored state.
+
+Rules (docs/protocol.md "Errors", "Phases", "Retire, forget, restore marks", "Restarts"):
+
+- only in ``prepared``; a scope naming a reported restart is ``restart_in_scope``;
+- readiness that regressed since prepare ends the checkpoint before anything is exported:
+  ``export_failed``, and so is every later commit of the id, whatever its arguments (a
+  retry once readiness recovered would commit a later cut than the other participants);
+- a checkpoint never exports twice: the first commit starts the work, a retry with the
+  same directory, sorted scope and ``stop`` joins or replays it, other arguments are
+  ``checkpoint_conflict``; once the export failed every later commit is ``export_failed``;
+- a failed **write** (the storage backend raised ``WriteFailed``: full disk, unwritable
+  directory) is that error's reply and keeps the export: a retried commit with the same
+  scope and ``stop``, into the same or another directory, writes the same records again
+  (``KeptExport``); any other failure while writing (a record that is not JSON, the
+  participant's iterator raising) ends the checkpoint like a failed export;
+- after the write, restored-pending episodes the scope leaves out are deleted
+  (``delete_restored``); a resume waits for that cleanup; with ``stop: true`` the
+  participants free exported state held outside the process (failures logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from nemo_gym_checkpoint_plugin._errors import (
+    CheckpointError,
+    ExportFailed,
+    InvalidPhase,
+    RestartInScope,
+    WriteFailed,
+)
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._storage.executor import run_storage
+from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
+
+from .._types import Phase, sorted_keys
+from .memory import Active, KeptExport, Replay
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
+
+__all__ = ["CommitMixin"]
+
+logger = logging.getLogger(__name__)
+
+# The protocol fields of a commit reply; participant extras never replace them.
+_REPLY_FIELDS = ("phase", "manifest", "episode_ids")
+
+
+def _scoped(records: Iterable[Mapping[str, Any]], scope: frozenset[str] | None, written: list[str]) -> Iterator[Any]:
+    """Pass records inside ``scope`` to the writer, noting their capture keys (runs in the writer's thread)."""
+    for record in records:
+        try:
+            key = capture_key_of(record["episode_id"]) if isinstance(record, Mapping) else None
+        except (KeyError, ValueError) as exc:
+            raise ExportFailed(f"an exported record has no valid episode_id: {exc}") from None
+        if key is None:
+            raise ExportFailed(f"an exported record is not a JSON object: {type(record).__name__}")
+        if scope is not None and key not in scope:
+            # The contract says export only what is in scope; enforce it rather than trust it.
+            logger.warning("export returned %s, outside the commit scope; not written", key)
+            continue
+        written.append(key)
+        yield record
+
+
+def _raise(error: BaseException, cause: BaseException) -> NoReturn:
+    if error is cause:
+        raise error
+    raise error from cause
+
+
+class CommitMixin:
+    async def commit(
+        self: ControlPlane,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId] | None,
+        stop: bool = False,
+    ) -> dict[str, Any]:
+        self._check_deadline(deadline_ts)
+        scope = sorted_keys(episode_ids)
+        args = (os.path.normpath(checkpoint_dir), scope, bool(stop))
+        async with self._lock:
+            active = self._fence(checkpoint_id)
+            if active is None or active.operation != "checkpoint":
+                raise InvalidPhase(f"commit of {checkpoint_id} needs it prepared; phase is {self.phase}")
+            self.lease.extend(deadline_ts)
+            previous = active.commit
+            if active.export_error is not None and (previous is None or previous.task.done()):
+                # docs/protocol.md: every later commit of the id gets export_failed, whatever its arguments.
+                raise active.export_error
+            if previous is not None and active.write_error is not None and previous.task.done():
+                # The write failed, the export is kept: write it again, into this call's directory.
+                previous.check_args("commit", checkpoint_id, args, any_dir=True)
+                active.write_error = None
+                task = self._spawn(self._write(active, args), active)
+                active.commit = Replay(args, task)
+            elif previous is not None:
+                previous.check_args("commit", checkpoint_id, args)
+                task = previous.task
+            else:
+                task = await self._start_commit(active, args)
+        reply = await self._joined(task, deadline_ts, f"commit of {checkpoint_id}")
+        cleanup = active.cleanup_task
+        if cleanup is not None and not cleanup.done():
+            # The write is durable: the commit succeeded even if cleanup outlives the deadline (resume waits).
+            try:
+                await asyncio.wait_for(asyncio.shield(cleanup), self._remaining(deadline_ts))
+            except TimeoutError:
+                logger.warning("commit of %s: restored-state cleanup still running at its deadline", checkpoint_id)
+        return reply
+
+    async def _start_commit(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> asyncio.Task[Any]:
+        """The first commit of ``active`` (under the lock): check phase, scope and readiness, start the export."""
+        checkpoint_id, scope = active.checkpoint_id, args[1]
+        if self.phase is not Phase.PREPARED:
+            raise InvalidPhase(f"commit of {checkpoint_id} needs phase prepared; phase is {self.phase}")
+        assert active.report is not None
+        restarts = sorted(set(scope or ()) & set(active.report.restarts))
+        if restarts:
+            raise RestartInScope(
+                f"the commit scope names {len(restarts)} episode(s) this participant reported as restarts: "
+                f"{', '.join(restarts[:10])}",
+                episodes=restarts,
+            )
+        now = await self.participants.ready(checkpoint_id)
+        if not now.ready:
+            # Final (docs/protocol.md "Errors"): a later retry would export a later cut than the other participants'.
+            active.export_error = ExportFailed(
+                f"readiness of {checkpoint_id} regressed since prepare: {len(now.blockers)} blocker(s) "
+                f"({', '.join(now.blockers[:10])}); the checkpoint is over: resume it and prepare a new id",
+                blockers=list(now.blockers[:100]),
+            )
+            raise active.export_error
+        task = self._spawn(self._export_and_write(active, args), active)
+        active.commit = Replay(args, task)
+        return task
+
+    async def _export_and_write(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
+        checkpoint_id = active.checkpoint_id
+        scope = None if args[1] is None else frozenset(args[1])
+        try:
+            exported = await self.participants.export(checkpoint_id, scope)
+        except BaseException as exc:
+            _raise(self._export_failed(active, exc), exc)
+        written: list[str] = []
+        active.kept = KeptExport(_scoped(exported.records, scope, written), exported.manifest_extras,
+                                 exported.reply_extras)
+        active.kept.written = written
+        return await self._write(active, args)
+
+    async def _write(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
+        """Store the kept export into ``args``' directory; a ``WriteFailed`` keeps it for a retry."""
+        checkpoint_dir, scope_keys, stop = args
+        checkpoint_id = active.checkpoint_id
+        kept = active.kept
+        assert kept is not None
+        try:
+            writer = active.writer = self._storage.open_writer(checkpoint_dir, self.kind, self.instance, checkpoint_id)
+            records = kept.replay()
+            manifest = await run_storage(writer.write, records, kept.manifest_extras)
+        except BaseException as exc:
+            if isinstance(exc, WriteFailed) and kept.source_error is None:
+                logger.warning("commit of %s: the write failed (%s); the export is kept", checkpoint_id, exc)
+                active.write_error = exc
+                raise
+            # The participant's iterator failed inside the write: an export failure, whatever the writer made of it.
+            _raise(self._export_failed(active, kept.source_error or exc), exc)
+        # Two plugins may write records of the same episode: the reply names each episode once.
+        written = sorted(set(kept.written))
+        kept.release()
+        scope = None if scope_keys is None else frozenset(scope_keys)
+        reply: dict[str, Any] = {k: v for k, v in kept.reply_extras.items() if k not in _REPLY_FIELDS}
+        reply.update(phase=Phase.COMMITTED.value, manifest=manifest, episode_ids=written)
+        async with self._lock:
+            if self._active is active:
+                self.phase = Phase.COMMITTED
+                active.cleanup_task = self._spawn(self._after_write(checkpoint_id, scope, stop, written))
+        return reply
+
+    def _export_failed(self: ControlPlane, active: Active, exc: BaseException) -> BaseException:
+        """Note that ``active``'s export failed for good; return what this commit raises."""
+        checkpoint_id = active.checkpoint_id
+        if isinstance(exc, asyncio.CancelledError):
+            active.export_error = ExportFailed(f"the export of {checkpoint_id} was cancelled by a resume")
+            return exc
+        if isinstance(exc, CheckpointError):
+            active.export_error = ExportFailed(
+                f"the export of {checkpoint_id} failed ({exc.code}: {exc.detail}); the checkpoint is over",
+                cause=exc.code,
+            )
+            return exc  # this commit replies the error itself; later ones export_failed
+        if not isinstance(exc, Exception):
+            return exc
+        logger.error("export of %s failed", checkpoint_id, exc_info=exc)
+        active.export_error = ExportFailed(
+            f"the export of {checkpoint_id} failed ({type(exc).__name__}: {exc}); the checkpoint is over"
+        )
+        return active.export_error
+
+    async def _after_write(
+        self: ControlPlane, checkpoint_id: str, scope: frozenset[str] | None, stop: bool, written: list[str]
+    ) -> None:
+        if scope is not None:
+            try:
+                leftover = sorted((await self.participants.restored_pending()) - scope)
+                if leftover:
+                    await self.participants.delete_restored([from_capture_key(key) for key in leftover])
+            except Exception:
+                logger.exception("commit of %s: deleting restored episodes outside its scope failed", checkpoint_id)
+        if stop:
+            try:
+                await self.participants.release_exported(checkpoint_id, list(written))
+            except Exception:
+                logger.exception("commit of %s with stop: freeing exported state failed", checkpoint_id)

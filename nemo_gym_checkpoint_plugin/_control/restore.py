@@ -1,0 +1,176 @@
+"""Restore, retire and forget: the operations that set or clear retired marks.
+
+Rules (docs/protocol.md "Retire, forget, restore marks"):
+
+- restore marks every scoped episode retired up to its checkpointed attempt *before*
+  any deadline-bound work, closes admission, reads and verifies the records in a
+  thread, retires the checkpointed attempts it read (stop and free what a process that
+  did not crash still holds of them) and installs them as the replacement attempts
+  (attempt + 1). An install
+  that outlives the restore's deadline is kept: a retire or the next restore waits for
+  it and admission reopens only once it finished. A failed read or install reopens
+  admission (the marks stay); a failed install also deletes what it may have left;
+- retire marks first (which refuses data requests parked under those attempts at
+  once), then (bounded by its deadline) waits for a running install, stops and frees
+  the attempts, waits until those parked requests were answered, then replies
+  ``retired_count``;
+- forget removes marks and replies ``forgotten_count``;
+- retire and forget are refused (marking nothing) while preparing, prepared or
+  committed; right after a restore their id must be the restore's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from nemo_gym_checkpoint_plugin._errors import (
+    CheckpointConflict,
+    CheckpointError,
+    InvalidCheckpointState,
+    InvalidPhase,
+)
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._storage.executor import run_storage
+
+from .._types import Phase, RestoredRecord, sorted_keys
+from .memory import Active, Replay
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
+
+__all__ = ["RestoreMixin"]
+
+logger = logging.getLogger(__name__)
+
+
+class RestoreMixin:
+    # -- restore ---------------------------------------------------------------------------------
+
+    async def restore(
+        self: ControlPlane,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId],
+    ) -> dict[str, Any]:
+        self._check_deadline(deadline_ts)
+        args = (os.path.normpath(checkpoint_dir), sorted_keys(episode_ids))
+        async with self._lock:
+            active = self._fence(checkpoint_id)
+            if active is not None:
+                if active.operation != "restore" or active.restore is None:
+                    raise InvalidPhase(f"{checkpoint_id} is a checkpoint (phase {self.phase}); it cannot restore")
+                active.restore.check_args("restore", checkpoint_id, args)
+                self.lease.extend(deadline_ts)
+                task = active.restore.task
+            else:
+                # Marks first: from here on the checkpointed attempts are refused, whatever happens next.
+                await self._mark_all(episode_ids)
+                active = Active(checkpoint_id, "restore")
+                await self._begin(active, deadline_ts, Phase.RESTORED)
+                task = self._spawn(self._read_and_install(active, args[0], args[1] or ()), active)
+                active.restore = Replay(args, task)
+        return await self._joined(task, deadline_ts, f"restore {checkpoint_id}")
+
+    async def _read_and_install(
+        self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...]
+    ) -> dict[str, Any]:
+        try:
+            restored = await run_storage(
+                self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
+            )
+            records = [_restored_record(record) for record in restored.records]
+            # Before anything is retired or installed: every record's owner must be here to take it.
+            self.participants.check_owners(records)
+            scope = [_replacement(from_capture_key(key)) for key in keys]
+            previous = self._install_task
+            if previous is not None and not previous.done():
+                # Two installs never overlap: the next restore waits for the one that outlived its deadline.
+                await asyncio.wait([previous])
+            install = self._install_task = self._spawn(
+                self._install(active.checkpoint_id, restored.manifest, records, scope)
+            )
+            await asyncio.shield(install)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            async with self._lock:
+                await self._back_to_idle(active)
+            raise
+        return {
+            "phase": Phase.RESTORED.value,
+            "source_checkpoint_id": restored.manifest["checkpoint_id"],
+            "restored": sorted({r.replacement.capture_key for r in records}),
+        }
+
+    async def _install(
+        self: ControlPlane, checkpoint_id: str, manifest: Mapping[str, Any], records: list, scope: list[EpisodeId]
+    ) -> None:
+        try:
+            # The checkpointed attempts are retired (marked above). A process that did not crash may
+            # still run or hold them: stop and free them first, so their replacements install cleanly.
+            await self.participants.retire([r.checkpointed for r in records])
+            await self.participants.install(checkpoint_id, manifest, records, scope)
+        except BaseException as exc:
+            # Never half-installed: whatever an install left behind goes before the error is reported.
+            try:
+                await self.participants.delete_restored([r.replacement for r in records])
+            except Exception:
+                logger.exception("restore %s: removing a failed install's state failed", checkpoint_id)
+            if isinstance(exc, ValueError) and not isinstance(exc, CheckpointError):
+                raise InvalidCheckpointState(f"restore {checkpoint_id}: a participant refused a record: {exc}") from exc
+            raise
+
+    # -- retire and forget -----------------------------------------------------------------------
+
+    def _check_marks_allowed(self: ControlPlane, operation: str, checkpoint_id: str) -> None:
+        if self.phase in (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED):
+            raise InvalidPhase(f"{operation} is refused in phase {self.phase} (checkpoint {self.checkpoint_id})")
+        if self.phase is Phase.RESTORED and checkpoint_id != self.checkpoint_id:
+            raise CheckpointConflict(
+                f"{operation} after restore {self.checkpoint_id} must name that restore, not {checkpoint_id}",
+                checkpoint_id=checkpoint_id,
+                active=self.checkpoint_id,
+            )
+
+    async def retire(self: ControlPlane, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict:
+        self._check_deadline(deadline_ts)
+        async with self._lock:
+            self._check_marks_allowed("retire", checkpoint_id)
+            await self._mark_all(episode_ids)
+            if self.phase is Phase.RESTORED:
+                self.lease.extend(deadline_ts)
+        work = self._spawn(self._stop_and_free(list(episode_ids)))
+        await self._joined(work, deadline_ts, f"retire {checkpoint_id}")
+        return {"retired_count": len(episode_ids)}
+
+    async def _stop_and_free(self: ControlPlane, episode_ids: list[EpisodeId]) -> None:
+        install = self._install_task
+        if install is not None and not install.done():
+            await asyncio.wait([install])
+        await self.participants.retire(episode_ids)
+        # Data requests parked under these attempts were refused when marked; reply once they left.
+        await self.marks.parked_left(episode.rollout_id for episode in episode_ids)
+
+    async def forget(self: ControlPlane, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict:
+        self._check_deadline(deadline_ts)
+        async with self._lock:
+            self._check_marks_allowed("forget", checkpoint_id)
+            for rollout_id in rollout_ids:
+                self.marks.forget(rollout_id)
+            if self.phase is Phase.RESTORED:
+                self.lease.extend(deadline_ts)
+        return {"forgotten_count": len(rollout_ids)}
+
+
+def _replacement(checkpointed: EpisodeId) -> EpisodeId:
+    return EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
+
+
+def _restored_record(record: dict[str, Any]) -> RestoredRecord:
+    checkpointed = EpisodeId.model_validate(record["episode_id"])
+    return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)

@@ -1,0 +1,56 @@
+"""Names and paths of the on-disk checkpoint layout (docs/protocol.md, "Storage layout").
+
+``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
+``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``, and the controller's
+``<checkpoint_dir>/gym/participants.json``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .._errors import InvalidCheckpointState
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "DEFAULT_MAX_RECORD_BYTES",
+    "INDEX_NAME",
+    "MAX_MANIFEST_BYTES",
+    "MANIFEST_NAME",
+    "MANIFEST_FIELDS",
+    "SAFE_COMPONENT",
+    "RECORDS_FILE",
+    "records_name",
+    "participant_dir",
+    "check_component",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FIELDS = ("schema_version", "kind", "instance", "checkpoint_id", "records_file", "records_sha256",
+                   "record_count")
+INDEX_NAME = "participants.json"
+# A record's encoded size (its line, newline included) is bounded, so a reader never holds an
+# endless line; ``checkpoint.storage.max_record_bytes`` changes it. 64 MiB holds an episode of
+# hundreds of thousands of tokens with their logprobs.
+DEFAULT_MAX_RECORD_BYTES = 64 << 20
+# Manifests and the participants index are small; anything past this is not one.
+MAX_MANIFEST_BYTES = 16 << 20
+SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+RECORDS_FILE = re.compile(r"^records(-[0-9a-f]{64})?\.jsonl$")
+
+
+def check_component(what: str, value: object) -> str:
+    """A ``kind`` or ``instance`` must be one safe path component."""
+    if not isinstance(value, str) or not SAFE_COMPONENT.fullmatch(value):
+        raise InvalidCheckpointState(f"{what} {value!r} is not a safe path component ({SAFE_COMPONENT.pattern})")
+    return value
+
+
+def records_name(sha256_hex: str) -> str:
+    return f"records-{sha256_hex}.jsonl"
+
+
+def participant_dir(checkpoint_dir: str | Path, kind: str, instance: str) -> Path:
+    return Path(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)
