@@ -162,3 +162,21 @@ async def test_a_held_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+async def test_brief_stats_are_the_counters_alone(client: httpx.AsyncClient) -> None:
+    await client.post("/_fake/hold", json={"match": "brief", "count": 1})
+    held = asyncio.create_task(client.post("/v1/chat/completions", json=first_turn("brief one")))
+    await client.post("/v1/chat/completions", json=first_turn("another"))
+    brief = await wait_until_async(
+        lambda: _json_when(client, "/_fake/stats?brief=true", lambda s: s["held"] == 1), timeout=10, what="a held call"
+    )
+    assert brief == {"held": 1, "calls_total": 2, "completed_total": 1, "abandoned_total": 0}
+    await client.post("/_fake/release", json={})
+    assert (await held).status_code == 200
+    assert (await client.get("/_fake/stats", params={"brief": "true"})).json()["completed_total"] == 2
+
+
+async def _json_when(client: httpx.AsyncClient, path: str, predicate) -> dict | None:
+    body = (await client.get(path)).json()
+    return body if predicate(body) else None

@@ -26,6 +26,8 @@ Control routes (for tests; never part of a real backend):
   contains ``match`` (all when null) and drop the hold rules made with that ``match``
   (all when null).
   Replies ``{"released": n, "rules_dropped": m}``.
+- ``GET /_fake/stats?brief=true``: only the four counters below (``held``, ``calls_total``,
+  ``completed_total``, ``abandoned_total``), cheap to poll at thousands of held calls.
 - ``GET /_fake/stats``: ``held`` (count of calls waiting now), ``held_calls``, ``rules``,
   ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
   (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
@@ -54,8 +56,6 @@ from fastapi.responses import JSONResponse
 
 DEFAULT_MODEL = "fake-model"
 FINAL_ANSWER = "It is cold in San Francisco today."
-# How often a held call checks whether its client went away: bounds how stale `held` can be after a crash.
-_DISCONNECT_POLL_SECONDS = 0.1
 
 
 @dataclass
@@ -137,6 +137,15 @@ class FakeBackendState:
     def abandoned(self, call: HeldCall) -> None:
         if self.held.pop(call.call_id, None) is not None:
             self.abandoned_total += 1
+
+    def counts(self) -> dict[str, int]:
+        """The counters alone: what a caller polling for a condition at thousands of calls needs."""
+        return {
+            "held": len(self.held),
+            "calls_total": self.calls_total,
+            "completed_total": self.completed_total,
+            "abandoned_total": self.abandoned_total,
+        }
 
     def stats(self) -> dict[str, Any]:
         def table(counts: dict[str, dict[int, int]]) -> dict[str, dict[str, int]]:
@@ -241,15 +250,28 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
-    """Wait until released; False when the client went away first (the call is then abandoned)."""
-    while True:
-        try:
-            await asyncio.wait_for(call.released.wait(), timeout=_DISCONNECT_POLL_SECONDS)
-            return True
-        except TimeoutError:
-            if await request.is_disconnected():
-                state.abandoned(call)
-                return False
+    """Wait until released; False when the client went away first (the call is then abandoned).
+
+    Event-driven, never polled: the body is read, so the next ASGI message is the client's
+    disconnect. Thousands of held calls then cost nothing while they wait.
+    """
+    released = asyncio.ensure_future(call.released.wait())
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((released, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (released, gone):
+            task.cancel()
+    if call.released.is_set():
+        return True
+    state.abandoned(call)
+    return False
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL) -> FastAPI:
@@ -309,8 +331,8 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
         return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
 
     @app.get("/_fake/stats")
-    async def stats() -> dict[str, Any]:
-        return state.stats()
+    async def stats(brief: bool = False) -> dict[str, Any]:
+        return state.counts() if brief else state.stats()
 
     @app.post("/_fake/reset")
     async def reset() -> dict[str, int]:

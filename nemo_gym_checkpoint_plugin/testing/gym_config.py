@@ -91,11 +91,13 @@ def build_gym_config(
     *,
     checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
     entrypoints: Mapping[str, str] | None = None,
+    gym_settings: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
     ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
     ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
+    ``gym_settings`` adds top-level Gym settings (e.g. ``global_aiohttp_connector_limit_per_host``).
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
@@ -148,6 +150,7 @@ def build_gym_config(
     }
     if checkpoint is not None:
         initial["checkpoint"] = dict(checkpoint)
+    initial.update(gym_settings or {})
     config = GlobalConfigDictParser().parse(
         GlobalConfigDictParserConfig(
             initial_global_config_dict=OmegaConf.create(initial),
