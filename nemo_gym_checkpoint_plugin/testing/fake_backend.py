@@ -30,10 +30,14 @@ Control routes (for tests; never part of a real backend):
   ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
   (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
   conversation/step that arrived more than once).
-- ``POST /_fake/reset``: drop counters, rules, and release every held call.
+- ``POST /_fake/reset``: drop counters, rules, the delay, and release every held call.
+- ``POST /_fake/delay {"seconds": 0}``: every call generates for that long before it
+  answers (a held call after its release), like a real worker; ``generating`` in stats
+  counts the calls inside that time now.
 
 A held call whose client disconnects (its caller was killed) is dropped from ``held``
-and counted in ``abandoned_total``, so a test can wait for a crash to be noticed.
+and counted in ``abandoned_total``, so a test can wait for a crash to be noticed; so is a
+call whose client disconnects while it generates (the worker sees the request dropped).
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ class FakeBackendState:
         self.completed_total = 0
         self.abandoned_total = 0
         self.rules: list[HoldRule] = []
+        self.delay_seconds = 0.0
+        self.generating = 0
         return released
 
     def add_rule(self, match: str, count: int, step: int | None) -> HoldRule:
@@ -153,6 +159,8 @@ class FakeBackendState:
             "calls_total": self.calls_total,
             "completed_total": self.completed_total,
             "abandoned_total": self.abandoned_total,
+            "generating": self.generating,
+            "delay_seconds": self.delay_seconds,
             "calls": table(self.calls),
             "completed": table(self.completed),
             "repeated": [
@@ -252,6 +260,33 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
                 return False
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client went away (the body was read already: only a disconnect can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _generate(request: Request, state: FakeBackendState) -> bool:
+    """Spend ``delay_seconds`` generating; False when the client went away first (the call is abandoned)."""
+    if state.delay_seconds <= 0:
+        return True
+    state.generating += 1
+    # The delay is the simulated generation time itself, not a stand-in for a condition.
+    work = asyncio.ensure_future(asyncio.sleep(state.delay_seconds))  # wait-ok: simulated generation
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finished = work.done()
+    finally:
+        state.generating -= 1
+        work.cancel()
+        gone.cancel()
+    if not finished:
+        state.abandoned_total += 1
+        return False
+    return True
+
+
 def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL) -> FastAPI:
     """The backend's ASGI app; ``state`` is exposed as ``app.state.fake`` for in-process tests."""
     state = state or FakeBackendState()
@@ -281,6 +316,8 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
         call = state.arrive(conversation, step)
         if call is not None and not await _wait_released(request, state, call):
             return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
+        if not await _generate(request, state):
+            return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
         state.answered(conversation, step)
         return JSONResponse(completion_for(body, conversation, step))
 
@@ -307,6 +344,15 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
             return _bad_request("match must be a string or null")
         rules_dropped = state.drop_rules(match)
         return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
+
+    @app.post("/_fake/delay")
+    async def delay(request: Request) -> JSONResponse:
+        body = await _control_body(request)
+        seconds = None if body is None else body.get("seconds", 0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
+            return _bad_request("delay takes seconds (a number from 0 to 3600)")
+        state.delay_seconds = float(seconds)
+        return JSONResponse({"delay_seconds": state.delay_seconds})
 
     @app.get("/_fake/stats")
     async def stats() -> dict[str, Any]:
