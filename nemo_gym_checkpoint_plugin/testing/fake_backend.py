@@ -58,8 +58,6 @@ from fastapi.responses import JSONResponse
 
 DEFAULT_MODEL = "fake-model"
 FINAL_ANSWER = "It is cold in San Francisco today."
-# How often a held call checks whether its client went away: bounds how stale `held` can be after a crash.
-_DISCONNECT_POLL_SECONDS = 0.1
 
 
 @dataclass
@@ -249,15 +247,21 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
-    """Wait until released; False when the client went away first (the call is then abandoned)."""
-    while True:
-        try:
-            await asyncio.wait_for(call.released.wait(), timeout=_DISCONNECT_POLL_SECONDS)
+    """Wait until released; False when the client went away first (the call is then abandoned).
+
+    Event-driven (a disconnect is the request's next ASGI message), so a thousand held calls cost nothing.
+    """
+    released = asyncio.ensure_future(call.released.wait())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({released, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if released.done():
             return True
-        except TimeoutError:
-            if await request.is_disconnected():
-                state.abandoned(call)
-                return False
+    finally:
+        released.cancel()
+        gone.cancel()
+    state.abandoned(call)
+    return False
 
 
 async def _disconnected(request: Request) -> None:
