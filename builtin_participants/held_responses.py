@@ -102,6 +102,7 @@ class _Delivery:
             return
         kind = message["type"]
         if kind == "http.response.start":
+            self._calls.starting(self._call)
             self._kept.append(message)
             if _is_event_stream(message):
                 self._sse = SSEScan()
@@ -120,7 +121,7 @@ class _Delivery:
             return
         # The first answer data, or the end of the response: it waits while admission is closed.
         await self._calls.hold(self._call)
-        self.started = True
+        self.started = self._call.started = True
         await self._flush()
         await self._send(message)
 

@@ -15,6 +15,12 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   for them to end, then returns; a call stopped before its answer started is answered
   ``stale_attempt``. A retried retire waits for calls an earlier one stopped without
   cancelling them again. Later calls of a retired attempt are refused by the gate.
+- With Gym's token capture writing its file store, the captured rows of each episode are
+  exported and installed under the replacement attempt (``model_capture.py``), minus the
+  rows of calls whose response had not started when the export ran (each call's model call
+  id is read from Gym's capture context of its route's task). Such a server refuses to
+  restore once it has served a call (``invalid_phase``): its capture files may belong to
+  live episodes.
 
 One registry per model server process; used from its event loop only.
 """
@@ -22,11 +28,15 @@ One registry per model server process; used from its event loop only.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
+
+from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import Readiness
+from nemo_gym_checkpoint_plugin.types import Readiness, RestoredRecord
 
 __all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
 
@@ -34,22 +44,44 @@ __all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
 class ModelCall:
     """One data request to the model server, from the gate to its last response message."""
 
-    __slots__ = ("rollout_id", "attempt", "task", "held", "retired", "finished")
+    __slots__ = ("rollout_id", "attempt", "task", "held", "started", "retired", "finished", "capture_call_id")
 
     def __init__(self, rollout_id: str | None, attempt: int) -> None:
         self.rollout_id = rollout_id  # None: a call outside any rollout (never retired)
         self.attempt = attempt
-        self.task: asyncio.Future[Any] | None = None
+        self.task: asyncio.Task[Any] | None = None
         self.held = False
+        self.started = False  # its answer began reaching the caller
         self.retired = False
         self.finished = asyncio.Event()
+        self.capture_call_id: str | None = None  # Gym's model call id, when token capture records it
+
+    @property
+    def key(self) -> str | None:
+        if self.rollout_id is None:
+            return None
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    def capture_id(self) -> str | None:
+        """Gym's model call id: noted when its reply began, else read from its task's capture context.
+
+        Called from outside the call's task (an export), never from inside it.
+        """
+        if self.capture_call_id is None and self.task is not None:
+            from nemo_gym.token_id_capture import current_capture_context
+
+            context = self.task.get_context().run(current_capture_context)
+            self.capture_call_id = None if context is None else context.model_call_id
+        return self.capture_call_id
 
 
 class ModelCalls:
     """Participant plugin of a Gym model server (see the module docstring)."""
 
-    def __init__(self, server: Any = None) -> None:
+    def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
         self.server = server
+        self.captures = captures if captures is not None else (token_captures_for(server) if server else None)
+        self._restored: set[str] = set()  # installed capture keys no call has used yet
         self._open = asyncio.Event()
         self._open.set()
         self._by_rollout: dict[str | None, set[ModelCall]] = {}
@@ -64,6 +96,8 @@ class ModelCalls:
     def begin(self, attempt: tuple[str, int] | None) -> ModelCall:
         rollout_id, number = attempt if attempt is not None else (None, 0)
         call = ModelCall(rollout_id, number)
+        if self._restored:
+            self._restored.discard(call.key)  # type: ignore[arg-type]
         self._by_rollout.setdefault(rollout_id, set()).add(call)
         self.in_flight += 1
         return call
@@ -77,6 +111,15 @@ class ModelCalls:
         self.in_flight -= 1
         self.served_total += 1
         call.finished.set()
+
+    def starting(self, call: ModelCall) -> None:
+        """The call's reply begins (its status line is about to be sent): note its capture id while it is set."""
+        if self.captures is not None and call.capture_call_id is None:
+            from nemo_gym.token_id_capture import current_capture_context
+
+            # Called inside the call's own task, where Gym's capture context is set.
+            context = current_capture_context()
+            call.capture_call_id = None if context is None else context.model_call_id
 
     async def hold(self, call: ModelCall) -> None:
         """Return once admission is open (at once when it is): the call's response may start."""
@@ -122,6 +165,62 @@ class ModelCalls:
                 if call.task is not None:
                     call.task.cancel()
         await asyncio.gather(*(call.finished.wait() for call in victims))
+        freed = [key for key in self._restored if _retired_by(key, episode_ids)]
+        if freed:
+            await self.delete_restored([_episode_of(key) for key in freed])
+
+    # -- token capture (model_capture.py) ---------------------------------------------------------
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> Iterator[dict[str, Any]] | None:
+        if self.captures is None:
+            return None
+        # Calls whose answer has not started (held, or still generating) belong to no checkpoint.
+        excluded: dict[str, set[str]] = {}
+        for calls in self._by_rollout.values():
+            for call in calls:
+                capture_id = None if call.started or call.key is None else call.capture_id()
+                if capture_id is not None:
+                    excluded.setdefault(call.key, set()).add(capture_id)  # type: ignore[arg-type]
+        keys = sorted(scope) if scope is not None else self.captures.keys()
+        return self.captures.export(keys, {key: frozenset(ids) for key, ids in excluded.items()})
+
+    @hookimpl
+    async def install(
+        self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
+    ) -> None:
+        captures = self.captures
+        if captures is None:
+            if records:
+                raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
+            return
+        if self.served_total or self.in_flight:
+            raise InvalidPhase(
+                f"this model server has served {self.served_total + self.in_flight} model calls: its token "
+                "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
+            )
+        staged = [(r.replacement.capture_key, captures.validate(r.checkpointed.capture_key, r.record)) for r in records]
+
+        def apply() -> None:
+            for replacement in scope:
+                captures.clear_from(replacement)
+            for key, lines in staged:
+                captures.write(key, lines)
+
+        await asyncio.to_thread(apply)
+        self._restored.update(key for key, _lines in staged)
+
+    @hookimpl
+    def restored_pending(self) -> list[str]:
+        return sorted(self._restored)
+
+    @hookimpl
+    async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        keys = [episode.capture_key for episode in episode_ids]
+        self._restored.difference_update(keys)
+        if self.captures is not None:
+            captures = self.captures
+            await asyncio.to_thread(lambda: [captures.delete(key) for key in keys])
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
@@ -134,6 +233,17 @@ class ModelCalls:
                 "stopped_total": self.stopped_total,
             }
         }
+
+
+def _episode_of(key: str) -> EpisodeId:
+    from nemo_gym_checkpoint_plugin.identity import from_capture_key
+
+    return from_capture_key(key)
+
+
+def _retired_by(key: str, episode_ids: list[EpisodeId]) -> bool:
+    episode = _episode_of(key)
+    return any(e.rollout_id == episode.rollout_id and episode.attempt <= e.attempt for e in episode_ids)
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

@@ -1,9 +1,8 @@
 """The model-kind contract suite, run by the built-in ``ModelCalls`` on the wheel's ``vllm_model``.
 
-The model server is built in process (wrapped class, checkpointing enabled) and driven through
-``httpx.ASGITransport``; its inference worker is the testing kit's fake backend, served by a
-real uvicorn on 127.0.0.1 in this event loop, so the model server's calls to it are real HTTP
-and a dropped request is seen there as a disconnect.
+The model server is built in process and driven through ``httpx.ASGITransport``; its inference
+worker is the testing kit's fake backend over real HTTP (``model_support.ModelServers``), so a
+dropped request is seen there as a disconnect.
 """
 
 from __future__ import annotations
@@ -16,33 +15,16 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from control_support import wait_until
-from gym_inprocess import TOKEN, InProcessServer
-from nemo_gym import server_utils
-from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
-from test_attach_inprocess import _app, _build, _config, _server_class
+from gym_inprocess import InProcessServer
+from model_support import WEATHER_TOOL, ModelServers, same_answer
 
 from nemo_gym_checkpoint_plugin.identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import model as model_contract
-from nemo_gym_checkpoint_plugin.testing.fake_backend import FakeBackendState, HeldCall, create_app
-from nemo_gym_checkpoint_plugin.testing.gym_config import MODEL, TOKEN_ENV
-from nemo_gym_checkpoint_plugin.testing.harness import free_port_base
-from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
+from nemo_gym_checkpoint_plugin.testing.fake_backend import FakeBackendState, HeldCall
 
 _CALLS = itertools.count()
-
-
-def same_answer(a: Any, b: Any) -> bool:
-    def strip(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("id", "created_at", "call_id")}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        return value
-
-    return strip(a) == strip(b)
 
 
 class Call:
@@ -72,17 +54,17 @@ class Call:
 
 
 class VLLMHarness:
-    def __init__(self, built: InProcessServer, state: FakeBackendState) -> None:
+    def __init__(self, built: InProcessServer, http: httpx.AsyncClient, state: FakeBackendState) -> None:
         self.built = built
         self.participant = built.participant
         self.state = state
         self.same_answer = same_answer
-        self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=built.app), base_url="http://m", timeout=30)
+        self._http = http
 
     async def begin(self, episode: EpisodeId) -> Call:
         conversation = f"contract call {next(_CALLS)} of {episode.capture_key}"
         self.state.add_rule(conversation, 1, None)
-        body = {"input": [{"role": "user", "content": conversation}], "tools": [_WEATHER]}
+        body = {"input": [{"role": "user", "content": conversation}], "tools": [WEATHER_TOOL]}
         task = asyncio.ensure_future(self._http.post(f"/ng-rollout/{episode.capture_key}/v1/responses", json=body))
         call = Call(self.state, conversation, task)
 
@@ -96,54 +78,16 @@ class VLLMHarness:
     async def status(self) -> Mapping[str, Any]:
         return await self.built.status()
 
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-_WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "",
-    "strict": True,
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "description": ""}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-
 
 class TestModelCalls(model_contract.TestModelContract):
     @pytest.fixture
     async def make_harness(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeHarness]:
-        monkeypatch.setenv(TOKEN_ENV, TOKEN)
-        # Gym's data client is a process global bound to the loop that made it: one per test here.
-        monkeypatch.setattr(server_utils, "_GLOBAL_AIOHTTP_CLIENT", None)
-        server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
-        state = FakeBackendState()
-        port = free_port_base(span=1)
-        backend = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
-        serving = asyncio.ensure_future(backend.serve())
-        await wait_until(lambda: backend.started or serving.done(), timeout=20, what="the fake backend to serve")
-        assert backend.started
-        config = _config(tmp_path, {"enabled": True, "control_auth_token_env": TOKEN_ENV})
-        server_class = derive_checkpointable(_server_class(config, MODEL))
-        made: list[VLLMHarness] = []
+        servers = ModelServers(tmp_path, monkeypatch)
+        await servers.start()
 
         async def make() -> VLLMHarness:
-            server = _build(server_class, config, MODEL, base_url=f"http://127.0.0.1:{port}/v1")
-            harness = VLLMHarness(InProcessServer(server, _app(server), ModelCalls), state)
-            made.append(harness)
-            return harness
+            built, http = servers.build()
+            return VLLMHarness(built, http, servers.state)
 
         yield make
-        for harness in made:
-            await harness.aclose()
-            await harness.built.control.aclose()
-        state.reset()
-        client = server_utils._GLOBAL_AIOHTTP_CLIENT
-        if client is not None:
-            await client.close()
-        backend.should_exit = True
-        await serving
+        await servers.aclose()

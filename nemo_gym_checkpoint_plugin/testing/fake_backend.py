@@ -13,6 +13,10 @@ messages, so a rollout replayed after a crash gets the same answers:
   ``example_single_tool_call`` its reward 1.0;
 - otherwise: a final text answer (``finish_reason: "stop"``).
 
+A request asking for ``logprobs`` (Gym's ``return_token_id_information``) also gets token ids
+as vLLM returns them (``fake_tokens.py``: ``prompt_token_ids``, the choice's ``token_ids``
+and ``token_id:<n>`` logprobs), chained across the calls of a turn.
+
 A **conversation** is named by the text of its first ``user`` message (tests put the
 rollout id in it); its **step** is the number of ``assistant`` messages already in the
 request (0 for the first call of a turn, 1 after one tool round trip...).
@@ -232,18 +236,26 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
         finish_reason = "stop"
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
     completion_tokens = 8
-    return {
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    completion: dict[str, Any] = {
         "id": f"chatcmpl-fake-{step}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.get("model") or DEFAULT_MODEL,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if body.get("logprobs"):
+        # Asked as vLLM is asked for token ids (Gym's return_token_id_information): answer as vLLM does.
+        from .fake_tokens import token_fields
+
+        completion["prompt_token_ids"], fields = token_fields(messages, message)
+        choice.update(fields)
+    return completion
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
