@@ -63,16 +63,22 @@ class ModelCall:
         return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
 
     def capture_id(self) -> str | None:
-        """Gym's model call id: noted when its reply began, else read from its task's capture context.
+        """Gym's model call id of this call: noted when its reply began, else read from its task's context.
 
-        Called from outside the call's task (an export), never from inside it.
+        Reads the context without entering it, so any thread may ask (the storage writer's does).
         """
         if self.capture_call_id is None and self.task is not None:
-            from nemo_gym.token_id_capture import current_capture_context
-
-            context = self.task.get_context().run(current_capture_context)
-            self.capture_call_id = None if context is None else context.model_call_id
+            context = self.task.get_context().get(_capture_context_var())
+            if context is not None:
+                self.capture_call_id = context.model_call_id
         return self.capture_call_id
+
+
+def _capture_context_var() -> Any:
+    # Gym keeps the capture context of a model call in this ContextVar (nemo-gym 0.7's token_id_capture.sink).
+    from nemo_gym.token_id_capture import sink
+
+    return sink._CAPTURE_CONTEXT
 
 
 class ModelCalls:
@@ -80,7 +86,7 @@ class ModelCalls:
 
     def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
         self.server = server
-        self.captures = captures if captures is not None else (token_captures_for(server) if server else None)
+        self.captures = captures if captures is not None or server is None else token_captures_for(server)
         self._restored: set[str] = set()  # installed capture keys no call has used yet
         self._open = asyncio.Event()
         self._open.set()
@@ -114,12 +120,8 @@ class ModelCalls:
 
     def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): note its capture id while it is set."""
-        if self.captures is not None and call.capture_call_id is None:
-            from nemo_gym.token_id_capture import current_capture_context
-
-            # Called inside the call's own task, where Gym's capture context is set.
-            context = current_capture_context()
-            call.capture_call_id = None if context is None else context.model_call_id
+        if self.captures is not None:
+            call.capture_id()
 
     async def hold(self, call: ModelCall) -> None:
         """Return once admission is open (at once when it is): the call's response may start."""
@@ -175,15 +177,16 @@ class ModelCalls:
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> Iterator[dict[str, Any]] | None:
         if self.captures is None:
             return None
-        # Calls whose answer has not started (held, or still generating) belong to no checkpoint.
-        excluded: dict[str, set[str]] = {}
+        # Calls whose answer has not started (held, or still generating) belong to no checkpoint. None can
+        # start or begin while the checkpoint is open, so these are all of them for the whole export; each
+        # one's id is read after its episode's rows were (an entry is written inside its capture context).
+        undelivered: dict[str, list[ModelCall]] = {}
         for calls in self._by_rollout.values():
             for call in calls:
-                capture_id = None if call.started or call.key is None else call.capture_id()
-                if capture_id is not None:
-                    excluded.setdefault(call.key, set()).add(capture_id)  # type: ignore[arg-type]
+                if not call.started and call.key is not None:
+                    undelivered.setdefault(call.key, []).append(call)
         keys = sorted(scope) if scope is not None else self.captures.keys()
-        return self.captures.export(keys, {key: frozenset(ids) for key, ids in excluded.items()})
+        return self.captures.export(keys, lambda key: {call.capture_id() for call in undelivered.get(key, ())})
 
     @hookimpl
     async def install(

@@ -23,7 +23,7 @@ per-rollout lock); the store rebuilds its index from the file on its next use.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -60,18 +60,18 @@ class TokenCaptures:
         suffix = ".tokens.jsonl"
         return sorted(p.name[: -len(suffix)] for p in self.store.root.glob(f"*{suffix}"))
 
-    def export(self, keys: Iterable[str], excluded: Mapping[str, frozenset[str]]) -> Iterator[dict[str, Any]]:
-        """One record per key with rows, leaving out the model call ids ``excluded[key]`` names.
+    def export(self, keys: Iterable[str], excluded: Callable[[str], set[str | None]]) -> Iterator[dict[str, Any]]:
+        """One record per key with rows, leaving out the model call ids ``excluded(key)`` names once they were read.
 
-        Lazy: the storage writer advances it in its worker thread (files only, no loop state).
+        Lazy: the storage writer advances it in its worker thread, one episode's rows in memory at a time.
         """
         for key in keys:
             try:
                 episode = from_capture_key(key)
             except ValueError:
                 continue  # not an episode attempt's file
-            skip = excluded.get(key, frozenset())
             rows = [entry.model_dump(mode="json") for entry in self.store.read_entries(key)]
+            skip = excluded(key)
             rows = [row for row in rows if row["model_call_id"] not in skip]
             if rows:
                 yield {
