@@ -207,8 +207,15 @@ class ModelCalls:
         def apply() -> None:
             for replacement in scope:
                 captures.clear_from(replacement)
-            for key, lines in staged:
-                captures.write(key, lines)
+            written: list[str] = []
+            try:
+                for key, lines in staged:
+                    written.append(key)
+                    captures.write(key, lines)
+            except BaseException:
+                for key in written:  # a raising install leaves nothing installed
+                    captures.delete(key)
+                raise
 
         await asyncio.to_thread(apply)
         self._restored.update(key for key, _lines in staged)
@@ -219,9 +226,10 @@ class ModelCalls:
 
     @hookimpl
     async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
-        keys = [episode.capture_key for episode in episode_ids]
+        # Only attempts this server installed: a refused install must not touch a live attempt's files.
+        keys = [key for key in (episode.capture_key for episode in episode_ids) if key in self._restored]
         self._restored.difference_update(keys)
-        if self.captures is not None:
+        if self.captures is not None and keys:
             captures = self.captures
             await asyncio.to_thread(lambda: [captures.delete(key) for key in keys])
 

@@ -61,7 +61,7 @@ async def control(http: httpx.AsyncClient, route: str, **body: Any) -> httpx.Res
 
 
 def dead_executions(store: TokenCaptureStore) -> None:
-    """What processes of attempts 1 and 2 left before they died: an entry, a dangling intent, a frozen state."""
+    """What processes of attempts 1 and 2 left before they died: entries, a dangling intent, a frozen state."""
     dead = TokenEntry(
         rollout_id=f"{ROLLOUT}-a1", model_call_id="dead-call", prompt_token_ids=[1], generation_token_ids=[2],
         generation_log_probs=[-0.1],
@@ -100,9 +100,13 @@ async def test_restored_capture_holds_every_call_once_and_gym_rebuilds_it(
     # A server that served calls refuses to restore: its capture files may belong to live episodes.
     await control(http, "resume", checkpoint_id="ck-1")
     await pending
+    live = await http.post(capture_path(f"{ROLLOUT}-a1"), json=first_request(ROLLOUT))  # an attempt 1 runs here
+    assert live.status_code == 200, live.text
+    live_rows = store.read_entries(f"{ROLLOUT}-a1")
     restore = {"checkpoint_dir": str(tmp_path / "ck"), "episode_ids": [{"rollout_id": ROLLOUT, "attempt": 0}]}
     refused = await control(http, "restore", checkpoint_id="restore-0", **restore)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "invalid_phase", refused.text
+    assert store.read_entries(f"{ROLLOUT}-a1") == live_rows  # the refusal touched no live capture
 
     # The crash: a fresh process on the same capture directory, after dead executions of attempts 1 and 2.
     dead_executions(store)
