@@ -203,3 +203,19 @@ async def test_a_generating_call_whose_client_goes_away_is_abandoned(tmp_path: P
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+async def test_token_ids_when_asked_chain_across_the_calls_of_a_turn(client: httpx.AsyncClient) -> None:
+    plain = (await client.post("/v1/chat/completions", json=first_turn("tokens"))).json()
+    assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
+    first = (await client.post("/v1/chat/completions", json={**first_turn("tokens"), "logprobs": True})).json()
+    choice = first["choices"][0]
+    generated = choice["token_ids"]
+    assert [f"token_id:{t}" for t in generated] == [e["token"] for e in choice["logprobs"]["content"]]
+    call = choice["message"]["tool_calls"][0]
+    second_body = after_tool("tokens", call["id"])
+    second_body["messages"][2]["tool_calls"][0]["function"] = call["function"]
+    second = (await client.post("/v1/chat/completions", json={**second_body, "logprobs": True})).json()
+    # The first call's prompt and generation are a prefix of the next call's prompt, as a chat template makes them.
+    chained = first["prompt_token_ids"] + generated
+    assert second["prompt_token_ids"][: len(chained)] == chained
