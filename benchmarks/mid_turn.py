@@ -100,7 +100,8 @@ async def run_bench(deployment: Deployment, rollouts: int, generation_seconds: f
             say(f"prepared in {prepare_seconds:.3f} s with {generating} generations running")
             await fake.wait_for(lambda s: s["completed_total"] >= rollouts, timeout, "every generation finished")
             generation = time.monotonic() - released_at
-            await wait_until_async(lambda: _equals(model_held, rollouts), timeout, "every response held at the model")
+            # Each generation still running when prepare returned ends with its response held at the model server.
+            await wait_until_async(lambda: _equals(model_held, generating), timeout, "responses held at the model")
             held = await model_held()
             say(f"generations finished after {generation:.2f} s; {held} responses held at the model server")
             await fake.delay(0)
