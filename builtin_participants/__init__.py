@@ -9,7 +9,8 @@
   built-in table of the wheel's stateless verifiers);
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
-- model: none yet (a model server holds no episode state between calls here).
+- model: ``ModelCalls`` (``model.py``), the model calls in flight: responses held while a
+  checkpoint is open (``held_responses.py``), running generations stopped by retire.
 
 The Gym attachment asks ``participants_for`` which plugins a server gets, and
 ``install_reply_declarations`` to add the reply headers they declare on. A server kind or
@@ -83,12 +84,17 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
         from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 
         return [ResourcesSessions(server)]
+    if kind == "model":
+        from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+
+        return [ModelCalls(server)]
     return []
 
 
 def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) -> None:
     """Add the reply-header middleware the built-in ``plugins`` declare through (before the gate is added)."""
     from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, install_agent_declaration
+    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls, install_model_calls
     from nemo_gym_checkpoint_plugin.builtin_participants.resources import (
         ResourcesSessions,
         install_resources_declarations,
@@ -102,3 +108,5 @@ def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) 
             install_resources_declarations(app, participants, plugin)
         elif isinstance(plugin, SimpleAgentSessions):
             install_agent_declaration(app)
+        elif isinstance(plugin, ModelCalls):
+            install_model_calls(app, plugin)

@@ -61,11 +61,15 @@ MakeHarness = Callable[[], Awaitable[Harness]]
 async def call_hook(plugin: Any, name: str, **kwargs: Any) -> Any:
     """Call one hook implementation of ``plugin`` by keyword, as the control plane does (awaiting if async).
 
-    A plugin that does not implement the hook answers ``None``, as pluggy leaves it out.
+    A plugin that does not implement the hook answers ``None``, as pluggy leaves it out; an
+    implementation gets only the arguments it declares, as pluggy passes them.
     """
     implementation = getattr(plugin, name, None)
     if implementation is None:
         return None
+    parameters = inspect.signature(implementation).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        kwargs = {key: value for key, value in kwargs.items() if key in parameters}
     result = implementation(**kwargs)
     if inspect.isawaitable(result):
         result = await result
