@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin.asgi import ASGIApp, Message, Receive, Scope, Send
-from nemo_gym_checkpoint_plugin.errors import StaleAttempt
-from nemo_gym_checkpoint_plugin.gate import attempt_from_path, is_exempt
+from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Message, Receive, Scope, Send
+from nemo_gym_checkpoint_plugin._errors import StaleAttempt
+from nemo_gym_checkpoint_plugin._gate import attempt_from_path, is_exempt
 
 if TYPE_CHECKING:
     from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCall, ModelCalls

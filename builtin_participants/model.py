@@ -33,10 +33,10 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState, InvalidPhase
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
-from nemo_gym_checkpoint_plugin.markers import hookimpl
-from nemo_gym_checkpoint_plugin.types import Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
 
 __all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
 
@@ -247,7 +247,7 @@ class ModelCalls:
 
 
 def _episode_of(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin.identity import from_capture_key
+    from nemo_gym_checkpoint_plugin._identity import from_capture_key
 
     return from_capture_key(key)
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin.errors import InvalidCheckpointState
-from nemo_gym_checkpoint_plugin.identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 
 __all__ = ["TokenCaptures", "token_captures_for"]
 

@@ -19,7 +19,7 @@ from control_support import wait_until
 from gym_inprocess import InProcessServer
 from model_support import WEATHER_TOOL, ModelServers, same_answer
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import model as model_contract
 from nemo_gym_checkpoint_plugin.testing.fake_backend import FakeBackendState, HeldCall

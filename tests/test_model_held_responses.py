@@ -15,7 +15,7 @@ from control_support import wait_until
 from nemo_gym_checkpoint_plugin.builtin_participants.held_responses import HeldResponses, SSEScan
 from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 START_JSON = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
 START_SSE = {

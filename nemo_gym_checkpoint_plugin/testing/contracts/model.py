@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_checkpoint_plugin.identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness, call_hook
-from nemo_gym_checkpoint_plugin.types import ParticipantExport, RestoredRecord
 
 __all__ = ["TestModelContract"]
 
