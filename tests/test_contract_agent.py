@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from agent_turn_support import ROUNDS, ScriptedPeers
-from gym_inprocess import GymServers, InProcessServer
+from gym_inprocess import TOKEN, GymServers, InProcessServer
 from nemo_gym import server_utils
 from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
 
@@ -158,33 +158,94 @@ class MidTurnAgentHarness(SimpleAgentHarness):
         return isinstance(reply, httpx.Response) and reply.status_code == 200
 
 
+@pytest.fixture
+async def mid_turn_agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeHarness]:
+    """Builds Simple Agents (each a fresh process) that share one ``ScriptedPeers`` and the clients' cookies."""
+    servers = GymServers(tmp_path, monkeypatch, AGENT)
+    # The model server's port of the config the agent runs with: the scripted peers answer there.
+    port_base = free_port_base()
+    servers.config = build_gym_config(port_base, tmp_path, checkpoint={"enabled": True,
+                                                                       "control_auth_token_env": TOKEN_ENV})
+    peers = ScriptedPeers(port_base + PORT_OFFSETS[MODEL])
+    await peers.start()
+    cookies: dict[str, httpx.Cookies] = {}
+    # Gym's process-wide aiohttp session (the agent's calls go through it), on this test's loop.
+    assert not server_utils.is_global_aiohttp_client_setup()
+    session = server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
+
+    async def make() -> MidTurnAgentHarness:
+        return MidTurnAgentHarness(servers.build(SimpleAgentSessions), peers, cookies)
+
+    try:
+        yield make
+    finally:
+        await servers.aclose()
+        await peers.aclose()
+        await session.close()
+        server_utils._GLOBAL_AIOHTTP_CLIENT = None
+
+
 class TestSimpleAgentSessions(agent_contract.TestAgentContract):
     supports_mid_turn = True
 
     @pytest.fixture
-    async def make_harness(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeHarness]:
-        servers = GymServers(tmp_path, monkeypatch, AGENT)
-        # The model server's port of the config the agent runs with: the scripted peers answer there.
-        port_base = free_port_base()
-        servers.config = build_gym_config(port_base, tmp_path, checkpoint={"enabled": True,
-                                                                           "control_auth_token_env": TOKEN_ENV})
-        peers = ScriptedPeers(port_base + PORT_OFFSETS[MODEL])
-        await peers.start()
-        cookies: dict[str, httpx.Cookies] = {}
-        # Gym's process-wide aiohttp session (the agent's calls go through it), on this test's loop.
-        assert not server_utils.is_global_aiohttp_client_setup()
-        session = server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
+    def make_harness(self, mid_turn_agents: MakeHarness) -> MakeHarness:
+        return mid_turn_agents
 
-        async def make() -> MidTurnAgentHarness:
-            return MidTurnAgentHarness(servers.build(SimpleAgentSessions), peers, cookies)
 
-        try:
-            yield make
-        finally:
-            await servers.aclose()
-            await peers.aclose()
-            await session.close()
-            server_utils._GLOBAL_AIOHTTP_CLIENT = None
+async def test_a_continued_turn_answers_as_an_uninterrupted_one_with_every_calls_tokens_once(
+    mid_turn_agents: MakeHarness, tmp_path: Path
+) -> None:
+    # Through the control routes: prepare while a model call is held, commit, a fresh server restores.
+    first: Any = await mid_turn_agents()
+    plain, cut = EpisodeId(rollout_id="same", attempt=0), EpisodeId(rollout_id="cut", attempt=0)
+    await first.start(plain)
+    reference = await asyncio.wait_for(first.begin_turn(plain), 30)
+    assert reference.status_code == 200, reference.text
+    await first.start(cut)
+    first.hold_model(cut, 1)
+    turn = first.begin_turn(cut)
+    async with asyncio.timeout(10):
+        while (conversation(cut), 1) not in first.peers.held:
+            await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+    prepared = await _control(first, "prepare", checkpoint_id="ck-1")
+    assert prepared["phase"] == "prepared", prepared
+    assert prepared["report"]["counts"]["turns_running"] == 1  # still generating, and ready
+    checkpoint_dir = str(tmp_path / "ck")
+    committed = await _control(first, "commit", checkpoint_id="ck-1", checkpoint_dir=checkpoint_dir,
+                               episode_ids=[{"rollout_id": "cut", "attempt": 0}])
+    assert committed["episode_ids"] == ["cut"]
+    turn.cancel()  # the process dies with its held call
+    await asyncio.gather(turn, return_exceptions=True)
+    async with asyncio.timeout(10):
+        while (conversation(cut), 1) in first.peers.held:
+            await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+    first.release_model(cut, 1)
+
+    second: Any = await mid_turn_agents()
+    restored = await _control(second, "restore", checkpoint_id="r-1", checkpoint_dir=checkpoint_dir,
+                              episode_ids=[{"rollout_id": "cut", "attempt": 0}])
+    assert restored["restored"] == ["cut-a1"]
+    await _control(second, "resume", checkpoint_id="r-1")
+    continued = await asyncio.wait_for(second.begin_turn(EpisodeId(rollout_id="cut", attempt=1)), 30)
+    assert continued.status_code == 200, continued.text
+
+    assert continued.json()["output"] == reference.json()["output"]
+    generated = [item["generation_token_ids"] for item in continued.json()["output"] if "generation_token_ids" in item]
+    assert generated == [[1000 + step] for step in range(ROUNDS + 1)]  # every call's tokens, once each
+    assert second.model_completed(cut) == dict.fromkeys(range(ROUNDS + 1), 1)
+    assert second.tool_calls(cut) == ROUNDS
+
+
+async def _control(harness: Any, route: str, **body: Any) -> dict[str, Any]:
+    import time
+
+    transport = httpx.ASGITransport(app=harness.built.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30.0) as http:
+        reply = await http.post(f"/ng-control/v1/checkpoint/{route}", json={**body, "deadline_ts": time.time() + 20},
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
 
 
 async def test_a_restored_session_points_its_tool_access_at_the_replacement_attempt(

@@ -47,11 +47,12 @@ _POLL = 0.05
 
 
 def new_deployment(
-    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None
+    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None,
+    model: dict[str, Any] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
-    ``port_base`` None picks free ports.
+    ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block.
     """
     return Deployment(
         free_port_base() if port_base is None else port_base,
@@ -61,6 +62,7 @@ def new_deployment(
         log_dir=work_dir / "logs",
         extra_env={TOKEN_ENV: token},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode},
+        model=model,
     )
 
 

@@ -7,11 +7,18 @@ Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` a
 ``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
 messages, so a rollout replayed after a crash gets the same answers:
 
-- no ``tool`` message yet and the request offers tools: one call of the first tool
-  (``finish_reason: "tool_calls"``), with arguments filled from its JSON schema
-  (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
-  ``example_single_tool_call`` its reward 1.0;
+- fewer ``tool`` messages than the turn's tool rounds and the request offers tools: one
+  call of the first tool (``finish_reason: "tool_calls"``), with arguments filled from its
+  JSON schema (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
+  ``example_single_tool_call`` its reward 1.0. A turn has one tool round, or N when its
+  conversation contains ``[tool_rounds=N]`` (a multi-call turn: tools called N times);
 - otherwise: a final text answer (``finish_reason: "stop"``).
+
+When the request asks for token ids (``return_tokens_as_token_ids``, as ``vllm_model`` does
+with ``return_token_id_information: true``), the answer carries them as vLLM does: top-level
+``prompt_token_ids``, the choice's ``token_ids`` and ``logprobs.content`` entries
+``token_id:<id>``; generation ids are derived from (conversation, step), so each call's are
+its own.
 
 A **conversation** is named by the text of its first ``user`` message (tests put the
 rollout id in it); its **step** is the number of ``assistant`` messages already in the
@@ -43,6 +50,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,6 +61,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 DEFAULT_MODEL = "fake-model"
+_ROUNDS = re.compile(r"\[tool_rounds=(\d+)\]")
 FINAL_ANSWER = "It is cold in San Francisco today."
 # How often a held call checks whether its client went away: bounds how stale `held` can be after a crash.
 _DISCONNECT_POLL_SECONDS = 0.1
@@ -197,12 +206,25 @@ def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
+def tool_rounds(conversation: str) -> int:
+    """How many tool calls a turn of ``conversation`` makes before its answer (``[tool_rounds=N]``, else 1)."""
+    found = _ROUNDS.search(conversation)
+    return int(found.group(1)) if found else 1
+
+
+def _token_ids(conversation: str, step: int, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    digest = hashlib.sha256(f"{step}:{conversation}".encode()).digest()
+    generated = [int.from_bytes(digest[i : i + 2], "big") for i in range(0, 8, 2)]
+    prompt = [len(_text(m.get("content"))) % 50_000 for m in messages]
+    return prompt, generated
+
+
 def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[str, Any]:
     """The deterministic chat completion for a request (see the module docstring)."""
     messages = body.get("messages") or []
     tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
-    has_tool_result = any(m.get("role") == "tool" for m in messages)
-    if tools and not has_tool_result:
+    tool_results = sum(1 for m in messages if m.get("role") == "tool")
+    if tools and tool_results < tool_rounds(conversation):
         function = tools[0]["function"]
         # Stable across processes (unlike hash()), so a replayed step gets the same call id.
         call_id = "call_" + hashlib.sha256(f"{step}:{conversation}".encode()).hexdigest()[:16]
@@ -226,18 +248,26 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
         finish_reason = "stop"
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
     completion_tokens = 8
-    return {
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    completion = {
         "id": f"chatcmpl-fake-{step}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.get("model") or DEFAULT_MODEL,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if body.get("return_tokens_as_token_ids"):
+        prompt_ids, generated = _token_ids(conversation, step, messages)
+        completion["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = generated
+        choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": -0.25, "bytes": None,
+                                           "top_logprobs": []} for t in generated]}
+    return completion
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
