@@ -73,7 +73,6 @@ from nemo_gym_checkpoint_plugin.types import ParticipantExport, Readiness, Resto
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 
 
-
 def _wire(episode_id: EpisodeId) -> dict[str, Any]:
     return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
 
@@ -160,9 +159,8 @@ class EpisodeBook:
         """Run one step: park first while a checkpoint is open, then mark the step in flight.
 
         ``replayable=False``: the step must not run twice, so it blocks a checkpoint whatever the step mode.
-        ``captured=True``: the server the step delegates to captures the step's progress itself (an
-        agent with mid-turn boundaries), so it never blocks, in any mode; after a crash it is sent
-        again and continues there. ``hand_back`` ends that part of the step.
+        ``captured=True``: the server it delegates to captures its progress (an agent with mid-turn
+        boundaries): it never blocks; after a crash it is sent again and continues there.
         """
         await self.park(episode)
         episode.step_replayable = replayable
@@ -178,12 +176,8 @@ class EpisodeBook:
                 self._notify()
 
     async def hand_back(self, episode: Episode) -> None:
-        """The delegated part of a ``captured`` step returned: the rest of the step is the book's again.
-
-        For a captured step it parks first while a checkpoint is open, so the rest (e.g. closing
-        the agent session whose turn the agent exported) never starts inside a checkpoint; it then
-        runs as an ordinary step. For any other step it does nothing (the step blocks as a whole).
-        """
+        """The delegated part of a ``captured`` step returned: park while a checkpoint is open, then the
+        rest of the step (closing the agent session) runs as an ordinary step. Else nothing."""
         if episode.step_captured:
             await self.park(episode)
             episode.step_captured = False

@@ -162,3 +162,31 @@ async def test_a_held_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+async def test_a_multi_call_turn_calls_its_tool_n_times_then_answers(client: httpx.AsyncClient) -> None:
+    user = "weather please [tool_rounds=3]"
+    body = first_turn(user)
+    for step in range(3):
+        reply = (await client.post("/v1/chat/completions", json=body)).json()
+        (choice,) = reply["choices"]
+        assert choice["finish_reason"] == "tool_calls", step
+        call = choice["message"]["tool_calls"][0]
+        body["messages"] += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "cold"}]
+    final = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert final["finish_reason"] == "stop" and final["message"]["content"] == FINAL_ANSWER
+    stats = (await client.get("/_fake/stats")).json()
+    assert stats["completed"][user] == {"0": 1, "1": 1, "2": 1, "3": 1}
+
+
+async def test_token_ids_come_as_vllm_returns_them_when_asked(client: httpx.AsyncClient) -> None:
+    plain = (await client.post("/v1/chat/completions", json=first_turn("a"))).json()
+    assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
+    asked = (await client.post("/v1/chat/completions", json={**first_turn("a"), "return_tokens_as_token_ids": True}))
+    reply = asked.json()
+    (choice,) = reply["choices"]
+    assert reply["prompt_token_ids"] and choice["token_ids"]
+    assert [entry["token"] for entry in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    # Each (conversation, step) generates its own ids.
+    other = (await client.post("/v1/chat/completions", json={**first_turn("b"), "return_tokens_as_token_ids": True}))
+    assert other.json()["choices"][0]["token_ids"] != choice["token_ids"]
