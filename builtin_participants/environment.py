@@ -177,10 +177,11 @@ class EpisodeBook:
 
     async def hand_back(self, episode: Episode) -> None:
         """The delegated part of a ``captured`` step returned: park while a checkpoint is open, then the
-        rest of the step (closing the agent session) runs as an ordinary step. Else nothing."""
+        rest (closing the agent session, which must not run twice) blocks in either mode. Else nothing."""
         if episode.step_captured:
             await self.park(episode)
             episode.step_captured = False
+            episode.step_replayable = False
 
     def reach(self, episode: Episode, boundary: str, state: Mapping[str, Any]) -> None:
         """Record a completed step: the boundary name and the JSON state to continue from."""

@@ -192,7 +192,7 @@ async def test_retired_attempt_that_got_past_the_gate_never_begins(
 async def test_an_agent_step_delegated_to_a_mid_turn_agent_never_blocks_and_closes_only_after_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """wait mode: the agent captures the turn itself, so the step in flight is no blocker; the env parks before the close."""
+    """wait mode: the agent captures the turn itself, so it never blocks; the env parks before the close."""
     from nemo_gym_checkpoint_plugin.testing.contracts import call_hook
     from nemo_gym_checkpoint_plugin.testing.contracts.base import _export, _restored, _round_trip
 
