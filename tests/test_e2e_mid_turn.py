@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,12 @@ async def _scenario(tmp_path: Path, model: dict[str, Any] | None) -> dict[str, A
 
             coordinator = await discover(deployment.config, TOKEN)
             async with coordinator:
+                started = time.monotonic()
                 prepared = await prepare(coordinator, "mid-turn", timeout=30)
+                prepare_seconds = time.monotonic() - started
                 # wait mode, and ready while every held call is still generating at the backend.
                 held_when_prepared = (await stats())["held"]
+                print(f"prepare reached prepared in {prepare_seconds:.3f} s with {held_when_prepared} calls held")
                 scope = prepared.continued(list(HELD_AT))
                 ckpt = tmp_path / "ckpt"
                 committed = await commit(coordinator, "mid-turn", str(ckpt), scope, timeout=30)
