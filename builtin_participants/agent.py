@@ -21,6 +21,11 @@ observations. So this participant exports, per episode in scope, each *open* ses
 Closed sessions (an episode past its agent step) are not exported: their close receipts
 only serve retries of a close that already happened.
 
+With the wrapper's ``SimpleAgentTurns`` (``simple_agent_turns.py``; mid-turn boundaries) each
+record also carries ``"turn"``: the session's turn so far (``agent_turns.Turn``: the model answers
+and tool results completed, in order), so a restored turn continues without resending them; the
+seed reply then declares ``mid-turn`` instead of ``capture``.
+
 Session cookies stay valid across the restart: Gym signs them with a key derived from
 the class and server names, which the wrapper keeps. ``/v1/agent_sessions`` replies carry
 ``x-ng-checkpoint-agent-session: capture`` (``install_agent_declaration``), which is how

@@ -17,8 +17,12 @@ step        work                                             boundary (state kep
 ==========  ===============================================  ==============================
 
 A restored attempt (N+1) starts at its boundary and reuses its sessions: no seed runs
-again. The resources session is still closed by the episode's cleanup, and the agent
-session too while it is open (boundary ``seeded``).
+again. When the agent's session reply declared ``mid-turn`` (it records a boundary after each
+of its model and tool calls) the ``agent`` step is ``captured``: it never blocks a checkpoint,
+and after a crash it is sent again and the agent continues the turn where it stopped; once the
+turn replied, the episode parks (``hand_back``) before closing the agent session. The
+resources session is still closed by the episode's cleanup, and the agent session too while
+it is open (boundary ``seeded``).
 
 The verify step is replayed (``checkpoint.step_mode: replay``) only when the resources
 seed replied ``x-ng-checkpoint-verify: replay`` (its verifier declared ``/verify``
