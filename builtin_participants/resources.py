@@ -25,8 +25,10 @@ What a resources server must keep for a restored episode to reuse its session:
   re-attached): ``task_data`` ``{"ng_checkpoint": "restart"}`` makes its session a restart.
 
 Seeds are counted here (``status``: ``seed_session_calls`` and, for the most recent
-rollouts, ``seed_sessions_by_rollout``), because a controller cannot see whether a step
-ran again after a restart; tests and the demo read these counts.
+rollouts, ``seed_sessions_by_rollout``), and so are tool calls attributed to a rollout
+(``tool_calls_by_rollout``: every other ``POST /ng-rollout/<key>/<route>``), because a
+controller cannot see whether a step or a tool call ran again after a restart; tests and
+the demo read these counts.
 
 The seed hook is called by ``install_resources_declarations``' middleware once the
 server's ``/seed_session`` handler replied 2xx; the replies of ``/close_session`` end the
@@ -46,6 +48,7 @@ from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 
@@ -76,6 +79,7 @@ class ResourcesSessions:
         self.verify_replay = self.mode is CheckpointMode.STATELESS
         self.seed_calls = 0
         self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
+        self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
         self._restarts: set[str] = set()
         self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
 
@@ -85,9 +89,7 @@ class ResourcesSessions:
     def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
         self.seed_calls += 1
         rollout = episode_id.rollout_id
-        self.seeds_by_rollout[rollout] = self.seeds_by_rollout.pop(rollout, 0) + 1
-        while len(self.seeds_by_rollout) > _SEED_COUNT_ROLLOUTS:
-            self.seeds_by_rollout.popitem(last=False)
+        _count(self.seeds_by_rollout, rollout)
         task_data = session.get("task_data")
         declared = isinstance(task_data, Mapping) and task_data.get(RESTART_TASK_KEY) == "restart"
         restart = declared or not self.capturable
@@ -186,7 +188,38 @@ class ResourcesSessions:
             "checkpoint_mode": self.mode.value if self.mode is not None else None,
             "seed_session_calls": self.seed_calls,
             "seed_sessions_by_rollout": dict(self.seeds_by_rollout),
+            "tool_calls_by_rollout": dict(self.tool_calls_by_rollout),
         }
+
+
+def _count(counts: OrderedDict[str, int], rollout: str) -> None:
+    counts[rollout] = counts.pop(rollout, 0) + 1
+    while len(counts) > _SEED_COUNT_ROLLOUTS:
+        counts.popitem(last=False)
+
+
+# Gym's own resources routes; any other POST under a rollout prefix is a tool call.
+_SESSION_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics"})
+
+
+class _ToolCalls:
+    """Pure ASGI middleware: count each ``POST /ng-rollout/<key>/<tool>`` per rollout (one split, no body read)."""
+
+    def __init__(self, app: Any, sessions: ResourcesSessions) -> None:
+        self.app = app
+        self.sessions = sessions
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" and scope.get("method") == "POST" else ""
+        if path.startswith(ROLLOUT_PATH_PREFIX):
+            key, _, route = path[len(ROLLOUT_PATH_PREFIX) :].partition("/")
+            if route and route not in _SESSION_ROUTES:
+                try:
+                    rollout = _key_episode(key).rollout_id
+                except ValueError:
+                    rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
+                _count(self.sessions.tool_calls_by_rollout, rollout)
+        await self.app(scope, receive, send)
 
 
 def _key_episode(key: str) -> EpisodeId:
@@ -225,5 +258,6 @@ def install_resources_declarations(app: Any, participants: Any, sessions: Resour
             sessions.session_closed(found[0])
         return {}
 
+    app.add_middleware(_ToolCalls, sessions=sessions)
     app.add_middleware(ReplyHeaders, path="/seed_session", headers_for=on_seed)
     app.add_middleware(ReplyHeaders, path="/close_session", headers_for=on_close)

@@ -219,3 +219,18 @@ async def test_token_ids_when_asked_chain_across_the_calls_of_a_turn(client: htt
     # The first call's prompt and generation are a prefix of the next call's prompt, as a chat template makes them.
     chained = first["prompt_token_ids"] + generated
     assert second["prompt_token_ids"][: len(chained)] == chained
+
+
+async def test_a_multi_call_turn_calls_its_tool_n_times_then_answers(client: httpx.AsyncClient) -> None:
+    user = "weather please [tool_rounds=3]"
+    body = first_turn(user)
+    for step in range(3):
+        reply = (await client.post("/v1/chat/completions", json=body)).json()
+        (choice,) = reply["choices"]
+        assert choice["finish_reason"] == "tool_calls", step
+        call = choice["message"]["tool_calls"][0]
+        body["messages"] += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "cold"}]
+    final = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert final["finish_reason"] == "stop" and final["message"]["content"] == FINAL_ANSWER
+    stats = (await client.get("/_fake/stats")).json()
+    assert stats["completed"][user] == {"0": 1, "1": 1, "2": 1, "3": 1}

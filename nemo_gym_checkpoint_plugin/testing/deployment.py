@@ -212,6 +212,7 @@ class Deployment:
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
     ``extra_env`` is added to every child's environment (e.g. the control token).
+    ``model`` adds keys to the policy model's config block (``build_gym_config``).
     """
 
     def __init__(
@@ -224,6 +225,7 @@ class Deployment:
         own_process_groups: bool = True,
         log_dir: Path | None = None,
         extra_env: Mapping[str, str] | None = None,
+        model: Mapping[str, Any] | None = None,
     ) -> None:
         from omegaconf import OmegaConf
 
@@ -232,7 +234,9 @@ class Deployment:
         self.own_process_groups = own_process_groups
         self.log_dir = log_dir
         self.extra_env = dict(extra_env or {})
-        self.config = build_gym_config(port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints)
+        self.config = build_gym_config(
+            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model
+        )
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
         backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir)
         self.specs = [backend, *_gym_specs(self.config, self.config_yaml)]

@@ -7,13 +7,15 @@ Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` a
 ``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
 messages, so a rollout replayed after a crash gets the same answers:
 
-- no ``tool`` message yet and the request offers tools: one call of the first tool
-  (``finish_reason: "tool_calls"``), with arguments filled from its JSON schema
-  (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
-  ``example_single_tool_call`` its reward 1.0;
+- fewer ``tool`` messages than the turn's tool rounds and the request offers tools: one
+  call of the first tool (``finish_reason: "tool_calls"``), with arguments filled from its
+  JSON schema (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
+  ``example_single_tool_call`` its reward 1.0. A turn has one tool round, or N when its
+  conversation contains ``[tool_rounds=N]`` (a multi-call turn: tools called N times);
 - otherwise: a final text answer (``finish_reason: "stop"``).
 
-A request asking for ``logprobs`` (Gym's ``return_token_id_information``) also gets token ids
+A request asking for ``logprobs`` or ``return_tokens_as_token_ids`` (both sent by Gym's
+``vllm_model`` with ``return_token_id_information: true``) also gets token ids
 as vLLM returns them (``fake_tokens.py``: ``prompt_token_ids``, the choice's ``token_ids``
 and ``token_id:<n>`` logprobs), chained across the calls of a turn.
 
@@ -51,6 +53,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -61,6 +64,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 DEFAULT_MODEL = "fake-model"
+_ROUNDS = re.compile(r"\[tool_rounds=(\d+)\]")
 FINAL_ANSWER = "It is cold in San Francisco today."
 
 
@@ -207,12 +211,18 @@ def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
+def tool_rounds(conversation: str) -> int:
+    """How many tool calls a turn of ``conversation`` makes before its answer (``[tool_rounds=N]``, else 1)."""
+    found = _ROUNDS.search(conversation)
+    return int(found.group(1)) if found else 1
+
+
 def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[str, Any]:
     """The deterministic chat completion for a request (see the module docstring)."""
     messages = body.get("messages") or []
     tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
-    has_tool_result = any(m.get("role") == "tool" for m in messages)
-    if tools and not has_tool_result:
+    tool_results = sum(1 for m in messages if m.get("role") == "tool")
+    if tools and tool_results < tool_rounds(conversation):
         function = tools[0]["function"]
         # Stable across processes (unlike hash()), so a replayed step gets the same call id.
         call_id = "call_" + hashlib.sha256(f"{step}:{conversation}".encode()).hexdigest()[:16]
@@ -249,7 +259,7 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    if body.get("logprobs"):
+    if body.get("logprobs") or body.get("return_tokens_as_token_ids"):
         # Asked as vLLM is asked for token ids (Gym's return_token_id_information): answer as vLLM does.
         from .fake_tokens import token_fields
 

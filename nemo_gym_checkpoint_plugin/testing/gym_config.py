@@ -91,10 +91,12 @@ def build_gym_config(
     *,
     checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
     entrypoints: Mapping[str, str] | None = None,
+    model: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
     ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
+    ``model`` adds keys to the policy model's block (e.g. ``return_token_id_information: true``).
     ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
@@ -115,7 +117,8 @@ def build_gym_config(
         "policy_model_name": FAKE_MODEL_NAME,
         MODEL: {
             "responses_api_models": {
-                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False}
+                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False,
+                               **(model or {})}
             }
         },
         AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
