@@ -116,14 +116,14 @@ class ProcessSpec:
     ready_path: str
 
 
-def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
+def _gym_specs(config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None) -> list[ProcessSpec]:
     from nemo_gym import _resolve_under_cwd_or_install
 
     specs = []
     for name in GYM_SERVERS:
         server_type, implementation, inner = server_location(config, name)
         # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
-        server_dir = _resolve_under_cwd_or_install(
+        server_dir = (server_dirs or {}).get(name) or _resolve_under_cwd_or_install(
             Path(server_type, implementation),
             validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
         )
@@ -212,6 +212,9 @@ class Deployment:
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
     ``extra_env`` is added to every child's environment (e.g. the control token).
+    ``resources`` changes the resources server's implementation and block (``build_gym_config``);
+    ``server_dirs`` (``{name: directory}``) runs a server from a directory of your own instead of
+    the one Gym finds for its implementation (a server outside the nemo-gym wheel).
     """
 
     def __init__(
@@ -224,6 +227,8 @@ class Deployment:
         own_process_groups: bool = True,
         log_dir: Path | None = None,
         extra_env: Mapping[str, str] | None = None,
+        resources: Mapping[str, Any] | None = None,
+        server_dirs: Mapping[str, Path] | None = None,
     ) -> None:
         from omegaconf import OmegaConf
 
@@ -232,10 +237,12 @@ class Deployment:
         self.own_process_groups = own_process_groups
         self.log_dir = log_dir
         self.extra_env = dict(extra_env or {})
-        self.config = build_gym_config(port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints)
+        self.config = build_gym_config(
+            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, resources=resources
+        )
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
         backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir)
-        self.specs = [backend, *_gym_specs(self.config, self.config_yaml)]
+        self.specs = [backend, *_gym_specs(self.config, self.config_yaml, server_dirs)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
