@@ -6,7 +6,8 @@
 - agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
 - resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings,
   following the verifier's ``checkpoint_mode`` (``declarations.py``: its config key, or the
-  built-in table of the wheel's stateless verifiers);
+  built-in table of the wheel's stateless verifiers), and the per-session dicts a server names
+  in ``checkpoint_session_state`` or the built-in table (``session_state.py``);
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
 - model: none yet (a model server holds no episode state between calls here).
