@@ -17,7 +17,9 @@ resources participant, with no plugin of its own:
 - **Export.** For every bound session of an episode in scope, the value of each named
   attribute under that session id is encoded (``encode``): JSON values as they are; a
   pydantic model as its class and ``model_dump(mode="json")``; a ``random.Random`` as its
-  state (so a restored game draws the same numbers). Anything else fails the commit
+  state (so a restored game draws the same numbers). A model that does not come back equal
+  through ``model_dump``/``model_validate`` (an excluded field, a private attribute set) and
+  anything else fail the commit
   (``export_failed``) naming the episode, the attribute and the type: state is never
   silently dropped.
 - **Install.** The values are decoded (a pydantic model validated again as the **same** model
@@ -67,9 +69,14 @@ def encode(value: Any, where: str = "value") -> Any:
     if isinstance(value, BaseModel):
         cls = type(value)
         try:
-            data = value.model_dump(mode="json")
+            # By alias: what model_validate reads back whatever the model's populate_by_name says.
+            data = value.model_dump(mode="json", by_alias=True)
+            same = cls.model_validate(data) == value
         except Exception as exc:  # a field pydantic cannot render as JSON: refused, never half-saved
             raise UnsupportedSessionValue(f"{where}: {cls.__qualname__} does not dump as JSON ({exc})") from None
+        if not same:
+            # An excluded field, a private attribute set, a lossy serializer: restoring it would lose state.
+            raise UnsupportedSessionValue(f"{where}: {cls.__qualname__} does not survive model_dump/model_validate")
         return {_TAG: "model", "class": f"{cls.__module__}:{cls.__qualname__}", "data": data}
     if type(value) is random.Random:
         version, internal, gauss_next = value.getstate()

@@ -20,7 +20,7 @@ import pytest
 from nemo_gym_checkpoint_plugin.builtin_participants import declarations
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 from nemo_gym_checkpoint_plugin.builtin_participants.session_state import UnsupportedSessionValue, decode, encode
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from test_attach_inprocess import _app, _build, _server_class
 
 from nemo_gym_checkpoint_plugin.attach import ATTACHMENT_STATE
@@ -316,6 +316,17 @@ def test_the_codec_restores_json_models_and_random_state() -> None:
 def test_the_codec_refuses_what_it_cannot_restore(value: Any, named: str) -> None:
     with pytest.raises(UnsupportedSessionValue, match=named.replace("[", r"\[").replace("]", r"\]")):
         encode(value)
+
+
+class Secretive(BaseModel):
+    shown: int
+    hidden: int = Field(default=0, exclude=True)
+
+
+def test_a_model_that_would_not_come_back_equal_is_refused() -> None:
+    encode(Secretive(shown=1))  # the excluded field at its default: nothing lost
+    with pytest.raises(UnsupportedSessionValue, match=r"value\['s'\]: Secretive does not survive"):
+        encode({"s": Secretive(shown=1, hidden=5)})
 
 
 def test_a_model_class_not_loaded_in_the_server_is_refused() -> None:
