@@ -8,7 +8,8 @@
   (``simple_agent_turns.py``, ``agent_turns.py``: a boundary after each model and tool call);
 - resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings,
   following the verifier's ``checkpoint_mode`` (``declarations.py``: its config key, or the
-  built-in table of the wheel's stateless verifiers);
+  built-in table of the wheel's stateless verifiers), and the per-session dicts a server names
+  in ``checkpoint_session_state`` or the built-in table (``session_state.py``);
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
 - model: ``ModelCalls`` (``model.py``), the model calls in flight: responses held while a

@@ -92,12 +92,16 @@ def build_gym_config(
     checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
     entrypoints: Mapping[str, str] | None = None,
     model: Mapping[str, Any] | None = None,
+    resources: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
     ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
     ``model`` adds keys to the policy model's block (e.g. ``return_token_id_information: true``).
     ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
+    ``resources`` changes the resources server (still named ``RESOURCES``): its
+    ``implementation`` (default ``example_single_tool_call``), every other key merged into its
+    block (e.g. ``checkpoint_session_state``).
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
@@ -110,6 +114,8 @@ def build_gym_config(
     if unknown:
         raise ValueError(f"entrypoints name unknown servers {sorted(unknown)}; known: {list(GYM_SERVERS)}")
     resources_ref = _server_ref("resources_servers", RESOURCES)
+    resources_block = dict(resources or {})
+    implementation = str(resources_block.pop("implementation", "example_single_tool_call"))
     initial: dict[str, Any] = {
         "config_paths": list(_SHIPPED_CONFIGS),
         "policy_base_url": f"http://{HOST}:{port_base + PORT_OFFSETS[BACKEND]}/v1",
@@ -124,12 +130,13 @@ def build_gym_config(
         AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
         RESOURCES: {
             "resources_servers": {
-                "example_single_tool_call": {
+                implementation: {
                     **port(RESOURCES),
                     "entrypoint": "app.py",
                     "domain": "agent",
                     "verified": False,
                     "description": "Basic single-step tool calling",
+                    **resources_block,
                 }
             }
         },
