@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -39,6 +40,8 @@ def _loopback_up() -> None:
 
 def namespaces_supported() -> bool:
     """Whether this process may create a network namespace (root, unshare allowed)."""
+    if not hasattr(os, "unshare") or shutil.which("unshare") is None:
+        return False
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, timeout=30)
     return probe.returncode == 0
 
