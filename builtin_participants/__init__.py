@@ -82,7 +82,12 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
         # No steps for this run logic: its episodes are listed as restarts, never silently lost.
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
-        return [UncapturedRuns(kind)]
+        name = getattr(getattr(server, "config", None), "name", None) or type(server).__name__
+        return [UncapturedRuns(kind, restart_warning=(
+            f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
+            "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
+            "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
+            "episode state in a plugin (docs/plugins.md)."))]
     if kind == "agent":
         from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns

@@ -391,7 +391,10 @@ class EpisodeBook:
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
-        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes)}
+        # episode_keys: what a controller without its own list of /run calls (ng-checkpoint commit --all)
+        # continues, restarts included; restored episodes not yet started by their replacement attempt.
+        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes),
+                "episode_keys": sorted({*self._episodes, *self._restored})}
 
 
 def _from_key(key: str) -> EpisodeId:

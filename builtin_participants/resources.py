@@ -84,6 +84,7 @@ class ResourcesSessions:
         else:
             self.capturable = self.mode is not CheckpointMode.RESTART_ONLY
         self.verify_replay = self.mode is CheckpointMode.STATELESS
+        self.restart_warning = None if self.capturable or self.mode is not None else _restart_warning(server)
         self.seed_calls = 0
         self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
         self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
@@ -234,6 +235,7 @@ class ResourcesSessions:
             "session_state": list(self.session_state.attrs) if self.session_state is not None else [],
             "seed_sessions_by_rollout": dict(self.seeds_by_rollout),
             "tool_calls_by_rollout": dict(self.tool_calls_by_rollout),
+            "restart_warning": self.restart_warning,
         }
 
 
@@ -269,6 +271,20 @@ class _ToolCalls:
 
 def _wire(episode_id: EpisodeId) -> dict[str, Any]:
     return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
+
+
+def _restart_warning(server: Any) -> str:
+    """Why every episode of this undeclared server is a restart, and what its author can do (status and log)."""
+    config = getattr(server, "config", None)
+    name = getattr(config, "name", None) or type(server).__name__
+    return (
+        f"resources server {name!r} ({type(server).__name__}) has its own seed_session and declares no "
+        "checkpoint_mode, so every episode it seeds is a restart: its rollouts start over after a crash. "
+        "If it keeps nothing per session, declare `checkpoint_mode: stateless` in its config block; if it does, "
+        "implement the participant hooks export and install (with retire and delete_restored) in a plugin "
+        "(docs/plugins.md) and declare `checkpoint_mode: export_restore`; `checkpoint_mode: restart_only` "
+        "says restarts are intended."
+    )
 
 
 def _key_episode(key: str) -> EpisodeId:

@@ -130,7 +130,11 @@ def _gym_specs(
             validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
         )
         entrypoint = str(inner["entrypoint"])
-        run = (entrypoint,) if entrypoint.endswith(".py") else ("-m", entrypoint)
+        # A path (``app.py``), the ``-m<module>`` form Gym's own launcher also runs, or a bare module name.
+        if entrypoint.endswith(".py"):
+            run: tuple[str, ...] = (entrypoint,)
+        else:
+            run = ("-m", entrypoint.removeprefix("-m"))
         specs.append(
             ProcessSpec(
                 name=name,

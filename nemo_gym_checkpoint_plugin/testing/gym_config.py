@@ -65,13 +65,19 @@ _SHIPPED_CONFIGS = (
     "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
 )
 _DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin._ray_off"}
-# The wrapper entrypoint: each server a checkpoint participant when the block is enabled (Ray off either way).
+# The wrapper module: each server a checkpoint participant when the block is enabled (Ray off either way).
 WRAP_ENTRYPOINT = "nemo_gym_checkpoint_plugin.wrap"
 
 
 def wrapped_entrypoints() -> dict[str, str]:
-    """``entrypoints=`` that run every Gym server of the deployment through the wrapper."""
-    return dict.fromkeys(GYM_SERVERS, WRAP_ENTRYPOINT)
+    """``entrypoints=`` that run every Gym server of the deployment through the wrapper.
+
+    In the form Gym's own launcher (``ng_run``) starts too, ``-mnemo_gym_checkpoint_plugin.wrap``
+    (``ng-checkpoint enable`` writes the same), so the config ``make serve`` writes runs under ``ng_run``.
+    """
+    from ..cli._enable import LAUNCH_ENTRYPOINT
+
+    return dict.fromkeys(GYM_SERVERS, LAUNCH_ENTRYPOINT)
 
 
 def server_location(config: Any, name: str) -> tuple[str, str, Any]:
