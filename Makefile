@@ -21,6 +21,7 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/mid_turn.py
 
 lint: setup
 	$(PY) -m ruff check .

@@ -3,13 +3,17 @@
 - environment: ``EpisodeBook`` (``environment.py``), fed by the ``single_agent_turn`` run
   logic of ``single_agent_turn.py`` (a mixin the wrapper adds to that server class), and by
   the ``legacy_agent`` relay of ``legacy_agent.py`` (every relayed episode is a restart);
-- agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash;
+- agent: ``SimpleAgentSessions`` (``agent.py``), open Simple Agent sessions across a crash,
+  with each session's turn so far when the wrapper added ``SimpleAgentTurns``
+  (``simple_agent_turns.py``, ``agent_turns.py``: a boundary after each model and tool call);
 - resources: ``ResourcesSessions`` (``resources.py``), seed declarations and session bindings,
   following the verifier's ``checkpoint_mode`` (``declarations.py``: its config key, or the
-  built-in table of the wheel's stateless verifiers);
+  built-in table of the wheel's stateless verifiers), and the per-session dicts a server names
+  in ``checkpoint_session_state`` or the built-in table (``session_state.py``);
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
-- model: none yet (a model server holds no episode state between calls here).
+- model: ``ModelCalls`` (``model.py``), the model calls in flight: responses held while a
+  checkpoint is open (``held_responses.py``), running generations stopped by retire.
 
 The Gym attachment asks ``participants_for`` which plugins a server gets, and
 ``install_reply_declarations`` to add the reply headers they declare on. A server kind or
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
 
 _STEPPED_ENVIRONMENTS = ("SingleAgentTurnEnvironmentServer",)
+# Agents whose turn loop is Simple Agent's: their turns record mid-turn boundaries (simple_agent_turns.py).
+_TURN_AGENTS = ("SimpleAgent",)
 # Relays to an agent that owns its whole episode: every episode is a restart (legacy_agent.py).
 _RELAY_ENVIRONMENTS = ("LegacyAgentEnvironmentServer",)
 
@@ -40,6 +46,11 @@ def checkpointable_bases(server_class: type) -> tuple[type, ...]:
 
         if not issubclass(server_class, SingleAgentTurnSteps):
             return (SingleAgentTurnSteps,)
+    if any(base.__name__ in _TURN_AGENTS for base in server_class.__mro__):
+        from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import SimpleAgentTurns
+
+        if not issubclass(server_class, SimpleAgentTurns):
+            return (SimpleAgentTurns,)
     if any(base.__name__ in _RELAY_ENVIRONMENTS for base in server_class.__mro__):
         from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay
 
@@ -71,24 +82,49 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
         # No steps for this run logic: its episodes are listed as restarts, never silently lost.
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
-        return [UncapturedRuns(kind)]
+        name = getattr(getattr(server, "config", None), "name", None) or type(server).__name__
+        return [UncapturedRuns(kind, restart_warning=(
+            f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
+            "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
+            "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
+            "episode state in a plugin (docs/plugins.md)."))]
     if kind == "agent":
         from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
         # An agent's /run owns its whole episode: never capturable, always a restart.
         runs = UncapturedRuns(kind)
-        return [SimpleAgentSessions(server), runs] if is_session_agent(server) else [runs]
+        if not is_session_agent(server):
+            return [runs]
+        return [SimpleAgentSessions(server, _turn_book(server)), runs]
     if kind == "resources":
         from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
 
         return [ResourcesSessions(server)]
+    if kind == "model":
+        from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+
+        return [ModelCalls(server)]
     return []
+
+
+def _turn_book(server: Any) -> Any:
+    """A bound ``TurnBook`` when ``server`` runs Simple Agent's own turn loop under the mixin, else None."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import captures_mid_turn
+
+    if not captures_mid_turn(server):
+        return None
+    from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import TurnBook
+
+    book = TurnBook(model_server=server.config.model_server.name)
+    server.bind_turn_book(book)
+    return book
 
 
 def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) -> None:
     """Add the reply-header middleware the built-in ``plugins`` declare through (before the gate is added)."""
     from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, install_agent_declaration
+    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls, install_model_calls
     from nemo_gym_checkpoint_plugin.builtin_participants.resources import (
         ResourcesSessions,
         install_resources_declarations,
@@ -101,4 +137,6 @@ def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) 
         elif isinstance(plugin, ResourcesSessions):
             install_resources_declarations(app, participants, plugin)
         elif isinstance(plugin, SimpleAgentSessions):
-            install_agent_declaration(app)
+            install_agent_declaration(app, mid_turn=plugin.turns is not None)
+        elif isinstance(plugin, ModelCalls):
+            install_model_calls(app, plugin)

@@ -21,6 +21,11 @@ observations. So this participant exports, per episode in scope, each *open* ses
 Closed sessions (an episode past its agent step) are not exported: their close receipts
 only serve retries of a close that already happened.
 
+With the wrapper's ``SimpleAgentTurns`` (``simple_agent_turns.py``; mid-turn boundaries) each
+record also carries ``"turn"``: the session's turn so far (``agent_turns.Turn``: the model answers
+and tool results completed, in order), so a restored turn continues without resending them; the
+seed reply then declares ``mid-turn`` instead of ``capture``.
+
 Session cookies stay valid across the restart: Gym signs them with a key derived from
 the class and server names, which the wrapper keeps. ``/v1/agent_sessions`` replies carry
 ``x-ng-checkpoint-agent-session: capture`` (``install_agent_declaration``), which is how
@@ -37,12 +42,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
-from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN, ROLLOUT_PATH_PREFIX
 
 __all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
 
@@ -69,10 +75,17 @@ def rewrite_rollout_base(url: str, old_key: str, new_key: str) -> str:
 
 
 class SimpleAgentSessions:
-    """Export and install the open sessions of a Simple Agent, keyed by their episode attempt."""
+    """Export and install the open sessions of a Simple Agent, keyed by their episode attempt.
 
-    def __init__(self, server: Any) -> None:
+    With ``turns`` (the server runs ``SimpleAgentTurns``: mid-turn boundaries) each session's
+    record also holds its turn so far, and this plugin answers the agent's readiness (a call
+    whose effect is not recorded yet blocks), parks turns while admission is closed, and
+    cancels the running turns of the attempts a retire names.
+    """
+
+    def __init__(self, server: Any, turns: TurnBook | None = None) -> None:
         self.server = server
+        self.turns = turns
         self._installed: set[str] = set()
 
     def _records(self) -> dict[str, Any]:
@@ -96,9 +109,15 @@ class SimpleAgentSessions:
                     "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
                     "activations": int(getattr(state, "activations", 0)),
                     "observations": observations.model_dump(mode="json") if observations is not None else None,
+                    **({"turn": self._turn_record(session_id)} if self.turns is not None else {}),
                 }
             )
         return records
+
+    def _turn_record(self, session_id: str) -> dict[str, Any] | None:
+        assert self.turns is not None
+        turn = self.turns.turns.get(session_id)
+        return turn.to_wire() if turn is not None else None
 
     @hookimpl
     async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
@@ -132,11 +151,19 @@ class SimpleAgentSessions:
             state.activations = int(record.get("activations") or 0)
             if record.get("observations") is not None:
                 state.observations = AgentObservationBundle.model_validate(record["observations"])
-            staged[session_id] = (_AgentSessionRecord(state=state, episode_id=restored.replacement), new_key)
+            turn = None
+            if self.turns is not None and record.get("turn") is not None:
+                try:
+                    turn = Turn.from_wire(record["turn"])
+                except ValueError as exc:
+                    raise ValueError(f"episode {old_key}: {exc}") from None
+            staged[session_id] = (_AgentSessionRecord(state=state, episode_id=restored.replacement), new_key, turn)
         # Every record was accepted: only now does any session appear.
-        for session_id, (session_record, key) in staged.items():
+        for session_id, (session_record, key, turn) in staged.items():
             self._records()[session_id] = session_record
             self._installed.add(key)
+            if turn is not None and self.turns is not None:
+                self.turns.turns[session_id] = turn
 
     @hookimpl
     def restored_pending(self) -> list[str]:
@@ -154,6 +181,8 @@ class SimpleAgentSessions:
             if record.episode_id is not None and named(record.episode_id) and record.state is not None:
                 del self._records()[session_id]
                 self._installed.discard(record.episode_id.capture_key)
+                if self.turns is not None:
+                    self.turns.turns.pop(session_id, None)
 
     @hookimpl
     def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
@@ -161,24 +190,59 @@ class SimpleAgentSessions:
         self._drop(lambda episode_id: episode_id.capture_key in keys and episode_id.capture_key in self._installed)
 
     @hookimpl
-    def retire(self, episode_ids: list[EpisodeId]) -> None:
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
         limits: dict[str, int] = {}
         for episode_id in episode_ids:
             limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
+
+        def named(episode_id: EpisodeId) -> bool:
+            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
+
+        if self.turns is not None:
+            # The attempts' turns still running (their environment is gone) stop before their sessions go.
+            await self.turns.stop(lambda key: named(from_capture_key(key)))
         # The environment closes sessions of episodes it stops; what is left (restored, never used) goes here.
-        self._drop(lambda episode_id: episode_id.attempt <= limits.get(episode_id.rollout_id, -1))
+        self._drop(named)
+
+    # -- mid-turn boundaries (only with turns) -------------------------------------------------------
+
+    @hookimpl
+    def close_admission(self, checkpoint_id: str) -> None:
+        if self.turns is not None:
+            self.turns.close()
+
+    @hookimpl
+    def open_admission(self, checkpoint_id: str) -> None:
+        if self.turns is not None:
+            self.turns.open()
+
+    @hookimpl
+    def ready(self, checkpoint_id: str | None) -> Readiness | None:
+        if self.turns is None:
+            return None
+        counts = {"turns_running": self.turns.running(), "turns_parked": self.turns.parked}
+        return Readiness(blockers=self.turns.blockers(), restarts=[], counts=counts)
+
+    @hookimpl
+    def wait_ready(self, checkpoint_id: str) -> Any:
+        return self.turns.wait_change() if self.turns is not None else None
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
         open_sessions = sum(1 for r in self._records().values() if r.state is not None and not r.closing)
-        return {"agent_sessions_open": open_sessions}
+        fields: dict[str, Any] = {"agent_sessions_open": open_sessions}
+        if self.turns is not None:
+            fields["agent_mid_turn"] = True
+        return fields
 
 
-def install_agent_declaration(app: Any) -> None:
-    """Add ``x-ng-checkpoint-agent-session: capture`` to every successful ``/v1/agent_sessions`` reply."""
+def install_agent_declaration(app: Any, *, mid_turn: bool = False) -> None:
+    """Add ``x-ng-checkpoint-agent-session: capture`` (``mid-turn`` with turns) to every successful seed reply."""
     from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
 
+    value = AGENT_SESSION_MID_TURN if mid_turn else AGENT_SESSION_CAPTURE
+
     async def declare(_body: bytes, status: int) -> dict[str, str]:
-        return {AGENT_CAPTURE_HEADER: "capture"} if 200 <= status < 300 else {}
+        return {AGENT_CAPTURE_HEADER: value} if 200 <= status < 300 else {}
 
     app.add_middleware(ReplyHeaders, path="/v1/agent_sessions", headers_for=declare)

@@ -21,6 +21,12 @@ Where the mode comes from, first found wins:
    ``seed_session`` is Gym's default, ``/verify`` never declared replayable).
 
 A bad value stops the server at startup (``SettingsError`` naming the key and the server).
+
+Session state (``session_state.py``): ``checkpoint_session_state: [attr, ...]`` in the same block
+names the server's per-session dict attributes (keyed by Gym's session id) that the built-in
+resources participant exports and installs; ``BUILTIN_SESSION_STATE`` names them for the
+wheel's servers this plugin has read. A server with session state is ``export_restore``
+(declaring ``stateless`` or ``restart_only`` beside it is refused at startup, naming both keys).
 """
 
 from __future__ import annotations
@@ -31,9 +37,19 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin._settings import SettingsError
 
-__all__ = ["BUILTIN_MODES", "CHECKPOINT_MODE_KEY", "CheckpointMode", "declared_mode"]
+__all__ = [
+    "BUILTIN_MODES",
+    "BUILTIN_SESSION_STATE",
+    "CHECKPOINT_MODE_KEY",
+    "SESSION_STATE_KEY",
+    "CheckpointMode",
+    "declared",
+    "declared_mode",
+    "declared_session_state",
+]
 
 CHECKPOINT_MODE_KEY = "checkpoint_mode"
+SESSION_STATE_KEY = "checkpoint_session_state"
 
 
 class CheckpointMode(enum.StrEnum):
@@ -55,17 +71,35 @@ BUILTIN_MODES: dict[str, CheckpointMode] = {
     "resources_servers.xlam_fc.app.XlamFcResourcesServer": CheckpointMode.STATELESS,
 }
 
+# The wheel's (nemo-gym 0.7.0) servers whose whole per-session state is dicts keyed by Gym's
+# session id, holding values session_state.encode takes: checkpointed with no config and no
+# plugin (export_restore). Same keying as BUILTIN_MODES (a subclass is not covered).
+# - example_session_state_mgmt: session_id_to_counter {session id: int}, set at seed, changed
+#   by /increment_counter, read by /verify;
+# - blackjack: GymnasiumServer.session_state {session id: {"player", "dealer": [card],
+#   "rng": random.Random}}: the hands and the deck's random-number state, so a restored game
+#   deals the same next cards.
+BUILTIN_SESSION_STATE: dict[str, tuple[str, ...]] = {
+    "resources_servers.example_session_state_mgmt.app.StatefulCounterResourcesServer": ("session_id_to_counter",),
+    "resources_servers.blackjack.app.BlackjackEnv": ("session_state",),
+}
 
-def _configured(server: Any) -> tuple[Any, str]:
-    """The raw ``checkpoint_mode`` value of the server's config block (None: absent) and the server's name."""
+
+def _class_key(server: Any) -> str:
+    cls = type(server)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _configured(server: Any, key: str = CHECKPOINT_MODE_KEY) -> tuple[Any, str]:
+    """The raw ``key`` value of the server's config block (None: absent) and the server's name."""
     config = getattr(server, "config", None)
     name = str(getattr(config, "name", None) or type(server).__name__)
-    value = getattr(config, CHECKPOINT_MODE_KEY, None)
+    value = getattr(config, key, None)
     if value is not None:
         return value, name
     global_config = getattr(getattr(server, "server_client", None), "global_config_dict", None)
     block = _server_block(global_config, name)
-    return (block.get(CHECKPOINT_MODE_KEY) if block is not None else None), name
+    return (block.get(key) if block is not None else None), name
 
 
 def _server_block(global_config: Any, name: str) -> Mapping[str, Any] | None:
@@ -95,5 +129,54 @@ def declared_mode(server: Any) -> CheckpointMode | None:
             raise SettingsError(
                 f"server {name!r}: {CHECKPOINT_MODE_KEY}: {value!r} is not one of {allowed}"
             ) from None
-    cls = type(server)
-    return BUILTIN_MODES.get(f"{cls.__module__}.{cls.__qualname__}")
+    return BUILTIN_MODES.get(_class_key(server))
+
+
+def declared_session_state(server: Any) -> tuple[tuple[str, ...], bool]:
+    """The per-session dict attributes ``server`` names, and whether its config named them (else the table).
+
+    ``((), False)`` for none. Raises ``SettingsError`` naming the key and the server for a value
+    that is not a non-empty list of distinct attribute names, each a dict attribute of the server.
+    """
+    value, name = _configured(server, SESSION_STATE_KEY)
+    if value is None:
+        return BUILTIN_SESSION_STATE.get(_class_key(server), ()), False
+
+    def refuse(why: str) -> SettingsError:
+        return SettingsError(f"server {name!r}: {SESSION_STATE_KEY}: {why}")
+
+    if isinstance(value, (str, bytes)) or isinstance(value, Mapping) or not hasattr(value, "__iter__"):
+        raise refuse(f"{value!r} is not a list of attribute names")
+    attrs = list(value)
+    if not attrs:
+        raise refuse("the list is empty (remove the key for a server without session state)")
+    for attr in attrs:
+        if not isinstance(attr, str) or not attr.isidentifier():
+            raise refuse(f"{attr!r} is not an attribute name")
+        if not isinstance(getattr(server, attr, None), dict):
+            found = type(getattr(server, attr)).__name__ if hasattr(server, attr) else "no such attribute"
+            raise refuse(f"{type(server).__name__}.{attr} is not a dict keyed by session id ({found})")
+    if len(set(attrs)) != len(attrs):
+        raise refuse(f"{attrs} names an attribute twice")
+    return tuple(attrs), True
+
+
+def declared(server: Any) -> tuple[CheckpointMode | None, tuple[str, ...]]:
+    """``server``'s checkpoint mode and session-state attributes, reconciled.
+
+    Session state makes the server ``export_restore``. A configured ``stateless`` or
+    ``restart_only`` beside a configured ``checkpoint_session_state`` is refused
+    (``SettingsError`` naming both keys); beside the built-in table's attributes the configured
+    mode wins and nothing is exported.
+    """
+    mode = declared_mode(server)
+    attrs, configured = declared_session_state(server)
+    if not attrs or mode is None or mode is CheckpointMode.EXPORT_RESTORE:
+        return (CheckpointMode.EXPORT_RESTORE if attrs else mode), attrs
+    if not configured:
+        return mode, ()
+    name = str(getattr(getattr(server, "config", None), "name", None) or type(server).__name__)
+    raise SettingsError(
+        f"server {name!r}: {CHECKPOINT_MODE_KEY}: {mode.value!r} contradicts {SESSION_STATE_KEY} "
+        f"{list(attrs)}: a server with session state is {CheckpointMode.EXPORT_RESTORE.value}"
+    )

@@ -24,7 +24,10 @@ Rules kept here:
   does not block; the episode is exported at its last boundary and the step runs again
   after a crash (effects it had downstream, e.g. model calls, repeat). A step the run logic
   marks not replayable (``step(..., replayable=False)``: a verify whose verifier did not
-  declare ``/verify`` replayable) blocks in ``replay`` mode too.
+  declare ``/verify`` replayable) blocks in ``replay`` mode too. A step whose progress the
+  server it delegates to captures (``step(..., captured=True)``: the agent step when the
+  agent declared mid-turn boundaries) never blocks, in either mode; ``hand_back`` (parking
+  first while a checkpoint is open) returns the rest of the step to the rules above.
 - **Parking.** ``step`` and ``park`` wait while a checkpoint holds admission closed
   (``close_admission``/``open_admission``); a parked episode that wakes to a new closed
   checkpoint stays parked. While parked, the episode's deadline is paused (``deadline`` is
@@ -68,7 +71,6 @@ from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
-
 
 
 def _wire(episode_id: EpisodeId) -> dict[str, Any]:
@@ -151,21 +153,35 @@ class EpisodeBook:
             self._notify()
 
     @asynccontextmanager
-    async def step(self, episode: Episode, name: str, *, replayable: bool = True) -> AsyncIterator[None]:
+    async def step(
+        self, episode: Episode, name: str, *, replayable: bool = True, captured: bool = False
+    ) -> AsyncIterator[None]:
         """Run one step: park first while a checkpoint is open, then mark the step in flight.
 
         ``replayable=False``: the step must not run twice, so it blocks a checkpoint whatever the step mode.
+        ``captured=True``: the server it delegates to captures its progress (an agent with mid-turn
+        boundaries): it never blocks; after a crash it is sent again and continues there.
         """
         await self.park(episode)
         episode.step_replayable = replayable
+        episode.step_captured = captured
         episode.step = name
         try:
             yield
         finally:
             episode.step = None
+            episode.step_captured = False
             if self._closed and episode.key in self._blocking and not self._blocks(episode):
                 self._blocking.discard(episode.key)
                 self._notify()
+
+    async def hand_back(self, episode: Episode) -> None:
+        """The delegated part of a ``captured`` step returned: park while a checkpoint is open, then the
+        rest (closing the agent session, which must not run twice) blocks in either mode. Else nothing."""
+        if episode.step_captured:
+            await self.park(episode)
+            episode.step_captured = False
+            episode.step_replayable = False
 
     def reach(self, episode: Episode, boundary: str, state: Mapping[str, Any]) -> None:
         """Record a completed step: the boundary name and the JSON state to continue from."""
@@ -225,7 +241,7 @@ class EpisodeBook:
     def _blocks(self, episode: Episode) -> bool:
         if episode.retiring:
             return True
-        if episode.step is None or episode.restart:
+        if episode.step is None or episode.restart or episode.step_captured:
             return False
         return self.step_mode is StepMode.WAIT or not episode.step_replayable
 
@@ -375,7 +391,10 @@ class EpisodeBook:
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
-        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes)}
+        # episode_keys: what a controller without its own list of /run calls (ng-checkpoint commit --all)
+        # continues, restarts included; restored episodes not yet started by their replacement attempt.
+        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes),
+                "episode_keys": sorted({*self._episodes, *self._restored})}
 
 
 def _from_key(key: str) -> EpisodeId:

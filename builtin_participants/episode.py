@@ -42,6 +42,8 @@ class Episode:
     step: str | None = None
     # Whether the step in flight may run again after a crash (replay mode only blocks on one that may not).
     step_replayable: bool = True
+    # The step in flight is captured where it was delegated (EpisodeBook.step(captured=True)): never blocking.
+    step_captured: bool = False
     restart: bool = False
     pending_restart: bool = False
     retiring: bool = False

@@ -14,6 +14,10 @@ What a resources server must keep for a restored episode to reuse its session:
   ``stateless`` -> capturable, and every seed declares ``/verify`` replayable
   (``x-ng-checkpoint-verify: replay``); ``export_restore`` -> capturable, a plugin exports
   the state (and declares replay itself if it may); ``restart_only`` -> every seed a restart.
+- A server with **session state** (``checkpoint_session_state:`` in its config, or the built-in
+  table of ``declarations.py``) is ``export_restore``: its named per-session dicts are exported
+  and installed per episode by ``session_state.py`` (a record's ``session_state`` field), with no
+  plugin of its own.
 - Undeclared: a server whose ``seed_session`` is Gym's default keeps no per-episode state:
   nothing to export, its episodes are capturable (``/verify`` not declared replayable).
   Any other server keeps state this participant does not know: every session it seeds
@@ -25,8 +29,10 @@ What a resources server must keep for a restored episode to reuse its session:
   re-attached): ``task_data`` ``{"ng_checkpoint": "restart"}`` makes its session a restart.
 
 Seeds are counted here (``status``: ``seed_session_calls`` and, for the most recent
-rollouts, ``seed_sessions_by_rollout``), because a controller cannot see whether a step
-ran again after a restart; tests and the demo read these counts.
+rollouts, ``seed_sessions_by_rollout``), and so are tool calls attributed to a rollout
+(``tool_calls_by_rollout``: every other ``POST /ng-rollout/<key>/<route>``), because a
+controller cannot see whether a step or a tool call ran again after a restart; tests and
+the demo read these counts.
 
 The seed hook is called by ``install_resources_declarations``' middleware once the
 server's ``/seed_session`` handler replied 2xx; the replies of ``/close_session`` end the
@@ -40,12 +46,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared_mode
+from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared
+from nemo_gym_checkpoint_plugin.builtin_participants.session_state import SessionState, UnsupportedSessionValue
 
+from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 
@@ -67,17 +76,21 @@ class ResourcesSessions:
         self.server = server
         table = getattr(server, "_session_episodes", None)
         self._table: dict[str, Any] | None = table if isinstance(table, dict) else None
-        # Raises SettingsError (the server does not start) for a bad checkpoint_mode value.
-        self.mode = declared_mode(server)
+        # Raises SettingsError (the server does not start) for a bad checkpoint_mode or checkpoint_session_state.
+        self.mode, attrs = declared(server)
+        self.session_state = SessionState(server, attrs) if attrs else None
         if self.mode is None:
             self.capturable = self._table is not None or _stateless(server)
         else:
             self.capturable = self.mode is not CheckpointMode.RESTART_ONLY
         self.verify_replay = self.mode is CheckpointMode.STATELESS
+        self.restart_warning = None if self.capturable or self.mode is not None else _restart_warning(server)
         self.seed_calls = 0
         self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
+        self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
         self._restarts: set[str] = set()
         self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
+        self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
 
     # -- seeds and closes (from the middleware) ---------------------------------------------------
 
@@ -85,9 +98,7 @@ class ResourcesSessions:
     def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
         self.seed_calls += 1
         rollout = episode_id.rollout_id
-        self.seeds_by_rollout[rollout] = self.seeds_by_rollout.pop(rollout, 0) + 1
-        while len(self.seeds_by_rollout) > _SEED_COUNT_ROLLOUTS:
-            self.seeds_by_rollout.popitem(last=False)
+        _count(self.seeds_by_rollout, rollout)
         task_data = session.get("task_data")
         declared = isinstance(task_data, Mapping) and task_data.get(RESTART_TASK_KEY) == "restart"
         restart = declared or not self.capturable
@@ -101,6 +112,10 @@ class ResourcesSessions:
     def session_closed(self, episode_id: EpisodeId) -> None:
         self._restarts.discard(episode_id.capture_key)
         self._installed.pop(episode_id.capture_key, None)
+        self._installed_state.discard(episode_id.capture_key)
+        if self.session_state is not None:
+            # The episode is over here: its sessions are never exported again (the server keeps its own data).
+            self.session_state.unbind(lambda episode: episode == episode_id)
 
     # -- participant hooks -------------------------------------------------------------------------
 
@@ -110,46 +125,71 @@ class ResourcesSessions:
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
-        if self._table is None:
-            return []
-        records = []
-        for session_id, binding in self._table.items():
+        records: dict[str, dict[str, Any]] = {}
+        for session_id, binding in (self._table or {}).items():
             episode_id, task_id = binding
             key = episode_id.capture_key
             if key in self._restarts or (scope is not None and key not in scope):
                 continue
-            records.append(
-                {
-                    "episode_id": {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt},
-                    "resources_session_id": session_id,
-                    "task_id": task_id.model_dump(mode="json"),
-                }
-            )
-        return records
+            records[key] = {
+                "episode_id": _wire(episode_id),
+                "resources_session_id": session_id,
+                "task_id": task_id.model_dump(mode="json"),
+            }
+        if self.session_state is not None:
+            for key, session_ids in self.session_state.sessions_of(scope).items():
+                if key in self._restarts:
+                    continue
+                try:
+                    sessions = self.session_state.export_sessions(key, session_ids)
+                except UnsupportedSessionValue as exc:
+                    raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
+                record = records.setdefault(key, {"episode_id": _wire(_key_episode(key))})
+                record["session_state"] = sessions
+        return list(records.values())
 
     @hookimpl
     def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
-        if self._table is None:
-            if records:
-                raise ValueError(f"{type(self.server).__name__} keeps no session bindings; it cannot install any")
-            return
         from nemo_gym.episode_types import TaskId
 
         staged: dict[str, Any] = {}
+        staged_state: list[tuple[EpisodeId, Any]] = []
         for restored in records:
-            session_id = restored.record.get("resources_session_id")
+            key = restored.checkpointed.capture_key
+            record = restored.record
+            if "resources_session_id" not in record and "session_state" not in record:
+                raise ValueError(f"episode {key}: neither resources_session_id nor session_state")
+            if "session_state" in record:
+                if self.session_state is None:
+                    raise ValueError(f"episode {key}: {type(self.server).__name__} names no session state")
+                staged_state.append((restored.replacement, self.session_state.stage(key, record["session_state"])))
+            if "resources_session_id" not in record:
+                continue
+            if self._table is None:
+                raise ValueError(f"{type(self.server).__name__} keeps no session bindings; it cannot install any")
+            session_id = record.get("resources_session_id")
             if not isinstance(session_id, str) or not session_id:
-                raise ValueError(f"episode {restored.checkpointed.capture_key}: resources_session_id is missing")
+                raise ValueError(f"episode {key}: resources_session_id is missing")
             if session_id in self._table or session_id in staged:
-                raise ValueError(f"episode {restored.checkpointed.capture_key}: session {session_id} already exists")
-            staged[session_id] = (restored.replacement, TaskId.model_validate(restored.record.get("task_id")))
-        self._table.update(staged)
+                raise ValueError(f"episode {key}: session {session_id} already exists")
+            staged[session_id] = (restored.replacement, TaskId.model_validate(record.get("task_id")))
+        if staged_state:
+            staged_ids = [session_id for _episode, sessions in staged_state for session_id, _values in sessions]
+            if len(set(staged_ids)) != len(staged_ids):
+                raise ValueError("two restored episodes name the same session")
+        # Everything validated: nothing below raises, so a refused install leaves nothing installed.
+        if self._table is not None:
+            self._table.update(staged)
         for session_id, (episode_id, _task) in staged.items():
             self._installed[episode_id.capture_key] = session_id
+        for replacement, sessions in staged_state:
+            assert self.session_state is not None
+            self.session_state.apply(replacement, sessions)
+            self._installed_state.add(replacement.capture_key)
 
     @hookimpl
     def restored_pending(self) -> list[str]:
-        return list(self._installed)
+        return sorted(set(self._installed) | self._installed_state)
 
     @hookimpl
     def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
@@ -157,6 +197,10 @@ class ResourcesSessions:
             session_id = self._installed.pop(episode_id.capture_key, None)
             if session_id is not None and self._table is not None:
                 self._table.pop(session_id, None)
+        keys = {episode_id.capture_key for episode_id in episode_ids}
+        self._installed_state -= keys
+        if self.session_state is not None:
+            self.session_state.drop(lambda episode: episode.capture_key in keys)
 
     @hookimpl
     def retire(self, episode_ids: list[EpisodeId]) -> None:
@@ -169,6 +213,9 @@ class ResourcesSessions:
 
         for key in [k for k in self._restarts if named(_key_episode(k))]:
             self._restarts.discard(key)
+        self._installed_state = {k for k in self._installed_state if not named(_key_episode(k))}
+        if self.session_state is not None:
+            self.session_state.drop(named)
         for key in [k for k in self._installed if named(_key_episode(k))]:
             session_id = self._installed.pop(key)
             if self._table is not None:
@@ -185,8 +232,59 @@ class ResourcesSessions:
             "capturable": self.capturable,
             "checkpoint_mode": self.mode.value if self.mode is not None else None,
             "seed_session_calls": self.seed_calls,
+            "session_state": list(self.session_state.attrs) if self.session_state is not None else [],
             "seed_sessions_by_rollout": dict(self.seeds_by_rollout),
+            "tool_calls_by_rollout": dict(self.tool_calls_by_rollout),
+            "restart_warning": self.restart_warning,
         }
+
+
+def _count(counts: OrderedDict[str, int], rollout: str) -> None:
+    counts[rollout] = counts.pop(rollout, 0) + 1
+    while len(counts) > _SEED_COUNT_ROLLOUTS:
+        counts.popitem(last=False)
+
+
+# Gym's own resources routes; any other POST under a rollout prefix is a tool call.
+_SESSION_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics"})
+
+
+class _ToolCalls:
+    """Pure ASGI middleware: count each ``POST /ng-rollout/<key>/<tool>`` per rollout (one split, no body read)."""
+
+    def __init__(self, app: Any, sessions: ResourcesSessions) -> None:
+        self.app = app
+        self.sessions = sessions
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" and scope.get("method") == "POST" else ""
+        if path.startswith(ROLLOUT_PATH_PREFIX):
+            key, _, route = path[len(ROLLOUT_PATH_PREFIX) :].partition("/")
+            if route and route not in _SESSION_ROUTES:
+                try:
+                    rollout = _key_episode(key).rollout_id
+                except ValueError:
+                    rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
+                _count(self.sessions.tool_calls_by_rollout, rollout)
+        await self.app(scope, receive, send)
+
+
+def _wire(episode_id: EpisodeId) -> dict[str, Any]:
+    return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
+
+
+def _restart_warning(server: Any) -> str:
+    """Why every episode of this undeclared server is a restart, and what its author can do (status and log)."""
+    config = getattr(server, "config", None)
+    name = getattr(config, "name", None) or type(server).__name__
+    return (
+        f"resources server {name!r} ({type(server).__name__}) has its own seed_session and declares no "
+        "checkpoint_mode, so every episode it seeds is a restart: its rollouts start over after a crash. "
+        "If it keeps nothing per session, declare `checkpoint_mode: stateless` in its config block; if it does, "
+        "implement the participant hooks export and install (with retire and delete_restored) in a plugin "
+        "(docs/plugins.md) and declare `checkpoint_mode: export_restore`; `checkpoint_mode: restart_only` "
+        "says restarts are intended."
+    )
 
 
 def _key_episode(key: str) -> EpisodeId:
@@ -225,5 +323,10 @@ def install_resources_declarations(app: Any, participants: Any, sessions: Resour
             sessions.session_closed(found[0])
         return {}
 
+    app.add_middleware(_ToolCalls, sessions=sessions)
+    if sessions.session_state is not None:
+        from nemo_gym_checkpoint_plugin.builtin_participants.session_state import install_session_binder
+
+        install_session_binder(app, sessions.session_state)
     app.add_middleware(ReplyHeaders, path="/seed_session", headers_for=on_seed)
     app.add_middleware(ReplyHeaders, path="/close_session", headers_for=on_close)

@@ -17,8 +17,12 @@ step        work                                             boundary (state kep
 ==========  ===============================================  ==============================
 
 A restored attempt (N+1) starts at its boundary and reuses its sessions: no seed runs
-again. The resources session is still closed by the episode's cleanup, and the agent
-session too while it is open (boundary ``seeded``).
+again. When the agent's session reply declared ``mid-turn`` (it records a boundary after each
+of its model and tool calls) the ``agent`` step is ``captured``: it never blocks a checkpoint,
+and after a crash it is sent again and the agent continues the turn where it stopped; once the
+turn replied, the episode parks (``hand_back``) before closing the agent session. The
+resources session is still closed by the episode's cleanup, and the agent session too while
+it is open (boundary ``seeded``).
 
 The verify step is replayed (``checkpoint.step_mode: replay``) only when the resources
 seed replied ``x-ng-checkpoint-verify: replay`` (its verifier declared ``/verify``
@@ -44,26 +48,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 from uuid import uuid4
 
-from nemo_gym.base_environment_server import CleanupContext, HandledEpisodeError
-from nemo_gym.base_resources_server import ResourcesCloseSessionRequest, ResourcesSeedSessionRequest
-from nemo_gym.base_responses_api_agent import (
-    AgentCloseSessionRequest,
-    AgentCloseSessionResponse,
-    AgentSeedSessionRequest,
-)
+from nemo_gym.base_environment_server import CleanupContext
 from nemo_gym.episode_types import EpisodeFailure
-from nemo_gym.server_utils import get_response_json, raise_for_status
-from nemo_gym.tool_access import DirectHTTPToolAccess
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
-
-from nemo_gym_checkpoint_plugin import _wire as wire
+from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn_calls import (
+    AGENT_CAPTURE_HEADER,
+    AGENT_MID_TURN,
+    RESTART_HEADER,
+    VERIFY_HEADER,
+    SingleAgentTurnCalls,
+    _Sessions,
+)
 
 __all__ = [
     "AGENT_CAPTURE_HEADER",
+    "AGENT_MID_TURN",
     "BOUNDARIES",
     "RESTART_HEADER",
     "VERIFY_HEADER",
@@ -71,9 +73,6 @@ __all__ = [
     "validate_state",
 ]
 
-RESTART_HEADER = wire.RESTART_HEADER
-VERIFY_HEADER = wire.VERIFY_HEADER
-AGENT_CAPTURE_HEADER = wire.AGENT_SESSION_HEADER
 BOUNDARIES = ("seeded", "replied", "verified")
 _REQUIRED_STATE = {
     "seeded": ("resources_session_id", "resources_cookies", "agent_session_id", "agent_cookies"),
@@ -96,33 +95,7 @@ def validate_state(boundary: str | None, state: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be a JSON object")
 
 
-def _cookies(response: Any) -> dict[str, str]:
-    return {str(name): str(getattr(morsel, "value", morsel)) for name, morsel in response.cookies.items()}
-
-
-def _retryable(error: BaseException) -> bool:
-    # Same classification as Gym's: transient transport errors and 408/425/429/5xx replies.
-    from aiohttp import ClientConnectionError, ClientPayloadError, ClientResponseError
-
-    if isinstance(error, ClientResponseError):
-        return error.status in {408, 425, 429} or error.status >= 500
-    return isinstance(error, ClientConnectionError | ClientPayloadError | TimeoutError)
-
-
-@dataclass
-class _Sessions:
-    """The episode's session ids and cookies, read by its cleanup callbacks when they run."""
-
-    resources_session_id: str
-    agent_session_id: str
-    resources_cookies: dict[str, str] = field(default_factory=dict)
-    agent_cookies: dict[str, str] = field(default_factory=dict)
-    agent_close: AgentCloseSessionResponse | None = None
-    # The resources seed declared /verify replayable (x-ng-checkpoint-verify: replay).
-    verify_replay: bool = False
-
-
-class SingleAgentTurnSteps:
+class SingleAgentTurnSteps(SingleAgentTurnCalls):
     """Mixin for ``SingleAgentTurnEnvironmentServer`` (listed before it): steps, boundaries, restore."""
 
     _ng_episode_book: EpisodeBook | None = None
@@ -184,6 +157,7 @@ class SingleAgentTurnSteps:
             resources_cookies=dict(state.get("resources_cookies") or {}),
             agent_cookies=dict(state.get("agent_cookies") or {}),
             verify_replay=state.get("verify_replay") is True,
+            agent_mid_turn=state.get("agent_mid_turn") is True,
         )
         # Registered before any seed so a lost seed reply cannot hide a caller-assigned session id.
         close_resources = self._ng_closer(request, sessions, "resources")
@@ -200,8 +174,10 @@ class SingleAgentTurnSteps:
 
         if boundary in (None, "seeded"):
             assert agent_cleanup is not None
-            async with book.step(episode, "agent"):
-                response = await self._ng_agent(request, sessions, agent_cleanup)
+            # A mid-turn agent records its own boundaries (after each model and tool call): its turn in
+            # flight never blocks, and after a crash the turn is sent again and continues at the agent.
+            async with book.step(episode, "agent", captured=sessions.agent_mid_turn):
+                response = await self._ng_agent(request, sessions, agent_cleanup, lambda: book.hand_back(episode))
             observations = sessions.agent_close.agent_observations if sessions.agent_close is not None else None
             state = {
                 **self._ng_seeded_state(sessions),
@@ -221,179 +197,3 @@ class SingleAgentTurnSteps:
         await book.park(episode)
         cleanup.register_cleanup("post-verification resources session", resources_cleanup.close)
         return self._ng_response(request, state)
-
-    @staticmethod
-    def _ng_seeded_state(sessions: _Sessions) -> dict[str, Any]:
-        return {
-            "resources_session_id": sessions.resources_session_id,
-            "resources_cookies": dict(sessions.resources_cookies),
-            "agent_session_id": sessions.agent_session_id,
-            "agent_cookies": dict(sessions.agent_cookies),
-            "verify_replay": sessions.verify_replay,
-        }
-
-    def _ng_closer(self, request: Any, sessions: _Sessions, which: str) -> Any:
-        client = self.server_client  # type: ignore[attr-defined]
-        config = self.config  # type: ignore[attr-defined]
-
-        async def close_resources() -> None:
-            reply = await client.post(
-                server_name=config.resources_server.name,
-                url_path="/close_session",
-                json=ResourcesCloseSessionRequest(
-                    resources_session_id=sessions.resources_session_id, episode_id=request.episode_id
-                ).model_dump(mode="json"),
-                cookies=sessions.resources_cookies,
-            )
-            await raise_for_status(reply)
-
-        async def close_agent() -> None:
-            reply = await client.post(
-                server_name=config.agent_server.name,
-                url_path="/v1/agent_sessions/close",
-                json=AgentCloseSessionRequest(
-                    agent_session_id=sessions.agent_session_id, episode_id=request.episode_id
-                ).model_dump(mode="json"),
-                cookies=sessions.agent_cookies,
-            )
-            await raise_for_status(reply)
-            closed = AgentCloseSessionResponse.model_validate(await get_response_json(reply))
-            if closed.agent_session_id != sessions.agent_session_id:
-                raise ValueError("Agent close returned a different agent_session_id")
-            sessions.agent_close = closed
-            if closed.resources_cookies is not None:
-                sessions.resources_cookies = dict(closed.resources_cookies)
-
-        return close_resources if which == "resources" else close_agent
-
-    def _ng_fail(self, stage: str, error: BaseException, partial: Any = None) -> HandledEpisodeError:
-        return self._failure(  # type: ignore[attr-defined]
-            stage=stage, failure_reason=str(error), terminal=not _retryable(error), partial_response=partial
-        )
-
-    async def _ng_seed(self, book: EpisodeBook, episode: Episode, request: Any, sessions: _Sessions) -> None:
-        from nemo_gym.base_resources_server import ResourcesSeedSessionResponse
-        from nemo_gym.base_responses_api_agent import AgentSeedSessionResponse
-
-        client = self.server_client  # type: ignore[attr-defined]
-        config = self.config  # type: ignore[attr-defined]
-        task_input = request.task.task_input
-        try:
-            reply = await client.post(
-                server_name=config.resources_server.name,
-                url_path="/seed_session",
-                json=ResourcesSeedSessionRequest(
-                    resources_session_id=sessions.resources_session_id,
-                    episode_id=request.episode_id,
-                    task_id=request.task.task_id,
-                    task_data=task_input.task_data,
-                ).model_dump(mode="json"),
-            )
-            await raise_for_status(reply)
-            sessions.resources_cookies = _cookies(reply)
-            if not sessions.resources_cookies:
-                raise ValueError("Resources seed did not establish a session cookie")
-            seed = ResourcesSeedSessionResponse.model_validate(await get_response_json(reply))
-            if seed.resources_session_id != sessions.resources_session_id:
-                raise ValueError("Resources seed returned a different resources_session_id")
-        except Exception as error:
-            raise self._ng_fail("seed", error) from error
-        sessions.verify_replay = reply.headers.get(VERIFY_HEADER) == "replay"
-        if reply.headers.get(RESTART_HEADER):
-            book.declare_restart(episode)
-        if "mcp" in config.resources_tool_transports:
-            # MCP tool access is not part of this run logic's capture: such episodes always start over.
-            raise self._failure(  # type: ignore[attr-defined]
-                stage="seed",
-                failure_reason="checkpointed single_agent_turn supports direct_http tool access only",
-                terminal=True,
-            )
-        accesses = []
-        if "direct_http" in config.resources_tool_transports:
-            base_url = client._resolve_base_url(config.resources_server.name).rstrip("/")
-            accesses.append(
-                DirectHTTPToolAccess(
-                    name=f"{config.resources_server.name}.direct_http",
-                    required=True,
-                    base_url=base_url,
-                    cookies=sessions.resources_cookies,
-                )
-            )
-        try:
-            reply = await client.post(
-                server_name=config.agent_server.name,
-                url_path="/v1/agent_sessions",
-                json=AgentSeedSessionRequest(
-                    agent_session_id=sessions.agent_session_id,
-                    episode_id=request.episode_id,
-                    task_id=request.task.task_id,
-                    tool_accesses=accesses,
-                    sandbox_access=seed.sandbox_access,
-                ).model_dump(mode="json"),
-            )
-            await raise_for_status(reply)
-            created = AgentSeedSessionResponse.model_validate(await get_response_json(reply))
-            if created.agent_session_id != sessions.agent_session_id:
-                raise ValueError("Agent seed returned a different agent_session_id")
-            sessions.agent_cookies = _cookies(reply)
-        except Exception as error:
-            raise self._ng_fail("agent", error) from error
-        if reply.headers.get(AGENT_CAPTURE_HEADER) != "capture":
-            book.declare_restart(episode)
-
-    async def _ng_agent(self, request: Any, sessions: _Sessions, agent_cleanup: Any) -> Any:
-        from nemo_gym.openai_utils import NeMoGymResponse
-
-        client = self.server_client  # type: ignore[attr-defined]
-        config = self.config  # type: ignore[attr-defined]
-        try:
-            reply = await client.post(
-                server_name=config.agent_server.name,
-                url_path=self._agent_responses_path(request),  # type: ignore[attr-defined]
-                json=request.task.task_input.responses_create_params,
-                cookies=sessions.agent_cookies,
-            )
-            await raise_for_status(reply)
-            sessions.agent_cookies = _cookies(reply) or sessions.agent_cookies
-            response = NeMoGymResponse.model_validate(await get_response_json(reply))
-        except Exception as error:
-            raise self._ng_fail("agent", error) from error
-        try:
-            # The close reply carries the agent's observations and the final resources cookies.
-            await agent_cleanup.close()
-        except Exception as error:
-            raise self._ng_fail("cleanup", error, response) from error
-        return response
-
-    async def _ng_verify(self, request: Any, sessions: _Sessions, agent_response: Mapping[str, Any]) -> dict:
-        from nemo_gym.single_agent_turn_types import SingleAgentTurnResult
-
-        client = self.server_client  # type: ignore[attr-defined]
-        config = self.config  # type: ignore[attr-defined]
-        task_input = request.task.task_input
-        try:
-            reply = await client.post(
-                server_name=config.resources_server.name,
-                url_path="/verify",
-                json=task_input.task_data
-                | {
-                    "responses_create_params": task_input.responses_create_params.model_dump(
-                        mode="json", exclude_unset=True
-                    ),
-                    "response": dict(agent_response),
-                },
-                cookies=sessions.resources_cookies,
-            )
-            await raise_for_status(reply)
-            verification = SingleAgentTurnResult.model_validate(await get_response_json(reply))
-        except Exception as error:
-            raise self._ng_fail("verification", error) from error
-        return verification.model_dump(mode="json")
-
-    def _ng_response(self, request: Any, state: Mapping[str, Any]) -> Any:
-        from nemo_gym.single_agent_turn_types import SingleAgentTurnResponse, SingleAgentTurnResult
-
-        result = SingleAgentTurnResult.model_validate(
-            {**state["verification"], "ng_agent_observations": state.get("agent_observations")}
-        )
-        return SingleAgentTurnResponse(episode_id=request.episode_id, task_id=request.task.task_id, result=result)

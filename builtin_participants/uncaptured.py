@@ -58,8 +58,10 @@ __all__ = ["RunTracker", "UncapturedRuns", "install_run_tracker", "names_no_epis
 class UncapturedRuns:
     """Participant plugin: the ``/run`` episodes of this server, each a restart (see the module docstring)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, restart_warning: str | None = None) -> None:
         self.kind = kind
+        # Set for an environment: every episode it runs is a restart (logged at startup, shown in status).
+        self.restart_warning = restart_warning
         self._running: dict[str, asyncio.Task[Any]] = {}
         # Tasks a retire cancelled, by capture key, until done: a retried retire awaits them.
         self._stopping: dict[str, asyncio.Task[Any]] = {}
@@ -153,7 +155,13 @@ class UncapturedRuns:
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
-        return {"uncaptured_runs": len(self._running)}
+        fields: dict[str, Any] = {"uncaptured_runs": len(self._running)}
+        if self.kind == "environment":
+            # Every one a restart; listed so that ng-checkpoint commit --all knows this environment's episodes.
+            fields["episode_keys"] = sorted(self._running)
+        if self.restart_warning:
+            fields["restart_warning"] = self.restart_warning
+        return fields
 
 
 def _stale(episode_id: EpisodeId) -> StaleAttempt:

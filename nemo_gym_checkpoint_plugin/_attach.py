@@ -287,4 +287,8 @@ def attach_checkpointing(
     setattr(app.state, ATTACHMENT_STATE, attachment)
     if unmanaged is not None:
         logger.warning("checkpoint participant %s is unmanaged: %s", instance, unmanaged.reason)
+    for plugin in builtins:
+        # A server whose every episode is a restart says so once at startup (and in its status).
+        if getattr(plugin, "restart_warning", None):
+            logger.warning("checkpoint participant %s: %s", instance, plugin.restart_warning)
     return attachment

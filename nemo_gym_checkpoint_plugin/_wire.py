@@ -8,7 +8,9 @@ headers a participant declares through.
 from __future__ import annotations
 
 __all__ = [
+    "AGENT_SESSION_CAPTURE",
     "AGENT_SESSION_HEADER",
+    "AGENT_SESSION_MID_TURN",
     "CHECKPOINT_ID_PATTERN",
     "CONTROL_PATH_PREFIX",
     "CONTROL_PREFIX",
@@ -30,5 +32,9 @@ ROLLOUT_PATH_PREFIX = "/ng-rollout/"
 RESTART_HEADER = "x-ng-checkpoint-restart"
 # A resources seed reply declaring /verify replayable (value "replay").
 VERIFY_HEADER = "x-ng-checkpoint-verify"
-# An agent's /v1/agent_sessions reply declaring its sessions capturable (value "capture").
+# An agent's /v1/agent_sessions reply declaring its sessions capturable: "capture" (between
+# turns: a turn in flight must finish first) or "mid-turn" (it also records a boundary after each
+# model and tool call of a turn, so a turn in flight never blocks a checkpoint).
 AGENT_SESSION_HEADER = "x-ng-checkpoint-agent-session"
+AGENT_SESSION_CAPTURE = "capture"
+AGENT_SESSION_MID_TURN = "mid-turn"

@@ -83,6 +83,11 @@ class StubParticipant:
         self.installed = sorted(r.replacement.capture_key for r in records)
 
     @hookimpl
+    def status_fields(self) -> dict[str, Any] | None:
+        # An environment lists its episodes, as the built-in ones do (ng-checkpoint commit --all reads them).
+        return {"episode_keys": sorted(self.spec.get("holds", ()))} if self.spec["kind"] == "environment" else None
+
+    @hookimpl
     def retire(self, episode_ids: list[Any]) -> None:
         self.write_log(op="retired", keys=sorted(e.capture_key for e in episode_ids))
 

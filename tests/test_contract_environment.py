@@ -48,6 +48,10 @@ class FakeGymPeers(ServerClient):
     restart_rollouts: set[str]
     in_agent_turn: set[str]
     turns: dict[str, asyncio.Event]
+    # What the agent declares on its session reply ("capture", or "mid-turn").
+    agent_declares: str = "capture"
+    # Agent session closes received, by rollout key.
+    agent_closes: list[str] = []
 
     async def post(self, server_name: str, url_path: str, **kwargs: Any) -> FakeReply:
         body = kwargs.get("json") or {}
@@ -59,7 +63,7 @@ class FakeGymPeers(ServerClient):
             return FakeReply(reply, headers, {"resources": f"resources-{key}"})
         if url_path == "/v1/agent_sessions":
             reply = {"agent_session_id": body["agent_session_id"]}
-            return FakeReply(reply, {AGENT_CAPTURE_HEADER: "capture"}, {"agent": f"agent-{key}"})
+            return FakeReply(reply, {AGENT_CAPTURE_HEADER: self.agent_declares}, {"agent": f"agent-{key}"})
         if url_path.endswith("/v1/responses"):
             turn = self.turns.setdefault(key, asyncio.Event())
             self.in_agent_turn.add(key)
@@ -69,6 +73,7 @@ class FakeGymPeers(ServerClient):
                 self.in_agent_turn.discard(key)
             return FakeReply(_RESPONSE)
         if url_path == "/v1/agent_sessions/close":
+            self.agent_closes.append(key)
             return FakeReply({"agent_session_id": body["agent_session_id"]})
         if url_path == "/verify":
             return FakeReply(
@@ -179,6 +184,44 @@ async def test_retired_attempt_that_got_past_the_gate_never_begins(
         assert harness.built.app.state.ng_checkpoint_gate.refused == 0  # refused past the gate, not by it
         # The next attempt begins as usual.
         await harness.start(EpisodeId(rollout_id="r", attempt=1))
+    finally:
+        await harness.aclose()
+        await servers.aclose()
+
+
+async def test_an_agent_step_delegated_to_a_mid_turn_agent_never_blocks_and_closes_only_after_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wait mode: the agent captures the turn itself, so it never blocks; the env parks before the close."""
+    from nemo_gym_checkpoint_plugin.testing.contracts import call_hook
+    from nemo_gym_checkpoint_plugin.testing.contracts.base import _export, _restored, _round_trip
+
+    servers = GymServers(tmp_path, monkeypatch, ENVIRONMENT)
+    harness = SingleAgentTurnHarness(servers.build(EpisodeBook))
+    harness.peers.agent_declares = "mid-turn"
+    episode = EpisodeId(rollout_id="delegated", attempt=0)
+    try:
+        assert harness.participant.step_mode.value == "wait"
+        await harness.start(episode)
+        await call_hook(harness.participant, "close_admission", checkpoint_id="ck-1")
+        readiness = await call_hook(harness.participant, "ready", checkpoint_id="ck-1")
+        assert list(readiness.blockers) == []
+        # The turn replies while the checkpoint is open: the episode parks before closing the agent session.
+        await harness.finish_step(episode)
+        async with asyncio.timeout(_BOUND_SECONDS):
+            while harness.participant.ready(checkpoint_id="ck-1").counts["parked"] != 1:
+                await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+        assert harness.peers.agent_closes == []
+        (record,) = _round_trip(await _export(harness, None))
+        assert record["boundary"] == "seeded" and record["state"]["agent_mid_turn"] is True
+        restored = SingleAgentTurnHarness(servers.build(EpisodeBook))
+        await call_hook(restored.participant, "install", checkpoint_id="r-1", manifest={}, records=_restored([record]))
+        assert restored.available(EpisodeId(rollout_id="delegated", attempt=1))
+        await call_hook(harness.participant, "open_admission", checkpoint_id="ck-1")
+        reply = await asyncio.wait_for(harness.runs[0], _BOUND_SECONDS)
+        assert reply.status_code == 200 and reply.json()["result"]["reward"] == 1.0, reply.text
+        assert harness.peers.agent_closes == [episode.capture_key]
+        await restored.aclose()
     finally:
         await harness.aclose()
         await servers.aclose()

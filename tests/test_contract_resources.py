@@ -73,3 +73,20 @@ class TestResourcesSessions(resources_contract.TestResourcesContract):
 
         yield make
         await servers.aclose()
+
+
+async def test_tool_calls_are_counted_per_rollout_and_session_routes_are_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    servers = GymServers(tmp_path, monkeypatch, RESOURCES)
+    built = servers.build(ResourcesSessions)
+    try:
+        for key in ("tools", "tools", "tools-a1", "other"):
+            reply = await built.post(f"/ng-rollout/{key}/get_weather", {"city": "San Francisco"})
+            assert reply.status_code == 200, reply.text
+        await built.post("/ng-rollout/tools/verify", {})  # a session route, whatever it replies
+        status = await built.status()
+        # Attempts of one rollout add up: a tool call run again after a restore shows as a count above one.
+        assert status["tool_calls_by_rollout"] == {"tools": 3, "other": 1}
+    finally:
+        await servers.aclose()

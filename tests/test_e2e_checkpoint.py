@@ -47,14 +47,12 @@ def _tool_outputs(reply: dict) -> list[str]:
     return [item["output"] for item in reply["result"]["response"]["output"] if item["type"] == "function_call_output"]
 
 
-def test_wait_mode_continued_rollouts_resume_from_their_boundary_after_sigkill(tmp_path: Path) -> None:
-    result = _scenario(tmp_path, "wait")
-
-    # Prepare waited for the continued rollouts' steps in flight; restarts never blocked.
-    assert result.blocked_before_release == len(CONTINUED)
+def _assert_continued_inside_their_turn(result: ScenarioResult) -> None:
+    # Nothing blocked: the held model calls are still generating, and the agent captures the turn mid-way.
+    assert result.blocked_before_release == 0
     assert result.prepare["ready"] is True and result.prepare["restarts"] == RESTARTS
-    # Every continued rollout was parked after its agent step, and only those were written.
-    assert result.commit_boundaries == {"replied": len(CONTINUED)}
+    # Every continued rollout was written inside its agent step; only those were written.
+    assert result.commit_boundaries == {"seeded": len(CONTINUED)}
     assert result.restored == [f"{r}-a1" for r in CONTINUED]
     assert result.continued == CONTINUED and result.restarted == RESTARTS
     _assert_every_rollout_finished_with_reward_1(result)
@@ -62,28 +60,22 @@ def test_wait_mode_continued_rollouts_resume_from_their_boundary_after_sigkill(t
     # Before the crash every rollout seeded once; after it, only the restarts seeded again.
     assert result.seeds_before == dict.fromkeys(CONTINUED + RESTARTS, 1)
     assert result.seeds_after == dict.fromkeys(RESTARTS, 1)
-    # Continued rollouts made no model call at all after the crash (they resumed at "replied").
     for rollout in CONTINUED:
-        assert result.conversation(rollout) not in result.calls_after
+        # The turn went on from its last boundary: its first model call and its tool call were not sent
+        # again, only the call that was held at the crash; the tool output is the one recorded before it.
+        assert result.completed_before[result.conversation(rollout)] == {"0": 1}
+        assert result.calls_after[result.conversation(rollout)] == {"1": 1}
+        assert _tool_outputs(result.replies[rollout]) == ['{"city":"San Francisco","weather_description":'
+                                                          '"The weather in San Francisco is cold."}']
     for rollout in RESTARTS:
         assert result.completed_after[result.conversation(rollout)] == {"0": 1, "1": 1}
     assert result.summary()["repeated_steps"] == 0
 
 
-def test_replay_mode_restores_open_agent_sessions_and_reruns_only_the_step_in_flight(tmp_path: Path) -> None:
-    result = _scenario(tmp_path, "replay")
+def test_wait_mode_continued_rollouts_resume_inside_their_turn_after_sigkill(tmp_path: Path) -> None:
+    _assert_continued_inside_their_turn(_scenario(tmp_path, "wait"))
 
-    # Nothing blocked: the agent step in flight is dropped and run again after the crash.
-    assert result.blocked_before_release == 0
-    assert result.commit_boundaries == {"seeded": len(CONTINUED)}
-    _assert_every_rollout_finished_with_reward_1(result)
-    # The seed step did not run again: the restored attempt reused its resources session...
-    assert result.seeds_after == dict.fromkeys(RESTARTS, 1)
-    # ...and its agent session (restored by the agent participant), whose tool access now names the
-    # replacement attempt: the tool call reached the resources server instead of being refused.
-    for rollout in CONTINUED:
-        assert result.completed_after[result.conversation(rollout)] == {"0": 1, "1": 1}
-        assert _tool_outputs(result.replies[rollout]) == ['{"city":"San Francisco","weather_description":'
-                                                          '"The weather in San Francisco is cold."}']
-    # Replay reruns the step in flight: its model call that had completed before the crash repeats.
-    assert result.summary()["repeated_steps"] == len(CONTINUED)
+
+def test_replay_mode_continued_rollouts_resume_inside_their_turn_after_sigkill(tmp_path: Path) -> None:
+    # The agent step is the agent's to capture in either mode: replay reruns nothing it completed.
+    _assert_continued_inside_their_turn(_scenario(tmp_path, "replay"))

@@ -329,3 +329,38 @@ async def test_a_retried_retire_waits_for_the_cancelled_work_without_cancelling_
     release_cleanup.set()
     await asyncio.wait_for(asyncio.gather(first, second), 10)
     assert cleanup_done == ["closed"] and task.result() == "retired"
+
+
+@pytest.mark.parametrize("mode", [StepMode.WAIT, StepMode.REPLAY])
+async def test_a_captured_step_never_blocks_and_what_follows_hand_back_blocks_in_either_mode(mode: StepMode) -> None:
+    book = EpisodeBook(mode)
+    delegated, replied, closing, close = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def run() -> None:
+        episode = book.begin(EpisodeId(rollout_id="turn", attempt=0))
+        try:
+            async with book.step(episode, "agent", captured=True):
+                delegated.set()
+                await replied.wait()  # the agent's turn (it records its own boundaries)
+                await book.hand_back(episode)
+                closing.set()
+                await close.wait()  # closing the agent session: must not run twice
+            book.reach(episode, "replied", {})
+        finally:
+            book.end(episode)
+
+    task = asyncio.ensure_future(run())
+    await asyncio.wait_for(delegated.wait(), 5)
+    book.close_admission("ck-1")
+    assert list(book.ready("ck-1").blockers) == []  # the delegated turn never blocks
+    replied.set()
+    await wait_until(lambda: book.ready("ck-1").counts["parked"] == 1)  # parks before closing the session
+    assert not closing.is_set()
+    book.open_admission("ck-1")
+    await asyncio.wait_for(closing.wait(), 5)
+    book.close_admission("ck-2")
+    assert list(book.ready("ck-2").blockers) == ["turn"]  # the close in flight blocks, whatever the mode
+    close.set()
+    await asyncio.wait_for(task, 5)
+    assert list(book.ready("ck-2").blockers) == []
+    book.open_admission("ck-2")

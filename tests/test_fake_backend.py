@@ -164,6 +164,78 @@ async def test_a_held_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
+async def test_a_generating_call_whose_client_goes_away_is_abandoned(tmp_path: Path) -> None:
+    port = free_port_base(span=1)
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "fake.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", FAKE_BACKEND_MODULE, "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10) as control:
+
+            async def stats_when(predicate) -> dict | None:
+                try:
+                    stats = (await control.get("/_fake/stats")).json()
+                except httpx.TransportError:
+                    return None
+                return stats if predicate(stats) else None
+
+            await wait_until_async(lambda: stats_when(lambda s: True), timeout=30, what="the backend to serve")
+            assert (await control.post("/_fake/delay", json={"seconds": 600})).json() == {"delay_seconds": 600.0}
+            assert (await control.post("/_fake/delay", json={"seconds": -1})).status_code == 400
+            async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=30) as caller:
+                call = asyncio.create_task(caller.post("/v1/chat/completions", json=first_turn("slow")))
+                await wait_until_async(lambda: stats_when(lambda s: s["generating"] == 1), 10, "a generating call")
+                call.cancel()  # the caller drops the request mid-generation
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            stats = await wait_until_async(
+                lambda: stats_when(lambda s: s["abandoned_total"] == 1), timeout=10, what="the call to be abandoned"
+            )
+            assert stats["generating"] == 0 and stats["completed_total"] == 0
+            await control.post("/_fake/reset")
+            assert (await control.get("/_fake/stats")).json()["delay_seconds"] == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_token_ids_when_asked_chain_across_the_calls_of_a_turn(client: httpx.AsyncClient) -> None:
+    plain = (await client.post("/v1/chat/completions", json=first_turn("tokens"))).json()
+    assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
+    first = (await client.post("/v1/chat/completions", json={**first_turn("tokens"), "logprobs": True})).json()
+    choice = first["choices"][0]
+    generated = choice["token_ids"]
+    assert [f"token_id:{t}" for t in generated] == [e["token"] for e in choice["logprobs"]["content"]]
+    call = choice["message"]["tool_calls"][0]
+    second_body = after_tool("tokens", call["id"])
+    second_body["messages"][2]["tool_calls"][0]["function"] = call["function"]
+    second = (await client.post("/v1/chat/completions", json={**second_body, "logprobs": True})).json()
+    # The first call's prompt and generation are a prefix of the next call's prompt, as a chat template makes them.
+    chained = first["prompt_token_ids"] + generated
+    assert second["prompt_token_ids"][: len(chained)] == chained
+
+
+async def test_a_multi_call_turn_calls_its_tool_n_times_then_answers(client: httpx.AsyncClient) -> None:
+    user = "weather please [tool_rounds=3]"
+    body = first_turn(user)
+    for step in range(3):
+        reply = (await client.post("/v1/chat/completions", json=body)).json()
+        (choice,) = reply["choices"]
+        assert choice["finish_reason"] == "tool_calls", step
+        call = choice["message"]["tool_calls"][0]
+        body["messages"] += [choice["message"], {"role": "tool", "tool_call_id": call["id"], "content": "cold"}]
+    final = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert final["finish_reason"] == "stop" and final["message"]["content"] == FINAL_ANSWER
+    stats = (await client.get("/_fake/stats")).json()
+    assert stats["completed"][user] == {"0": 1, "1": 1, "2": 1, "3": 1}
+
+
 async def test_brief_stats_are_the_counters_alone(client: httpx.AsyncClient) -> None:
     await client.post("/_fake/hold", json={"match": "brief", "count": 1})
     held = asyncio.create_task(client.post("/v1/chat/completions", json=first_turn("brief one")))

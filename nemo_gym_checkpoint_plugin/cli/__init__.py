@@ -6,7 +6,8 @@ top-level server blocks with host/port), ``--url`` (repeatable), or else the Gym
 ``NG_CHECKPOINT_CONFIG`` names. The control token comes from ``--token-file`` or
 ``--token-env`` (explicit), else the config's ``checkpoint.control_auth_token_env``, else
 ``NG_CHECKPOINT_TOKEN``; it is never printed (see ``where``). ``inspect DIR`` and
-``verify DIR`` read a checkpoint directory offline. Every command has ``--help`` and
+``verify DIR`` read a checkpoint directory offline; ``enable GYM_YAML`` prepares a Gym config and
+its server venvs for Gym's own launcher (``enable.py``). Every command has ``--help`` and
 ``--json`` (before or after the command; errors are JSON documents too); ``--version``.
 
 Exit status: 0 success; 1 a server failed or a checkpoint does not verify; 2 bad usage;
@@ -155,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
                                         "records file inside the participant directory, digest, count, records. "
                                         "Exit 0 only when all verify.")
     verify.add_argument("dir", help="the checkpoint directory")
+
+    enable = sub.add_parser("enable", parents=offline, help="checkpoint a Gym config and ready it for ng_run",
+                            description="Write GYM_YAML checkpointed (every server wrapped, host and port pinned, "
+                                        "the checkpoint: block on, skip_venv_if_present) and make every server's "
+                                        "venv, where Gym's launcher (ng_run) runs it, import the plugin. Run it "
+                                        "from the directory ng_run will run from.")
+    enable.add_argument("config", metavar="GYM_YAML", help="your Gym config")
+    enable.add_argument("-o", "--output", metavar="OUT",
+                        help="where to write the checkpointed config (default: GYM_YAML's name + .checkpointed.yaml; "
+                             "nothing is written when GYM_YAML already is one)")
+    enable.add_argument("--token-env", default=TOKEN_ENV, metavar="VAR",
+                        help=f"the token's variable, when the config names none (default {TOKEN_ENV})")
     return parser
 
 
@@ -213,6 +226,23 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _enable(args: argparse.Namespace) -> int:
+    from ._enable import run_enable
+
+    done = run_enable(args)
+    if args.json:
+        print_json(done)
+        return 0
+    what = f"wrote {done['written']}" if done["written"] else f"{done['config']} is already checkpointed"
+    print(f"{what}; {len(done['servers'])} server environment(s) import the plugin:")
+    print(table(["NAME", "VENV", "DONE"], [[s["name"], s["venv"], s["action"]] for s in done["servers"]],
+                wrap=("VENV", "DONE")))
+    print(f"start it (from {done['cwd']}):\n  export {done['token_env']}=\"$(python -c 'import secrets; "
+          f"print(secrets.token_urlsafe(32))')\"\n  {done['ng_run']}\n"
+          f"then drive it:\n  export NG_CHECKPOINT_CONFIG={Path(done['config']).resolve()}\n  ng-checkpoint status")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ng-checkpoint``; returns the exit status (``sys.exit`` it)."""
     args = build_parser().parse_args(argv)
@@ -221,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "enable":
+            return _enable(args)
         return asyncio.run(run_live(args))
     except UsageError as exc:
         print_error(args.command, str(exc), as_json=args.json, code="usage")

@@ -20,7 +20,7 @@ from ..coordination import CoordinationError, Coordinator, discover
 from ._failures import explain, explain_error
 from ._output import print_error, print_json, words
 from ._progress import ProgressDisplay, showing_progress
-from ._scope import read_episodes, restore_scope
+from ._scope import commit_all_scope, read_episodes, restore_scope
 from ._status import lease, run_status
 from ._where import Deployment, UsageError, resolve_deployment, suggest
 
@@ -125,10 +125,17 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
             text += f"\nrestarts (leave them out of the commit scope): {words(result.restarts(), limit=50)}"
         return (0 if result.ready else NOT_READY), result.to_json(), text
     if command == "commit":
+        left_out: list[str] = []
+        if args.all:
+            scope, left_out = await _commit_all_scope(args, coordinator)
         result = await coordinator.commit(checkpoint_id, str(Path(args.dir).resolve()), scope,
                                           stop=args.stop, deadline_ts=deadline_ts)
         counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
-        return 0, result.to_json(), f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
+        text = f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
+        if left_out:
+            text += (f"\nleft out {len(left_out)} restart(s) (they start over after a crash): "
+                     f"{words(left_out, limit=50)}")
+        return 0, {**result.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
         result = await coordinator.restore(checkpoint_id, str(Path(args.dir).resolve()), scope or [],
                                            deadline_ts=deadline_ts)
@@ -146,6 +153,14 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         return 0, leases, "renewed: " + ", ".join(f"{n} {lease(v)}" for n, v in leases.items())
     replies = await coordinator.resume(checkpoint_id, deadline_ts=deadline_ts)
     return 0, replies, f"resumed {checkpoint_id} on {len(replies)} participant(s)"
+
+
+async def _commit_all_scope(args: argparse.Namespace, coordinator: Coordinator) -> tuple[list[str] | None, list[str]]:
+    """``--all``: everything held minus every restart any participant reported (read from their status)."""
+    statuses, failed = await coordinator.status(timeout=args.probe_timeout * args.tries)
+    if failed:
+        raise CoordinationError("status", failed)
+    return commit_all_scope(statuses)
 
 
 async def run_live(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from typing import Any
 
 from .._errors import InvalidCheckpointState
 from .._storage import capture_key_of, decode_line, load_manifest
@@ -19,7 +20,7 @@ from .._storage.reader import iter_verified_lines
 from ._offline import find_participants
 from ._where import UsageError
 
-__all__ = ["CheckpointUnreadable", "checkpoint_episodes", "read_episodes", "restore_scope"]
+__all__ = ["CheckpointUnreadable", "checkpoint_episodes", "commit_all_scope", "read_episodes", "restore_scope"]
 
 
 class CheckpointUnreadable(Exception):
@@ -107,3 +108,32 @@ def restore_scope(args: argparse.Namespace) -> list[str]:
             f"(list them with: {shlex.join(['ng-checkpoint', 'inspect', args.dir, '--episodes'])})"
         )
     return list(dict.fromkeys(given))
+
+
+def commit_all_scope(statuses: dict[str, dict[str, Any]]) -> tuple[list[str] | None, list[str]]:
+    """``commit --all``'s scope from every participant's status: (scope, the restarts it leaves out).
+
+    Everything each participant holds, minus every episode any participant reported as a
+    restart (as ``PrepareResult.continued`` does for a controller): a ``null`` scope would let a
+    participant that did not report an episode as a restart (an agent holding its session)
+    write it while another (the environment) calls it a restart. Without restarts the scope
+    is ``None`` (everything). With restarts the episodes are those the environments list in
+    ``episode_keys`` (every episode they run or restored, by capture key): episodes live in
+    the environment, and a commit may name episodes a participant never saw. When no
+    environment lists them, the scope cannot be known: a ``UsageError`` asks for an explicit one.
+    """
+    restarts = sorted({key for status in statuses.values()
+                       for key in ((status.get("report") or {}).get("restarts") or ())})
+    if not restarts:
+        return None, []
+    environments = {name: status for name, status in statuses.items() if status.get("kind") == "environment"}
+    silent = sorted(name for name, status in environments.items() if not isinstance(status.get("episode_keys"), list))
+    if not environments or silent:
+        why = (f"environment participant(s) {', '.join(silent)} do not list their episodes" if silent
+               else "no environment participant lists the episodes in flight")
+        raise UsageError(
+            f"commit --all must leave out {len(restarts)} restart(s) ({_listing(restarts)}), but {why}: "
+            "name the scope with --episode/--episodes-file (every episode to continue, without the restarts)"
+        )
+    held = {key for status in environments.values() for key in status["episode_keys"]}
+    return sorted(held - set(restarts)), restarts

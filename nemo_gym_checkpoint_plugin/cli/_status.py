@@ -56,6 +56,9 @@ def _notes(name: str, status: dict[str, Any]) -> str | None:
         notes.append(_plural(len(report["restarts"]), "restart"))
     if status.get("retired_rollouts"):
         notes.append(f"{status['retired_rollouts']} retired")
+    if status.get("restart_warning"):
+        # The whole text (why, and which hooks to implement) is restart_warning in --json and the server's log.
+        notes.append("every episode restarts (why: --json)")
     return ", ".join(notes) or None
 
 

@@ -8,16 +8,17 @@ the controller side is the coordination library. ``run_scenario``:
    step 1, the answer after the tool call), and sends every rollout's ``/run``;
    ``restart`` rollouts carry ``task_data: {"ng_checkpoint": "restart"}``, so the
    resources participant declares them restarts when they seed;
-2. once every call is held, prepares (environment first); in ``wait`` step mode the
-   environment reports the continued rollouts as blockers until the held calls of those
-   rollouts are released, and is ready once each is parked at its boundary; restarts
-   stay held, in flight through the checkpoint;
+2. once every call is held, prepares (environment first) while those calls are still
+   held: the agent records a boundary after each model and tool call, so a turn in flight
+   blocks no step mode (the continued rollouts are exported inside their agent step, the
+   agent's session holding the turn so far); restarts stay in flight through the checkpoint;
 3. commits the continued rollouts (``PrepareResult.continued``), reads the counts the
    servers keep (seeds at the resources server, calls at the backend), then SIGKILLs
    every process group;
 4. starts fresh processes, restores the checkpoint and resumes; retires the restarts
    (and any continued rollout the restore did not return), then sends ``/run`` for every
-   rollout as its next attempt and waits for every reply.
+   rollout as its next attempt and waits for every reply: a continued rollout's turn goes
+   on from its last boundary (its completed model call and tool call are not sent again).
 
 Repeated steps are counted at the servers, never from the controller's belief: for a
 continued rollout, any seed at the fresh resources server and any completed backend call
@@ -47,11 +48,12 @@ _POLL = 0.05
 
 
 def new_deployment(
-    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None
+    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None,
+    model: dict[str, Any] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
-    ``port_base`` None picks free ports.
+    ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block.
     """
     return Deployment(
         free_port_base() if port_base is None else port_base,
@@ -61,6 +63,7 @@ def new_deployment(
         log_dir=work_dir / "logs",
         extra_env={TOKEN_ENV: token},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode},
+        model=model,
     )
 
 
@@ -145,9 +148,8 @@ async def run_scenario(
 ) -> ScenarioResult:
     """Run the scenario of the module docstring on a started ``deployment``; the deployment is left running.
 
-    ``step_mode`` must be the deployment's: with ``replay`` nothing is released before the
-    checkpoint, so continued rollouts are exported at ``seeded`` with their agent step in
-    flight, and that step runs again after the restore (its model calls repeat).
+    ``step_mode`` must be the deployment's; the scenario is the same in both (the agent step
+    is captured by the agent mid-turn, so it blocks neither).
     """
     from ..coordination import commit, discover, prepare, restore, resume, retire
 
@@ -181,17 +183,13 @@ async def run_scenario(
 
         coordinator = await discover(deployment.config, token)
         async with coordinator:
-            preparing = asyncio.ensure_future(prepare(coordinator, "demo-checkpoint", timeout=timeout))
-            blocked = 0
-            if step_mode == "wait":
-                env_status = await _wait(lambda: _blocking(status, env, len(continued)), timeout, "env blockers")
-                blocked = env_status["report"]["blocker_count"]
-                say(f"prepare: environment waits for {blocked} steps in flight ({len(restarts)} restarts never block)")
-                released = await call("POST", backend + "/_fake/release", json={"match": "cont-"})
-                say(f"released {released['released']} held model calls; their steps finish and park at a boundary")
-            prepared = await preparing
+            prepared = await prepare(coordinator, "demo-checkpoint", timeout=timeout)
             if not prepared.ready:
                 raise RuntimeError(f"prepare did not become ready: {prepared.to_json()}")
+            blocked = int(prepared.reports[ENVIRONMENT].get("blocker_count") or 0)
+            held = (await stats())["held"]
+            say(f"prepared ({step_mode} mode) while {held} model calls are still held at the backend: "
+                f"agents park mid-turn, nothing waits for a generation ({len(restarts)} restarts never block)")
             scope = prepared.continued(f"{r}" for r in rollouts)
             committed = await commit(coordinator, "demo-checkpoint", str(checkpoint_dir), scope, timeout=timeout)
             env_reply = committed.replies[ENVIRONMENT]
@@ -244,8 +242,3 @@ async def run_scenario(
 
 async def _held(stats: Callable[[], Any], count: int) -> bool:
     return (await stats())["held"] >= count
-
-
-async def _blocking(status: Callable[[str], Any], url: str, count: int) -> dict[str, Any] | None:
-    body = await status(url)
-    return body if body["phase"] == "preparing" and body["report"]["blocker_count"] == count else None

@@ -116,23 +116,29 @@ class ProcessSpec:
     ready_path: str
 
 
-def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
+def _gym_specs(
+    config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None, python: str = sys.executable
+) -> list[ProcessSpec]:
     from nemo_gym import _resolve_under_cwd_or_install
 
     specs = []
     for name in GYM_SERVERS:
         server_type, implementation, inner = server_location(config, name)
         # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
-        server_dir = _resolve_under_cwd_or_install(
+        server_dir = (server_dirs or {}).get(name) or _resolve_under_cwd_or_install(
             Path(server_type, implementation),
             validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
         )
         entrypoint = str(inner["entrypoint"])
-        run = (entrypoint,) if entrypoint.endswith(".py") else ("-m", entrypoint)
+        # A path (``app.py``), the ``-m<module>`` form Gym's own launcher also runs, or a bare module name.
+        if entrypoint.endswith(".py"):
+            run: tuple[str, ...] = (entrypoint,)
+        else:
+            run = ("-m", entrypoint.removeprefix("-m"))
         specs.append(
             ProcessSpec(
                 name=name,
-                argv=(sys.executable, *run),
+                argv=(python, *run),
                 cwd=server_dir,
                 env={
                     "NEMO_GYM_CONFIG_DICT": config_yaml,
@@ -147,11 +153,11 @@ def _gym_specs(config: Any, config_yaml: str) -> list[ProcessSpec]:
     return specs
 
 
-def _backend_spec(port: int, work_dir: Path) -> ProcessSpec:
+def _backend_spec(port: int, work_dir: Path, python: str = sys.executable) -> ProcessSpec:
     return ProcessSpec(
         name=BACKEND,
         # -m, cwd the work dir: this package's directory never lands first on the backend's sys.path.
-        argv=(sys.executable, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port),
+        argv=(python, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port),
               "--model", FAKE_MODEL_NAME),
         cwd=work_dir,
         env={},
@@ -212,6 +218,11 @@ class Deployment:
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
     ``extra_env`` is added to every child's environment (e.g. the control token).
+    ``model`` adds keys to the policy model's config block (``build_gym_config``).
+    ``resources`` changes the resources server's implementation and block (``build_gym_config``);
+    ``server_dirs`` (``{name: directory}``) runs a server from a directory of your own instead of
+    the one Gym finds for its implementation (a server outside the nemo-gym wheel); ``python``
+    is the interpreter every child runs (default this one's; e.g. a venv holding your plugin).
     ``gym_settings``: top-level Gym settings for every server (e.g. its aiohttp connection limits).
     """
 
@@ -225,6 +236,10 @@ class Deployment:
         own_process_groups: bool = True,
         log_dir: Path | None = None,
         extra_env: Mapping[str, str] | None = None,
+        model: Mapping[str, Any] | None = None,
+        resources: Mapping[str, Any] | None = None,
+        server_dirs: Mapping[str, Path] | None = None,
+        python: str | None = None,
         gym_settings: Mapping[str, Any] | None = None,
     ) -> None:
         from omegaconf import OmegaConf
@@ -235,11 +250,13 @@ class Deployment:
         self.log_dir = log_dir
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(
-            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, gym_settings=gym_settings
+            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model,
+            resources=resources, gym_settings=gym_settings,
         )
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
-        backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir)
-        self.specs = [backend, *_gym_specs(self.config, self.config_yaml)]
+        python = python or sys.executable
+        backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir, python)
+        self.specs = [backend, *_gym_specs(self.config, self.config_yaml, server_dirs, python)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property

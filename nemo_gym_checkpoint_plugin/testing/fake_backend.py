@@ -7,11 +7,17 @@ Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` a
 ``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
 messages, so a rollout replayed after a crash gets the same answers:
 
-- no ``tool`` message yet and the request offers tools: one call of the first tool
-  (``finish_reason: "tool_calls"``), with arguments filled from its JSON schema
-  (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
-  ``example_single_tool_call`` its reward 1.0;
+- fewer ``tool`` messages than the turn's tool rounds and the request offers tools: one
+  call of the first tool (``finish_reason: "tool_calls"``), with arguments filled from its
+  JSON schema (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
+  ``example_single_tool_call`` its reward 1.0. A turn has one tool round, or N when its
+  conversation contains ``[tool_rounds=N]`` (a multi-call turn: tools called N times);
 - otherwise: a final text answer (``finish_reason: "stop"``).
+
+A request asking for ``logprobs`` or ``return_tokens_as_token_ids`` (both sent by Gym's
+``vllm_model`` with ``return_token_id_information: true``) also gets token ids
+as vLLM returns them (``fake_tokens.py``: ``prompt_token_ids``, the choice's ``token_ids``
+and ``token_id:<n>`` logprobs), chained across the calls of a turn.
 
 A **conversation** is named by the text of its first ``user`` message (tests put the
 rollout id in it); its **step** is the number of ``assistant`` messages already in the
@@ -32,10 +38,14 @@ Control routes (for tests; never part of a real backend):
   ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
   (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
   conversation/step that arrived more than once).
-- ``POST /_fake/reset``: drop counters, rules, and release every held call.
+- ``POST /_fake/reset``: drop counters, rules, the delay, and release every held call.
+- ``POST /_fake/delay {"seconds": 0}``: every call generates for that long before it
+  answers (a held call after its release), like a real worker; ``generating`` in stats
+  counts the calls inside that time now.
 
 A held call whose client disconnects (its caller was killed) is dropped from ``held``
-and counted in ``abandoned_total``, so a test can wait for a crash to be noticed.
+and counted in ``abandoned_total``, so a test can wait for a crash to be noticed; so is a
+call whose client disconnects while it generates (the worker sees the request dropped).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -55,6 +66,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 DEFAULT_MODEL = "fake-model"
+_ROUNDS = re.compile(r"\[tool_rounds=(\d+)\]")
 FINAL_ANSWER = "It is cold in San Francisco today."
 
 
@@ -96,6 +108,8 @@ class FakeBackendState:
         self.completed_total = 0
         self.abandoned_total = 0
         self.rules: list[HoldRule] = []
+        self.delay_seconds = 0.0
+        self.generating = 0
         return released
 
     def add_rule(self, match: str, count: int, step: int | None) -> HoldRule:
@@ -162,6 +176,8 @@ class FakeBackendState:
             "calls_total": self.calls_total,
             "completed_total": self.completed_total,
             "abandoned_total": self.abandoned_total,
+            "generating": self.generating,
+            "delay_seconds": self.delay_seconds,
             "calls": table(self.calls),
             "completed": table(self.completed),
             "repeated": [
@@ -206,12 +222,18 @@ def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
     return arguments
 
 
+def tool_rounds(conversation: str) -> int:
+    """How many tool calls a turn of ``conversation`` makes before its answer (``[tool_rounds=N]``, else 1)."""
+    found = _ROUNDS.search(conversation)
+    return int(found.group(1)) if found else 1
+
+
 def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[str, Any]:
     """The deterministic chat completion for a request (see the module docstring)."""
     messages = body.get("messages") or []
     tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
-    has_tool_result = any(m.get("role") == "tool" for m in messages)
-    if tools and not has_tool_result:
+    tool_results = sum(1 for m in messages if m.get("role") == "tool")
+    if tools and tool_results < tool_rounds(conversation):
         function = tools[0]["function"]
         # Stable across processes (unlike hash()), so a replayed step gets the same call id.
         call_id = "call_" + hashlib.sha256(f"{step}:{conversation}".encode()).hexdigest()[:16]
@@ -235,43 +257,71 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
         finish_reason = "stop"
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
     completion_tokens = 8
-    return {
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    completion: dict[str, Any] = {
         "id": f"chatcmpl-fake-{step}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.get("model") or DEFAULT_MODEL,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    if body.get("logprobs") or body.get("return_tokens_as_token_ids"):
+        # Asked as vLLM is asked for token ids (Gym's return_token_id_information): answer as vLLM does.
+        from .fake_tokens import token_fields
+
+        completion["prompt_token_ids"], fields = token_fields(messages, message)
+        choice.update(fields)
+    return completion
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
     """Wait until released; False when the client went away first (the call is then abandoned).
 
-    Event-driven, never polled: the body is read, so the next ASGI message is the client's
-    disconnect. Thousands of held calls then cost nothing while they wait.
+    Event-driven (a disconnect is the request's next ASGI message), so a thousand held calls cost nothing.
     """
     released = asyncio.ensure_future(call.released.wait())
-    gone = asyncio.ensure_future(_disconnect(request))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((released, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({released, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if released.done():
+            return True
     finally:
-        for task in (released, gone):
-            task.cancel()
-    if call.released.is_set():
-        return True
+        released.cancel()
+        gone.cancel()
     state.abandoned(call)
     return False
 
 
-async def _disconnect(request: Request) -> None:
-    """Return once the client of ``request`` (whose body was read) disconnects."""
+async def _disconnected(request: Request) -> None:
+    """Return once the client went away (the body was read already: only a disconnect can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _generate(request: Request, state: FakeBackendState) -> bool:
+    """Spend ``delay_seconds`` generating; False when the client went away first (the call is abandoned)."""
+    if state.delay_seconds <= 0:
+        return True
+    state.generating += 1
+    # The delay is the simulated generation time itself, not a stand-in for a condition.
+    work = asyncio.ensure_future(asyncio.sleep(state.delay_seconds))  # wait-ok: simulated generation
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finished = work.done()
+    finally:
+        state.generating -= 1
+        work.cancel()
+        gone.cancel()
+    if not finished:
+        state.abandoned_total += 1
+        return False
+    return True
 
 
 def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL) -> FastAPI:
@@ -303,6 +353,8 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
         call = state.arrive(conversation, step)
         if call is not None and not await _wait_released(request, state, call):
             return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
+        if not await _generate(request, state):
+            return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
         state.answered(conversation, step)
         return JSONResponse(completion_for(body, conversation, step))
 
@@ -329,6 +381,15 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
             return _bad_request("match must be a string or null")
         rules_dropped = state.drop_rules(match)
         return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
+
+    @app.post("/_fake/delay")
+    async def delay(request: Request) -> JSONResponse:
+        body = await _control_body(request)
+        seconds = None if body is None else body.get("seconds", 0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
+            return _bad_request("delay takes seconds (a number from 0 to 3600)")
+        state.delay_seconds = float(seconds)
+        return JSONResponse({"delay_seconds": state.delay_seconds})
 
     @app.get("/_fake/stats")
     async def stats(brief: bool = False) -> dict[str, Any]:

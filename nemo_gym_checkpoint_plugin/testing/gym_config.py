@@ -65,13 +65,19 @@ _SHIPPED_CONFIGS = (
     "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
 )
 _DEFAULT_ENTRYPOINTS = {ENVIRONMENT: "nemo_gym_checkpoint_plugin._ray_off"}
-# The wrapper entrypoint: each server a checkpoint participant when the block is enabled (Ray off either way).
+# The wrapper module: each server a checkpoint participant when the block is enabled (Ray off either way).
 WRAP_ENTRYPOINT = "nemo_gym_checkpoint_plugin.wrap"
 
 
 def wrapped_entrypoints() -> dict[str, str]:
-    """``entrypoints=`` that run every Gym server of the deployment through the wrapper."""
-    return dict.fromkeys(GYM_SERVERS, WRAP_ENTRYPOINT)
+    """``entrypoints=`` that run every Gym server of the deployment through the wrapper.
+
+    In the form Gym's own launcher (``ng_run``) starts too, ``-mnemo_gym_checkpoint_plugin.wrap``
+    (``ng-checkpoint enable`` writes the same), so the config ``make serve`` writes runs under ``ng_run``.
+    """
+    from ..cli._enable import LAUNCH_ENTRYPOINT
+
+    return dict.fromkeys(GYM_SERVERS, LAUNCH_ENTRYPOINT)
 
 
 def server_location(config: Any, name: str) -> tuple[str, str, Any]:
@@ -91,12 +97,18 @@ def build_gym_config(
     *,
     checkpoint: Mapping[str, Any] | None = DEFAULT_CHECKPOINT_BLOCK,
     entrypoints: Mapping[str, str] | None = None,
+    model: Mapping[str, Any] | None = None,
+    resources: Mapping[str, Any] | None = None,
     gym_settings: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
     ``checkpoint`` is written verbatim as the top-level ``checkpoint:`` block (None: no block).
+    ``model`` adds keys to the policy model's block (e.g. ``return_token_id_information: true``).
     ``results_dir`` and ``cache_dir`` live under ``work_dir`` so nothing lands in the cwd.
+    ``resources`` changes the resources server (still named ``RESOURCES``): its
+    ``implementation`` (default ``example_single_tool_call``), every other key merged into its
+    block (e.g. ``checkpoint_session_state``).
     ``gym_settings`` adds top-level Gym settings (e.g. ``global_aiohttp_connector_limit_per_host``).
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
@@ -110,6 +122,8 @@ def build_gym_config(
     if unknown:
         raise ValueError(f"entrypoints name unknown servers {sorted(unknown)}; known: {list(GYM_SERVERS)}")
     resources_ref = _server_ref("resources_servers", RESOURCES)
+    resources_block = dict(resources or {})
+    implementation = str(resources_block.pop("implementation", "example_single_tool_call"))
     initial: dict[str, Any] = {
         "config_paths": list(_SHIPPED_CONFIGS),
         "policy_base_url": f"http://{HOST}:{port_base + PORT_OFFSETS[BACKEND]}/v1",
@@ -117,18 +131,20 @@ def build_gym_config(
         "policy_model_name": FAKE_MODEL_NAME,
         MODEL: {
             "responses_api_models": {
-                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False}
+                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False,
+                               **(model or {})}
             }
         },
         AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},
         RESOURCES: {
             "resources_servers": {
-                "example_single_tool_call": {
+                implementation: {
                     **port(RESOURCES),
                     "entrypoint": "app.py",
                     "domain": "agent",
                     "verified": False,
                     "description": "Basic single-step tool calling",
+                    **resources_block,
                 }
             }
         },

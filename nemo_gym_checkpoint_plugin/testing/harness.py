@@ -132,6 +132,10 @@ class FakeBackend:
     async def stats(self) -> dict[str, Any]:
         return await self._call("GET", "/_fake/stats")
 
+    async def delay(self, seconds: float) -> None:
+        """Make every later call generate for ``seconds`` before it answers (0: answer at once)."""
+        await self._call("POST", "/_fake/delay", {"seconds": seconds})
+
     async def reset(self) -> None:
         await self._call("POST", "/_fake/reset")
 

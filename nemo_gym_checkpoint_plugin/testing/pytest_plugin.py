@@ -16,6 +16,10 @@ wheel, on free 127.0.0.1 ports, no Ray, each child leading its own process group
   ... as ``Deployment`` takes them; ``entrypoints=gym_config.wrapped_entrypoints()`` makes
   every server a participant); every one it made is stopped at teardown.
 
+- ``participant_servers`` (function scope, async): ``make(server_class, name=..., block=...)``
+  builds a server in this process as a participant (``inprocess.build_server``: the full
+  attachment, entry-point plugins included), driven over ASGI; for the contract suites.
+
 A ``GymHarness`` gives the servers' URLs, ``fake`` (hold, release and count the backend's
 model calls), ``crash()`` (SIGKILL every process group) and ``restart()`` (fresh processes,
 same config and ports). The rest of ``harness`` (``send_rollout``, ``send_wave``,
@@ -24,15 +28,16 @@ same config and ports). The rest of ``harness`` (``send_rollout``, ``send_wave``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from .deployment import Deployment
 from .harness import GymHarness, new_deployment
 
-__all__ = ["gym_deployment", "gym_deployment_factory"]
+__all__ = ["gym_deployment", "gym_deployment_factory", "participant_servers"]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +65,26 @@ def gym_deployment_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         for deployment in made:
             deployment.stop()
+
+
+
+@pytest_asyncio.fixture
+async def participant_servers(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Callable[..., Any]]:
+    """``make(server_class, name=..., block=...)``: ``inprocess.build_server`` with a control token set.
+
+    Every server it built has its control plane closed at teardown.
+    """
+    from .inprocess import build_server
+
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "participant-servers-token")
+    made: list[Any] = []
+
+    def make(server_class: type, **kwargs: Any) -> Any:
+        made.append(build_server(server_class, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for server in made:
+            await server.aclose()

@@ -61,11 +61,20 @@ MakeHarness = Callable[[], Awaitable[Harness]]
 async def call_hook(plugin: Any, name: str, **kwargs: Any) -> Any:
     """Call one hook implementation of ``plugin`` by keyword, as the control plane does (awaiting if async).
 
-    A plugin that does not implement the hook answers ``None``, as pluggy leaves it out.
+    A plugin that does not implement the hook answers ``None``, as pluggy leaves it out. Like pluggy,
+    only the arguments the implementation names are passed; ``install`` gets its ``scope`` (the
+    replacement of every record) when the caller gives none.
     """
     implementation = getattr(plugin, name, None)
     if implementation is None:
         return None
+    if name == "install" and "scope" not in kwargs:
+        # What the control plane passes: the replacement attempt of every episode the restore continues.
+        kwargs["scope"] = [restored.replacement for restored in kwargs.get("records", ())]
+    # As pluggy calls a hook implementation: with the arguments it names (a plugin may take fewer).
+    accepted = inspect.signature(implementation).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        kwargs = {key: value for key, value in kwargs.items() if key in accepted}
     result = implementation(**kwargs)
     if inspect.isawaitable(result):
         result = await result

@@ -1,0 +1,264 @@
+"""The policy model participant (kind ``model``): model calls in flight, held responses, retire.
+
+docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generation.
+
+- ``close_admission``: new model calls park at the admission gate (attributed by their
+  ``/ng-rollout/<capture key>/...`` prefix, which the plugin's client always adds). A call
+  already past the gate keeps running at the inference worker; its response is **held** if it
+  has not started reaching its caller (``held_responses.py`` says what starts a response).
+- ``ready`` never reports a blocker: a generation never delays a checkpoint. Its counts say
+  how many calls run and how many responses are held.
+- A held call belongs to no checkpoint: nothing is exported for it (the agent's boundary is
+  before it). ``open_admission`` (resume) delivers every held response unchanged.
+- ``retire`` cancels the running calls of the named attempts and earlier ones (the route's
+  call to the inference worker is cancelled, so the worker sees its request dropped), waits
+  for them to end, then returns; a call stopped before its answer started is answered
+  ``stale_attempt``. A retried retire waits for calls an earlier one stopped without
+  cancelling them again. Later calls of a retired attempt are refused by the gate.
+- With Gym's token capture writing its file store, the captured rows of each episode are
+  exported and installed under the replacement attempt (``model_capture.py``), minus the
+  rows of calls whose response had not started when the export ran (each call's model call
+  id is read from Gym's capture context of its route's task). Such a server refuses to
+  restore once it has served a call (``invalid_phase``): its capture files may belong to
+  live episodes.
+
+One registry per model server process; used from its event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
+
+from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
+
+__all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
+
+
+class ModelCall:
+    """One data request to the model server, from the gate to its last response message."""
+
+    __slots__ = ("rollout_id", "attempt", "task", "held", "started", "retired", "finished", "capture_call_id")
+
+    def __init__(self, rollout_id: str | None, attempt: int) -> None:
+        self.rollout_id = rollout_id  # None: a call outside any rollout (never retired)
+        self.attempt = attempt
+        self.task: asyncio.Task[Any] | None = None
+        self.held = False
+        self.started = False  # its answer began reaching the caller
+        self.retired = False
+        self.finished = asyncio.Event()
+        self.capture_call_id: str | None = None  # Gym's model call id, when token capture records it
+
+    @property
+    def key(self) -> str | None:
+        if self.rollout_id is None:
+            return None
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    def capture_id(self) -> str | None:
+        """Gym's model call id of this call: noted when its reply began, else read from its task's context.
+
+        Reads the context without entering it, so any thread may ask (the storage writer's does).
+        """
+        if self.capture_call_id is None and self.task is not None:
+            context = self.task.get_context().get(_capture_context_var())
+            if context is not None:
+                self.capture_call_id = context.model_call_id
+        return self.capture_call_id
+
+
+def _capture_context_var() -> Any:
+    # Gym keeps the capture context of a model call in this ContextVar (nemo-gym 0.7's token_id_capture.sink).
+    from nemo_gym.token_id_capture import sink
+
+    return sink._CAPTURE_CONTEXT
+
+
+class ModelCalls:
+    """Participant plugin of a Gym model server (see the module docstring)."""
+
+    def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
+        self.server = server
+        self.captures = captures if captures is not None or server is None else token_captures_for(server)
+        self._restored: set[str] = set()  # installed capture keys no call has used yet
+        self._open = asyncio.Event()
+        self._open.set()
+        self._by_rollout: dict[str | None, set[ModelCall]] = {}
+        self.in_flight = 0
+        self.held = 0
+        self.served_total = 0
+        self.held_total = 0
+        self.stopped_total = 0
+
+    # -- the middleware's side ---------------------------------------------------------------------
+
+    def begin(self, attempt: tuple[str, int] | None) -> ModelCall:
+        rollout_id, number = attempt if attempt is not None else (None, 0)
+        call = ModelCall(rollout_id, number)
+        if self._restored:
+            self._restored.discard(call.key)  # type: ignore[arg-type]
+        self._by_rollout.setdefault(rollout_id, set()).add(call)
+        self.in_flight += 1
+        return call
+
+    def end(self, call: ModelCall) -> None:
+        siblings = self._by_rollout.get(call.rollout_id)
+        if siblings is not None:
+            siblings.discard(call)
+            if not siblings:
+                del self._by_rollout[call.rollout_id]
+        self.in_flight -= 1
+        self.served_total += 1
+        call.finished.set()
+
+    def starting(self, call: ModelCall) -> None:
+        """The call's reply begins (its status line is about to be sent): note its capture id while it is set."""
+        if self.captures is not None:
+            call.capture_id()
+
+    async def hold(self, call: ModelCall) -> None:
+        """Return once admission is open (at once when it is): the call's response may start."""
+        if self._open.is_set():
+            return
+        call.held = True
+        self.held += 1
+        self.held_total += 1
+        try:
+            # A wake that finds a new checkpoint already closed admission holds on for that one too.
+            while not self._open.is_set():
+                await self._open.wait()
+        finally:
+            call.held = False
+            self.held -= 1
+
+    # -- participant hooks -------------------------------------------------------------------------
+
+    @hookimpl
+    def close_admission(self, checkpoint_id: str) -> None:
+        self._open.clear()
+
+    @hookimpl
+    def open_admission(self, checkpoint_id: str) -> None:
+        self._open.set()
+
+    @hookimpl
+    def ready(self, checkpoint_id: str | None) -> Readiness:
+        # Never a blocker: a generation in flight runs on, and its response is held if not started.
+        return Readiness(counts={"model_calls_in_flight": self.in_flight, "model_responses_held": self.held})
+
+    @hookimpl
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
+        victims: list[ModelCall] = []
+        for episode in episode_ids:
+            for call in self._by_rollout.get(episode.rollout_id, ()):
+                if call.attempt <= episode.attempt:
+                    victims.append(call)
+        for call in victims:
+            if not call.retired:  # a retried retire waits for what an earlier one stopped
+                call.retired = True
+                self.stopped_total += 1
+                if call.task is not None:
+                    call.task.cancel()
+        await asyncio.gather(*(call.finished.wait() for call in victims))
+        freed = [key for key in self._restored if _retired_by(key, episode_ids)]
+        if freed:
+            await self.delete_restored([_episode_of(key) for key in freed])
+
+    # -- token capture (model_capture.py) ---------------------------------------------------------
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> Iterator[dict[str, Any]] | None:
+        if self.captures is None:
+            return None
+        # Calls whose answer has not started (held, or still generating) belong to no checkpoint. None can
+        # start or begin while the checkpoint is open, so these are all of them for the whole export; each
+        # one's id is read after its episode's rows were (an entry is written inside its capture context).
+        undelivered: dict[str, list[ModelCall]] = {}
+        for calls in self._by_rollout.values():
+            for call in calls:
+                if not call.started and call.key is not None:
+                    undelivered.setdefault(call.key, []).append(call)
+        keys = sorted(scope) if scope is not None else self.captures.keys()
+        return self.captures.export(keys, lambda key: {call.capture_id() for call in undelivered.get(key, ())})
+
+    @hookimpl
+    async def install(
+        self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
+    ) -> None:
+        captures = self.captures
+        if captures is None:
+            if records:
+                raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
+            return
+        if self.served_total or self.in_flight:
+            raise InvalidPhase(
+                f"this model server has served {self.served_total + self.in_flight} model calls: its token "
+                "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
+            )
+        staged = [(r.replacement.capture_key, captures.validate(r.checkpointed.capture_key, r.record)) for r in records]
+
+        def apply() -> None:
+            for replacement in scope:
+                captures.clear_from(replacement)
+            written: list[str] = []
+            try:
+                for key, lines in staged:
+                    written.append(key)
+                    captures.write(key, lines)
+            except BaseException:
+                for key in written:  # a raising install leaves nothing installed
+                    captures.delete(key)
+                raise
+
+        await asyncio.to_thread(apply)
+        self._restored.update(key for key, _lines in staged)
+
+    @hookimpl
+    def restored_pending(self) -> list[str]:
+        return sorted(self._restored)
+
+    @hookimpl
+    async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        # Only attempts this server installed: a refused install must not touch a live attempt's files.
+        keys = [key for key in (episode.capture_key for episode in episode_ids) if key in self._restored]
+        self._restored.difference_update(keys)
+        if self.captures is not None and keys:
+            captures = self.captures
+            await asyncio.to_thread(lambda: [captures.delete(key) for key in keys])
+
+    @hookimpl
+    def status_fields(self) -> dict[str, Any]:
+        return {
+            "model_calls": {
+                "in_flight": self.in_flight,
+                "held": self.held,
+                "served_total": self.served_total,
+                "held_total": self.held_total,
+                "stopped_total": self.stopped_total,
+            }
+        }
+
+
+def _episode_of(key: str) -> EpisodeId:
+    from nemo_gym_checkpoint_plugin._identity import from_capture_key
+
+    return from_capture_key(key)
+
+
+def _retired_by(key: str, episode_ids: list[EpisodeId]) -> bool:
+    episode = _episode_of(key)
+    return any(e.rollout_id == episode.rollout_id and episode.attempt <= e.attempt for e in episode_ids)
+
+
+def install_model_calls(app: Any, calls: ModelCalls) -> None:
+    """Install the held-responses middleware of ``calls`` on a model server's ``app``."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.held_responses import install_held_responses
+
+    install_held_responses(app, calls)

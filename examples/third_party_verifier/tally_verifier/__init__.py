@@ -1,0 +1,1 @@
+"""tally-verifier: an example stateful Gym resources server (``app``) and its checkpoint plugin (``checkpoint``)."""

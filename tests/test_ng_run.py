@@ -1,0 +1,252 @@
+"""Gym's own launcher: ``ng-checkpoint enable`` then ``ng_run`` starts ``examples/gym_config.yaml`` as is.
+
+Ray stays on loopback twice over. Everything runs inside a network namespace holding only a
+loopback interface (``netns_support``), and Ray is the README's recipe: the test starts it with
+``ray start --head --node-ip-address=127.0.0.1`` and ``ng_run`` joins it through Gym's own
+``ray_head_node_address`` (it would otherwise start its own cluster on the address Ray picks).
+The test reads every listening socket of the namespace and checks it is on 127.0.0.1.
+The fake inference backend stands in for vLLM on the example's port 18000. The scenario
+is the demo's (``crash_scenario``): rollouts in flight are checkpointed with the
+coordination library, ``ng_run``, its servers and the backend are SIGKILLed, a fresh
+``ng_run`` starts, the checkpoint is restored and every rollout finishes without repeating
+a step. Then ``ng_run`` is stopped as Ctrl-C stops it, the backend and the Ray cluster
+the test started are stopped by pid, and no process is left in the namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from netns_support import LoopbackNamespace, namespaces_supported
+
+from nemo_gym_checkpoint_plugin.cli._enable import LAUNCH_ENTRYPOINT, PTH_NAME
+from nemo_gym_checkpoint_plugin.testing.crash_scenario import run_scenario
+from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, GYM_SERVERS, TOKEN_ENV, server_location
+from nemo_gym_checkpoint_plugin.testing.harness import wait_until
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform != "linux" or not namespaces_supported(),
+                       reason="needs a network namespace (Linux, root) to keep Ray on loopback"),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "gym_config.yaml"
+# The console script, run by this interpreter: Gym's legacy shim reads the command from argv[0].
+NG_RUN = str(Path(sys.executable).parent / "ng_run")
+RAY = str(Path(sys.executable).parent / "ray")
+RAY_PORT = 6379
+RAY_STOP_GRACE = 16.0  # ray stop's own grace period before it force-kills
+NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
+TOKEN = "ng-run-test-token"
+START_TIMEOUT = 420.0
+
+
+def _example() -> dict[str, Any]:
+    return yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
+
+
+def _urls() -> dict[str, str]:
+    example = _example()
+    urls = {BACKEND: example["policy_base_url"].removesuffix("/v1")}
+    for name in GYM_SERVERS:
+        inner = server_location(example, name)[2]
+        urls[name] = f"http://{inner['host']}:{inner['port']}"
+    return urls
+
+
+class NgRunDeployment:
+    """What ``run_scenario`` needs of a deployment, for the servers ``ng_run`` starts in the namespace."""
+
+    def __init__(self, ns: LoopbackNamespace, work: Path, env: dict[str, str]) -> None:
+        self.ns, self.work, self.env = ns, work, env
+        self.urls = _urls()
+        self.config = str(EXAMPLE)
+        self.launcher: subprocess.Popen | None = None
+        self.backend: subprocess.Popen | None = None
+        self.children: list[subprocess.Popen] = []
+        self.ray: list[int] = []
+        self.starts = 0
+
+    def start_ray(self) -> None:
+        """The README's recipe: a Ray head bound to 127.0.0.1 (no dashboard), which ng_run joins."""
+        before = set(self.ns.processes())
+        started = self.ns.command([sys.executable, RAY, "start", "--head", "--node-ip-address=127.0.0.1",
+                                   f"--port={RAY_PORT}", "--include-dashboard=false", "--num-cpus=1",
+                                   "--disable-usage-stats"], timeout=240, env=self.env)
+        assert started.returncode == 0, started.stdout + started.stderr
+        self.ray = sorted(set(self.ns.processes()) - before)
+        assert self.ray, "ray start left no process"
+
+    @property
+    def process_groups(self) -> dict[str, int]:
+        return {"ng_run": self.launcher.pid} if self.launcher else {}
+
+    def _spawn(self, argv: list[str], log_name: str, **kwargs: Any) -> subprocess.Popen:
+        with open(self.work / log_name, "ab") as log:  # the child keeps its own descriptor
+            child = self.ns.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, **kwargs)
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        """The backend, then ``ng_run`` on the example as is, from the directory ``enable`` ran in.
+
+        Returns once every server answers. A fresh backend each time, as after a real crash: its
+        counters are what the scenario reads to find steps that ran twice.
+        """
+        self.starts += 1
+        self.backend = self._spawn([sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.fake_backend",
+                                    "--host", "127.0.0.1", "--port", "18000"], f"backend-{self.starts}.log")
+        log_path = self.work / f"ng_run-{self.starts}.log"
+        # Its own session: Ctrl-C in a terminal signals the whole foreground group, and so can the test.
+        self.launcher = self._spawn([sys.executable, NG_RUN, f"+config_paths=[{EXAMPLE}]",
+                                     f"+ray_head_node_address=127.0.0.1:{RAY_PORT}"], log_path.name,
+                                    cwd=self.work, start_new_session=True)
+
+        def ready() -> bool:
+            if self.launcher.poll() is not None:
+                raise AssertionError(f"ng_run exited {self.launcher.returncode}:\n{log_path.read_text()[-4000:]}")
+            status = self.ns.command([*NG_CHECKPOINT, "status", "--config", self.config, "--json",
+                                     "--probe-timeout", "1", "--tries", "1"], timeout=60, env=self.env)
+            return status.returncode == 0
+
+        wait_until(ready, START_TIMEOUT, "every server ng_run started to answer its status")
+
+    def kill(self) -> None:
+        """The crash: SIGKILL ng_run's process group (it and its servers) and the backend; Ray stays up."""
+        group = self.launcher.pid
+        os.killpg(group, signal.SIGKILL)
+        self.backend.kill()
+        for child in self.children:
+            child.wait(30)
+
+        def gone() -> bool:
+            return not any(_pgid(pid) == group for pid in self.ns.processes())
+
+        wait_until(gone, 60, "every process of the crashed ng_run to be gone")
+
+    def stop_ray(self) -> None:
+        """Stop the Ray cluster this test started, by its pids, as ``ray stop`` does: SIGTERM, then SIGKILL.
+
+        (``ray stop`` itself is not used: it finds Ray processes by name, machine-wide.)
+        """
+        for pid in self.ray:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            wait_until(lambda: self.ns.processes() == [], RAY_STOP_GRACE, "Ray to exit on SIGTERM")
+        except AssertionError:
+            _kill_all(self.ns)  # what is left is the test's own Ray cluster (its gcs_server may outlive a SIGTERM)
+
+    def reap(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+            child.wait(30)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _kill_all(ns: LoopbackNamespace) -> None:
+    # Only processes inside this namespace, each by its pid.
+    for pid in ns.processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def namespace():
+    ns = LoopbackNamespace()
+    yield ns
+    _kill_all(ns)  # whatever a failed test left
+    ns.close()
+
+
+def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_through_it(namespace, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    # 1. enable: the example is already checkpointed (nothing written); each server's venv imports the plugin.
+    enabled = subprocess.run([*NG_CHECKPOINT, "enable", str(EXAMPLE), "--json"], cwd=work,
+                             capture_output=True, text=True, timeout=300)
+    assert enabled.returncode == 0, enabled.stderr
+    done = orjson.loads(enabled.stdout)
+    assert done["written"] is None and done["config"] == str(EXAMPLE)
+    assert sorted(s["name"] for s in done["servers"]) == sorted(GYM_SERVERS)
+    for server in done["servers"]:
+        venv = Path(server["venv"])
+        assert venv == work / server["type"] / server["implementation"] / ".venv"
+        assert server["action"] == "created, layered on this environment"
+        assert list(venv.glob(f"lib/python*/site-packages/{PTH_NAME}"))
+    assert all(server_location(_example(), name)[2]["entrypoint"] == LAUNCH_ENTRYPOINT for name in GYM_SERVERS)
+
+    ray_tmp = tempfile.mkdtemp(prefix="ngray-")  # short: Ray's unix socket paths must fit 107 bytes
+    home = work / "home"
+    home.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "NG_CHECKPOINT"))},
+           TOKEN_ENV: TOKEN, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(home)}
+    deployment = NgRunDeployment(namespace, work, env)
+    try:
+        deployment.start_ray()
+        deployment.start()
+        status = namespace.command([*NG_CHECKPOINT, "status", "--config", str(EXAMPLE), "--json"],
+                                   timeout=60, env=env)
+        participants = orjson.loads(status.stdout)["participants"]
+        assert sorted((p["name"], p["kind"], p["phase"]) for p in participants) == [
+            ("example_single_tool_call", "resources", "idle"), ("policy_model", "model", "idle"),
+            ("simple_agent", "agent", "idle"), ("single_agent_turn", "environment", "idle")]
+        # ng_run, every server it started and Ray are in the namespace: nothing listens beyond loopback.
+        inside = namespace.processes()
+        assert deployment.launcher.pid in inside and len(inside) > 6
+        listening = namespace.listening(deployment.launcher.pid)
+        assert {port for _a, port in listening} >= {18000, 18001, 18002, 18003, 18004, 18005, RAY_PORT}
+        assert [a for a, _p in listening if not namespace.is_loopback(a)] == []
+        assert "Connecting to Ray cluster at specified address: 127.0.0.1" in \
+            (work / "ng_run-1.log").read_text()
+
+        checkpoint_dir = work / "ckpt"
+        result = namespace.run(run_scenario(deployment, checkpoint_dir, TOKEN, ["cont-1", "cont-2"], ["rst-1"],
+                                            timeout=START_TIMEOUT), timeout=3 * START_TIMEOUT)
+        summary = result.summary()
+        assert deployment.starts == 2  # the restore ran against a fresh ng_run
+        assert summary["finished"] == 3 and summary["lost"] == 0 and summary["reward_1"] == 3
+        assert summary["continued"] == 2 and summary["restarted"] == 1
+        assert summary["repeated_steps"] == 0
+        assert sorted(result.restored) == ["cont-1-a1", "cont-2-a1"]
+        verified = subprocess.run([*NG_CHECKPOINT, "verify", str(checkpoint_dir)], capture_output=True, text=True,
+                                  timeout=120)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+
+        # 3. Stop as Ctrl-C does (SIGINT to ng_run's foreground group): ng_run and every server exit.
+        group = deployment.launcher.pid
+        os.killpg(group, signal.SIGINT)
+        assert deployment.launcher.wait(120) == 0
+        wait_until(lambda: not any(_pgid(pid) == group for pid in namespace.processes()), 60,
+                   "every process ng_run started to exit")
+        # Then what the test started itself: the backend, and the Ray cluster. Nothing is left.
+        deployment.backend.terminate()
+        deployment.backend.wait(30)
+        deployment.stop_ray()
+        wait_until(lambda: namespace.processes() == [], 120, "no process left in the namespace")
+    finally:
+        _kill_all(namespace)
+        deployment.reap()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
