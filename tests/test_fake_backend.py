@@ -234,3 +234,21 @@ async def test_a_multi_call_turn_calls_its_tool_n_times_then_answers(client: htt
     assert final["finish_reason"] == "stop" and final["message"]["content"] == FINAL_ANSWER
     stats = (await client.get("/_fake/stats")).json()
     assert stats["completed"][user] == {"0": 1, "1": 1, "2": 1, "3": 1}
+
+
+async def test_brief_stats_are_the_counters_alone(client: httpx.AsyncClient) -> None:
+    await client.post("/_fake/hold", json={"match": "brief", "count": 1})
+    held = asyncio.create_task(client.post("/v1/chat/completions", json=first_turn("brief one")))
+    await client.post("/v1/chat/completions", json=first_turn("another"))
+    brief = await wait_until_async(
+        lambda: _json_when(client, "/_fake/stats?brief=true", lambda s: s["held"] == 1), timeout=10, what="a held call"
+    )
+    assert brief == {"held": 1, "calls_total": 2, "completed_total": 1, "abandoned_total": 0}
+    await client.post("/_fake/release", json={})
+    assert (await held).status_code == 200
+    assert (await client.get("/_fake/stats", params={"brief": "true"})).json()["completed_total"] == 2
+
+
+async def _json_when(client: httpx.AsyncClient, path: str, predicate) -> dict | None:
+    body = (await client.get(path)).json()
+    return body if predicate(body) else None

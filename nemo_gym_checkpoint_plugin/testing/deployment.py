@@ -223,6 +223,7 @@ class Deployment:
     ``server_dirs`` (``{name: directory}``) runs a server from a directory of your own instead of
     the one Gym finds for its implementation (a server outside the nemo-gym wheel); ``python``
     is the interpreter every child runs (default this one's; e.g. a venv holding your plugin).
+    ``gym_settings``: top-level Gym settings for every server (e.g. its aiohttp connection limits).
     """
 
     def __init__(
@@ -239,6 +240,7 @@ class Deployment:
         resources: Mapping[str, Any] | None = None,
         server_dirs: Mapping[str, Path] | None = None,
         python: str | None = None,
+        gym_settings: Mapping[str, Any] | None = None,
     ) -> None:
         from omegaconf import OmegaConf
 
@@ -248,7 +250,8 @@ class Deployment:
         self.log_dir = log_dir
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(
-            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model, resources=resources
+            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model,
+            resources=resources, gym_settings=gym_settings,
         )
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
         python = python or sys.executable

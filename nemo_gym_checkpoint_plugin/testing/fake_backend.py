@@ -32,6 +32,8 @@ Control routes (for tests; never part of a real backend):
   contains ``match`` (all when null) and drop the hold rules made with that ``match``
   (all when null).
   Replies ``{"released": n, "rules_dropped": m}``.
+- ``GET /_fake/stats?brief=true``: only the four counters below (``held``, ``calls_total``,
+  ``completed_total``, ``abandoned_total``), cheap to poll at thousands of held calls.
 - ``GET /_fake/stats``: ``held`` (count of calls waiting now), ``held_calls``, ``rules``,
   ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
   (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
@@ -149,6 +151,15 @@ class FakeBackendState:
     def abandoned(self, call: HeldCall) -> None:
         if self.held.pop(call.call_id, None) is not None:
             self.abandoned_total += 1
+
+    def counts(self) -> dict[str, int]:
+        """The counters alone: what a caller polling for a condition at thousands of calls needs."""
+        return {
+            "held": len(self.held),
+            "calls_total": self.calls_total,
+            "completed_total": self.completed_total,
+            "abandoned_total": self.abandoned_total,
+        }
 
     def stats(self) -> dict[str, Any]:
         def table(counts: dict[str, dict[int, int]]) -> dict[str, dict[str, int]]:
@@ -381,8 +392,8 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
         return JSONResponse({"delay_seconds": state.delay_seconds})
 
     @app.get("/_fake/stats")
-    async def stats() -> dict[str, Any]:
-        return state.stats()
+    async def stats(brief: bool = False) -> dict[str, Any]:
+        return state.counts() if brief else state.stats()
 
     @app.post("/_fake/reset")
     async def reset() -> dict[str, int]:

@@ -99,6 +99,7 @@ def build_gym_config(
     entrypoints: Mapping[str, str] | None = None,
     model: Mapping[str, Any] | None = None,
     resources: Mapping[str, Any] | None = None,
+    gym_settings: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
@@ -108,6 +109,7 @@ def build_gym_config(
     ``resources`` changes the resources server (still named ``RESOURCES``): its
     ``implementation`` (default ``example_single_tool_call``), every other key merged into its
     block (e.g. ``checkpoint_session_state``).
+    ``gym_settings`` adds top-level Gym settings (e.g. ``global_aiohttp_connector_limit_per_host``).
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
@@ -164,6 +166,7 @@ def build_gym_config(
     }
     if checkpoint is not None:
         initial["checkpoint"] = dict(checkpoint)
+    initial.update(gym_settings or {})
     config = GlobalConfigDictParser().parse(
         GlobalConfigDictParserConfig(
             initial_global_config_dict=OmegaConf.create(initial),
