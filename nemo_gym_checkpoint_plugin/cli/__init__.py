@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..coordination import DEFAULT_TIMEOUT
+from .collect import add_collect_parser, run_collect
 from .live import run_live
 from .offline import inspect_checkpoint, verify_checkpoint
 from .output import print_error, print_json, table
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "records file inside the participant directory, digest, count, records. "
                                         "Exit 0 only when all verify.")
     verify.add_argument("dir", help="the checkpoint directory")
+    add_collect_parser(sub, offline[0], _positive, _count)
     return parser
 
 
@@ -221,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "verify":
             return _verify(args)
+        if args.command == "collect":
+            return run_collect(args)
         return asyncio.run(run_live(args))
     except UsageError as exc:
         print_error(args.command, str(exc), as_json=args.json, code="usage")
