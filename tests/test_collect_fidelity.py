@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import ClientError, web
-from nemo_gym.rollout_collection import RolloutCollectionConfig, _episode_request_body
 from nemo_gym import server_utils
+from nemo_gym.rollout_collection import RolloutCollectionConfig, _episode_request_body
 from nemo_gym.server_utils import BaseServerConfig, GlobalAIOHTTPAsyncClientConfig, set_global_aiohttp_client
 from omegaconf import OmegaConf
 

@@ -215,7 +215,8 @@ class CollectionCheckpointer:
         done = set(finished)
         plan = RestorePlan(source=state.checkpoint_id)
         wanted = [row for row in state.by_state("continued") if row.rollout_id not in done]
-        plan.restarted = [row.rollout_id for row in state.rows if row.state != "continued" and row.rollout_id not in done]
+        plan.restarted = [row.rollout_id for row in state.rows
+                          if row.state != "continued" and row.rollout_id not in done]
         if not wanted:
             return plan
         restore_id = f"{state.checkpoint_id}-restore-{self.seq:06d}"
