@@ -129,7 +129,7 @@ class CollectionCheckpointer:
         if not final:
             return
         try:
-            await self.coordinator.forget(f"forget-{self.seq:06d}", final, timeout=self.timeout)
+            await self.coordinator.forget(f"forget-{self.seq:06d}-{self.store.run}", final, timeout=self.timeout)
         except CoordinationError as exc:
             # Marks are bounded bookkeeping: a failed forget is retried with the next batch.
             self.tracker.final[:0] = final
@@ -219,7 +219,7 @@ class CollectionCheckpointer:
                           if row.state != "continued" and row.rollout_id not in done]
         if not wanted:
             return plan
-        restore_id = f"{state.checkpoint_id}-restore-{self.seq:06d}"
+        restore_id = f"restore-{self.seq:06d}-{self.store.run}"
         self.seq += 1
         started = time.monotonic()
         scope = [{"rollout_id": row.rollout_id, "attempt": row.attempt} for row in wanted]

@@ -50,7 +50,7 @@ COLLECTOR_DIR = "collector"
 COLLECTOR_KIND = "collector"
 COLLECTOR_INSTANCE = "ng-checkpoint-collect"
 CHECKPOINT_PREFIX = "collect-"
-_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})$")
+_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})-[0-9a-f]{8}$")
 ROW_STATES = ("continued", "restart", "uncaptured")
 
 
@@ -92,14 +92,15 @@ def _fsync_dir(path: Path) -> None:
 class CheckpointStore:
     """The checkpoints of one collection under ``root`` (absolute): naming, writing, reading, pruning."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, run: str | None = None) -> None:
         self.root = Path(root)
+        # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
+        self.run = run or uuid.uuid4().hex[:8]
 
     # -- names ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def checkpoint_id(seq: int) -> str:
-        return f"{CHECKPOINT_PREFIX}{seq:06d}"
+    def checkpoint_id(self, seq: int) -> str:
+        return f"{CHECKPOINT_PREFIX}{seq:06d}-{self.run}"
 
     @staticmethod
     def seq_of(name: str) -> int | None:
@@ -211,7 +212,9 @@ class CheckpointStore:
         if not isinstance(extras, dict) or not isinstance(extras.get("deployment"), dict):
             raise InvalidCheckpointState(f"{directory}: manifest.json has no collector object")
         rows = []
-        for number, line in enumerate(iter_verified_lines(directory, manifest)):
+        # Every line read and the digest checked before any record is trusted.
+        lines = list(iter_verified_lines(directory, manifest))
+        for number, line in enumerate(lines):
             try:
                 record = decode_line(line)
                 key = capture_key_of(record.get("episode_id"))
