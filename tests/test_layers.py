@@ -54,6 +54,9 @@ def test_the_controller_side_loads_no_server_runtime_module() -> None:
     loaded = _loaded_after(
         "import nemo_gym_checkpoint_plugin.coordination, nemo_gym_checkpoint_plugin.cli\n"
         "import nemo_gym_checkpoint_plugin.cli.offline, nemo_gym_checkpoint_plugin.cli.live\n"
+        # The checkpointed collector: Gym's rollout collection composed, still no server runtime.
+        "import nemo_gym_checkpoint_plugin.cli.collect, nemo_gym_checkpoint_plugin.coordination.collection\n"
+        "import nemo_gym_checkpoint_plugin.coordination.checkpointer\n"
         "from nemo_gym_checkpoint_plugin.coordination.order import order_manager\n"
         "order_manager().hook.coordination_order(operation='prepare')\n"
         "from nemo_gym_checkpoint_plugin.cli import build_parser\n"
