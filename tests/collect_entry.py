@@ -17,6 +17,7 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin.cli import build_parser
 from nemo_gym_checkpoint_plugin.cli.collect import run_collect
+from nemo_gym_checkpoint_plugin.cli.where import UsageError
 from nemo_gym_checkpoint_plugin.storage.reader import read_checkpoint
 
 
@@ -42,7 +43,11 @@ def main() -> int:
             await asyncio.Event().wait()  # until the test SIGKILLs this process
 
     args = build_parser().parse_args(["collect", *argv])
-    return run_collect(args, observe=observe)
+    try:
+        return run_collect(args, observe=observe)
+    except UsageError as exc:  # as ng-checkpoint's main reports it
+        print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def test_a_checkpoint_dir_of_another_deployment_is_refused_before_anything_runs(
     store.publish(state, *store.write_records(state))
     run = Run(deployment, tmp_path)
     proc, events = run.start("-", resume=True)
-    assert proc.wait(timeout=300) == 2
+    status = proc.wait(timeout=300)
     log = (tmp_path / "collector-1.log").read_text()
+    assert status == 2, log[-3000:]
     assert "holds checkpoints of another deployment" in log and "environment/elsewhere" in log
     assert not run.output.exists() and _events(events) == []  # nothing restored, nothing collected
