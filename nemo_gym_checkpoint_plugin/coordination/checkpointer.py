@@ -193,7 +193,7 @@ class CollectionCheckpointer:
             checkpoint_id=checkpoint_id, deployment=self.deployment, rows=rows,
             finished={"rows": self.tracker.returned, "output": str(self.output_path.resolve()),
                       "output_bytes": _size(self.output_path)},
-            timings={"prepare_s": round(record.prepare_s, 6)},
+            timings={"prepare_s": round(record.prepare_s, 6), "commit_s": round(time.monotonic() - committed_at, 6)},
         )
         digest, count = await asyncio.to_thread(self.store.write_records, state)
         await self._emit("records", checkpoint=checkpoint_id, path=str(target))
