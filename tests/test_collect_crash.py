@@ -149,16 +149,20 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
     assert proc.poll() is None, "the collection ended before it could be killed"
     run.crash(proc)
     continued = repeated = 0
-    fallbacks_seen = []
+    unpublished = None
     # During a prepare; between the collector's records and its manifest; right after a publish.
     for pause in ("prepared:2", "records:2", "published:2"):
         proc, events = run.start(pause, resume=True)
         wait_until(_paused_or_exited(proc, events), 240, f"the collector to pause at {pause}")
         assert proc.poll() is None, (run.work / f"collector-{run.leg}.log").read_text()[-3000:]
+        if unpublished is not None:  # the checkpoint whose manifest never came is never restored
+            assert f"from {unpublished} " not in (run.work / f"collector-{run.leg}.log").read_text()
+            assert "restored " in (run.work / f"collector-{run.leg}.log").read_text()
+        if pause.startswith("records"):
+            unpublished = [e for e in _events(events) if e["event"] == "records"][-1]["checkpoint"]
         leg_continued, leg_repeated = run.repeated_steps(events)
         continued, repeated = continued + leg_continued, repeated + leg_repeated
         run.crash(proc)
-        fallbacks_seen.append(pause)
     proc, events = run.start("-", resume=True)
     assert proc.wait(timeout=600) == 0, (run.work / f"collector-{run.leg}.log").read_text()[-3000:]
     leg_continued, leg_repeated = run.repeated_steps(events)
