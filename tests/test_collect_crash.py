@@ -71,11 +71,12 @@ class Run:
         self.output = work / "out.jsonl"
         self.leg = 0
 
-    def start(self, pause: str, resume: bool) -> tuple[subprocess.Popen[bytes], Path]:
+    def start(self, pause: str, resume: bool, every: float = 0.3) -> tuple[subprocess.Popen[bytes], Path]:
+        # Checkpoints close together: rows in flight at one are mostly still in flight at the next kill.
         self.leg += 1
         events = self.work / f"events-{self.leg}.jsonl"
         argv = [sys.executable, str(ENTRY), str(events), pause, "--", "--json", "--checkpoint-dir",
-                str(self.work / "ckpt"), "--checkpoint-every", "1", *(["--resume"] if resume else []),
+                str(self.work / "ckpt"), "--checkpoint-every", str(every), *(["--resume"] if resume else []),
                 f"+config_paths=[{self.deployment.gym_yaml}]", f"+input_jsonl_fpath={self.deployment.inputs}",
                 f"+output_jsonl_fpath={self.output}", "+num_samples_in_parallel=12", "+disable_health_check=true",
                 "+environment_server_routes={example_single_tool_call: single_agent_turn}"]
@@ -134,7 +135,7 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
 ) -> None:
     baseline = Run(deployment, tmp_path / "baseline")
     baseline.work.mkdir()
-    proc, _ = baseline.start("-", resume=False)
+    proc, _ = baseline.start("-", resume=False, every=2.0)
     assert proc.wait(timeout=600) == 0, (baseline.work / "collector-1.log").read_text()[-3000:]
     expected = _by_row(baseline.output)
     assert sorted(expected) == list(range(ROWS))
