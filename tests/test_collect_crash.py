@@ -4,7 +4,8 @@ One real deployment (the testing kit's, every server a participant, the fake bac
 collection of 200 rows. An uninterrupted run gives the baseline; then one collection is
 SIGKILLed (collector and every server) at each of: mid-dispatch, during a prepare (prepared,
 admission closed), between the collector's records and its manifest, right after a publish;
-each time fresh servers start and ``--resume`` continues it. The output holds every row exactly
+each time fresh servers start and ``--resume`` continues it (the last time from the checkpoint before
+the last one, which is damaged first). The output holds every row exactly
 once with the baseline's rewards and outputs, and no step a continued row had completed before
 its checkpoint runs again (counted at the servers: seeds at resources, completed model calls at
 the backend). A checkpoint directory of another deployment is refused before anything runs.
@@ -164,8 +165,16 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
         leg_continued, leg_repeated = run.repeated_steps(events)
         continued, repeated = continued + leg_continued, repeated + leg_repeated
         run.crash(proc)
+    # The checkpoint published last is damaged (a byte of the environment's records): the one before is used.
+    damaged = [e for e in _events(events) if e["event"] == "published"][-1]["checkpoint"]
+    (records,) = (run.work / "ckpt" / damaged / "gym" / "environment" / "single_agent_turn").glob("records-*")
+    data = bytearray(records.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    records.write_bytes(bytes(data))
     proc, events = run.start("-", resume=True)
     assert proc.wait(timeout=600) == 0, (run.work / f"collector-{run.leg}.log").read_text()[-3000:]
+    log = (run.work / f"collector-{run.leg}.log").read_text()
+    assert f"checkpoint {damaged} does not verify" in log and "falling back to the one before" in log
     leg_continued, leg_repeated = run.repeated_steps(events)
     continued, repeated = continued + leg_continued, repeated + leg_repeated
     summary = json.loads((run.work / f"collector-{run.leg}.log").read_text().strip().splitlines()[-1])
@@ -179,6 +188,7 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
     assert continued > 0, "no row continued from a checkpoint: the kills tested nothing"
     assert repeated == 0
     assert summary["finished"] == ROWS and summary["rollouts"] == ROWS
+    assert summary["fallbacks"][0][0] == damaged and summary["restored_from"] not in (None, damaged)
 
 
 @pytest.mark.slow
