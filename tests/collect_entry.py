@@ -2,7 +2,8 @@
 
 ``python tests/collect_entry.py EVENTS PAUSE_AT -- <collect arguments>``: every checkpointer event
 is appended to EVENTS as a JSON line; at the ``PAUSE_AT``-th occurrence of an event
-(``published:2``; ``-`` never) the line is written and the collector blocks until it is killed.
+(``published:2``; ``-`` never) the line is written and the collector blocks until it is killed; a
+``published`` event counts only when the checkpoint holds rows in flight (``continued``).
 At ``restored`` the environment's boundary of every restored row is logged from the checkpoint,
 so a test can tell which steps a continued row had completed before the crash.
 """
@@ -32,6 +33,9 @@ def main() -> int:
             out.write(json.dumps(entry, default=str) + "\n")
 
     async def observe(event: str, data: dict[str, Any]) -> None:
+        if event == "published" and not data.get("continued"):
+            log({"event": "published_empty", **data})  # holds no row in flight: not counted
+            return
         seen[event] += 1
         entry: dict[str, Any] = {"event": event, "n": seen[event], **{k: v for k, v in data.items() if k != "record"}}
         if event == "restored":
