@@ -45,6 +45,11 @@ def checkpointable_bases(server_class: type) -> tuple[type, ...]:
         from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnSteps
 
         if not issubclass(server_class, SingleAgentTurnSteps):
+            if hasattr(server_class, "_episode_request_from_row"):
+                # Gym's legacy flat-row wrapper (single_agent_turn_legacy): explicit "<id>-aN" ids decoded.
+                from nemo_gym_checkpoint_plugin.builtin_participants.legacy_rows import LegacyRowIds
+
+                return (LegacyRowIds, SingleAgentTurnSteps)
             return (SingleAgentTurnSteps,)
     if any(base.__name__ in _TURN_AGENTS for base in server_class.__mro__):
         from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import SimpleAgentTurns

@@ -55,6 +55,9 @@ def test_the_controller_side_loads_no_server_runtime_module() -> None:
     loaded = _loaded_after(
         "import nemo_gym_checkpoint_plugin.coordination, nemo_gym_checkpoint_plugin.cli\n"
         "import nemo_gym_checkpoint_plugin.cli._offline, nemo_gym_checkpoint_plugin.cli._live\n"
+        # The checkpointed collector: Gym's rollout collection composed, still no server runtime.
+        "import nemo_gym_checkpoint_plugin.cli._collect, nemo_gym_checkpoint_plugin.coordination._collection\n"
+        "import nemo_gym_checkpoint_plugin.coordination._checkpointer\n"
         "from nemo_gym_checkpoint_plugin.coordination._order import order_manager\n"
         "order_manager().hook.coordination_order(operation='prepare')\n"
         "from nemo_gym_checkpoint_plugin.cli import build_parser\n"

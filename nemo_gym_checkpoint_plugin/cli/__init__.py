@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..coordination import DEFAULT_TIMEOUT
+from ._collect import add_collect_parser, run_collect
 from ._live import run_live
 from ._offline import inspect_checkpoint, verify_checkpoint
 from ._output import print_error, print_json, table
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "nothing is written when GYM_YAML already is one)")
     enable.add_argument("--token-env", default=TOKEN_ENV, metavar="VAR",
                         help=f"the token's variable, when the config names none (default {TOKEN_ENV})")
+
+    add_collect_parser(sub, offline[0], _positive, _count)
     return parser
 
 
@@ -253,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify(args)
         if args.command == "enable":
             return _enable(args)
+        if args.command == "collect":
+            return run_collect(args)
         return asyncio.run(run_live(args))
     except UsageError as exc:
         print_error(args.command, str(exc), as_json=args.json, code="usage")

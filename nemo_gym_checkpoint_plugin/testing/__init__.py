@@ -15,7 +15,8 @@ it (the server runtime and the controller side never depend on test infrastructu
 - ``pytest_plugin``: the harness as pytest fixtures (``gym_deployment``,
   ``gym_deployment_factory``); load it with
   ``pytest_plugins = ["nemo_gym_checkpoint_plugin.testing.pytest_plugin"]`` in a conftest;
-- ``crash_scenario``, ``demo`` (``python -m nemo_gym_checkpoint_plugin.testing.demo``) and
+- ``crash_scenario``, ``collect_story`` (the demo's checkpointed collection, crashed and resumed),
+  ``demo`` (``python -m nemo_gym_checkpoint_plugin.testing.demo``) and
   ``serve`` (``python -m nemo_gym_checkpoint_plugin.testing.serve``).
 
 Submodules are imported on demand: importing this package loads nothing else.

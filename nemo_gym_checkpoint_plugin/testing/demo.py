@@ -1,4 +1,4 @@
-"""``make demo``: checkpoint a real Gym deployment with rollouts in flight, SIGKILL it, restore, finish.
+"""``make demo``: Gym's rollout collection checkpointed on a real deployment, SIGKILLed, resumed, compared.
 
 Run it as ``python -m nemo_gym_checkpoint_plugin.testing.demo`` (``--help`` for options);
 it needs only the installed package and nemo-gym, not a source checkout.
@@ -6,31 +6,36 @@ it needs only the installed package and nemo-gym, not a source checkout.
 Starts the project's deployment (the fake inference backend, ``vllm_model``,
 ``simple_agent``, ``example_single_tool_call`` and ``single_agent_turn`` from the
 nemo-gym wheel, each wrapped as a checkpoint participant, all on 127.0.0.1, no Ray),
-then runs ``crash_scenario.run_scenario``: rollouts in flight with their model calls
-held, a staged prepare, a commit, SIGKILL of every process group, fresh processes, a
-restore and resume, the restarts retired, and ``/run`` of every rollout as its next
-attempt. A quarter of the rollouts (at least one) declare themselves not capturable, so
-they are restarts and start over.
+then runs ``collect_story.run_collect_story``: ``ng-checkpoint collect`` of ``--rollouts``
+rows (64 by default) without interruption (the reference), the same rows again with a
+checkpoint every ``--checkpoint-every`` seconds, SIGKILL of every server and of the
+collector once a published checkpoint holds rows in flight, fresh servers,
+``ng-checkpoint collect --resume`` to the end, and a row-by-row comparison of the two outputs.
 
 Progress goes to stdout as ``[demo] ...`` lines; the last line is one JSON object::
 
     {"rollouts": N, "finished": N, "reward_1": N, "continued": K, "restarted": R,
-     "lost": 0, "repeated_steps": 0, "checkpoint_dir": "..."}
+     "lost": 0, "repeated_steps": 0, "checkpoint_dir": "...",
+     "identical_to_uninterrupted": true, "prepare_s": p, "commit_s": c, "restore_s": r}
 
-``repeated_steps`` is counted at the resources server (seeds) and at the inference
-backend (completed calls per conversation step): steps of continued rollouts that ran
-again after the crash. Exit status 0 only when nothing was lost or repeated.
+``continued``: rows in flight at the checkpoint that continued from it as their next attempt;
+``restarted``: rows in flight at it that started over (restarts, rows it did not hold).
+``repeated_steps`` is counted at the resources server (seeds) and at the inference backend
+(completed calls per conversation): steps continued rows had completed before the checkpoint
+that ran again. ``prepare_s`` and ``commit_s``: what the restored checkpoint cost the
+deployment; ``restore_s``: the restore. Exit status 0 only when nothing was lost or repeated
+and the output is identical to the uninterrupted one.
 
 Ports: ``PORT_BASE`` when set (five consecutive ports from it; busy or invalid is exit 2
 before anything starts), else free ports picked at random.
 
-The work directory (server logs, the checkpoint): without ``--dir`` a new temporary one,
-removed at the end unless ``--keep`` or ``NG_DEMO_KEEP=1`` (a ``[demo] removed ...`` line
-says so; ``checkpoint_dir`` in the summary then names where it was). A ``--dir`` is
-always kept, and so is the temporary one when the demo fails with an error (its logs
-say why).
+The work directory (server and collector logs, the checkpoints, both outputs): without ``--dir``
+a new temporary one, removed at the end unless ``--keep`` or ``NG_DEMO_KEEP=1`` (a ``[demo]
+removed ...`` line says so; ``checkpoint_dir`` in the summary then names where it was). A
+``--dir`` is always kept, and so is the temporary one when the demo fails with an error (its
+logs say why).
 
-Ctrl-C (or SIGTERM) stops every server and prints one line on stderr; exit status 130.
+Ctrl-C (or SIGTERM) stops every server and collector and prints one line on stderr; exit status 130.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from typing import Any
 
 import orjson
 
-from .crash_scenario import new_deployment, run_scenario
+from .collect_story import run_collect_story
+from .crash_scenario import new_deployment
 from .deployment import Deployment, DeploymentAborted, DeploymentError, parse_port_base, port_is_free
 from .gym_config import PORT_OFFSETS
 
@@ -80,13 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--rollouts", type=int, default=12, help="rollouts in flight at the checkpoint (>= 2)")
+    parser.add_argument("--rollouts", type=int, default=64, help="rows collected (default 64, at least 2)")
+    parser.add_argument("--checkpoint-every", type=float, default=2.0, metavar="SECONDS",
+                        help="seconds between checkpoints of the collection (default 2)")
     parser.add_argument("--dir", default=None, help="work directory, kept (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary work directory (also NG_DEMO_KEEP=1)")
     args = parser.parse_args(argv)
     if args.rollouts < 2:
-        parser.error("--rollouts must be at least 2 (one continued, one restarted)")
+        parser.error("--rollouts must be at least 2")
+    if not args.checkpoint_every > 0:
+        parser.error("--checkpoint-every must be a positive number of seconds")
     try:
         port_base = _port_base()
     except ValueError as bad:
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="ng-checkpoint-demo-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        summary = _run(work, args.rollouts, port_base)
+        summary = _run(work, args.rollouts, args.checkpoint_every, port_base)
     except DeploymentError as failed:
         print(f"demo: {failed}; work directory kept: {work}", file=sys.stderr, flush=True)
         return 1
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"work directory kept: {work}" if keep else f"removed {work}"
         print(f"[demo] interrupted: every server stopped; {where}", file=sys.stderr, flush=True)
         return 130
-    ok = summary["lost"] == 0 and summary["repeated_steps"] == 0
+    ok = summary["lost"] == 0 and summary["repeated_steps"] == 0 and summary["identical_to_uninterrupted"]
     # A failed run keeps its work directory: the logs say why.
     if ok and not keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -118,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _run(work: Path, rollouts: int, port_base: int | None) -> dict[str, Any] | None:
+def _run(work: Path, rollouts: int, every: float, port_base: int | None) -> dict[str, Any] | None:
     """Start the deployment, run the scenario, stop every server; the summary, or None after Ctrl-C/SIGTERM.
 
     Ctrl-C never raises ``KeyboardInterrupt`` here: raised at an arbitrary point (while asyncio
@@ -132,14 +142,11 @@ def _run(work: Path, rollouts: int, port_base: int | None) -> dict[str, Any] | N
 
     for sig in _STOP_SIGNALS:
         signal.signal(sig, flag)
-    restarts = max(1, rollouts // 4)
-    continued = [f"cont-{i:03d}" for i in range(rollouts - restarts)]
-    restarted = [f"rest-{i:03d}" for i in range(restarts)]
     token = secrets.token_urlsafe(24)
     deployment = new_deployment(work, token, port_base=port_base)
     try:
         # asyncio.run returns only once its worker threads are done (a start under way included).
-        return asyncio.run(_scenario(deployment, work, token, continued, restarted, stop))
+        return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop))
     finally:
         # Closing the loop reset the handlers; nothing may cut the stop short (servers have their own groups).
         for sig in _STOP_SIGNALS:
@@ -148,8 +155,7 @@ def _run(work: Path, rollouts: int, port_base: int | None) -> dict[str, Any] | N
 
 
 async def _scenario(
-    deployment: Deployment, work: Path, token: str, continued: list[str], restarted: list[str],
-    stop: threading.Event,
+    deployment: Deployment, work: Path, token: str, rollouts: int, every: float, stop: threading.Event,
 ) -> dict[str, Any] | None:
     task = asyncio.current_task()
     assert task is not None
@@ -170,12 +176,11 @@ async def _scenario(
         ports = sorted(int(url.rsplit(":", 1)[1]) for url in deployment.urls.values())
         _say(f"5 processes ready in {time.monotonic() - started:.1f}s on 127.0.0.1:{ports[0]}-{ports[-1]}: "
              f"{', '.join(sorted(deployment.urls))}")
-        result = await run_scenario(deployment, work / "ckpt", token, continued, restarted, say=_say)
+        return await run_collect_story(deployment, work, token, rollouts, every=every, say=_say)
     except (asyncio.CancelledError, DeploymentAborted):
         if stop.is_set():
             return None
         raise
-    return result.summary()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,246 @@
+"""``ng-checkpoint collect``: Gym's own rollout collection, checkpointed while rows are in flight.
+
+The configuration is exactly ``ng_collect_rollouts``' (Gym's ``+key=value`` overrides:
+``+config_paths=[...]``, ``+input_jsonl_fpath=...``, ``+output_jsonl_fpath=...``, ...), read by
+Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subclassed, see
+``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute),
+``--keep``, ``--resume`` (Gym's ``resume_from_cache`` plus a restore of the last published
+checkpoint that verifies; a damaged one falls back to the one before, and says so).
+
+Everything that can be refused is refused before any row or server is touched: a relative
+``--checkpoint-dir``, one whose parent is missing or that cannot be written, one holding
+checkpoints of an earlier collection (without ``--resume``) or of another deployment.
+Exit status: 0 done, 1 the collection or the deployment failed, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
+from ..coordination._errors import CoordinationError
+from ._collect_progress import CollectProgress, summary_table
+from ._output import print_json
+from ._where import UsageError, _token
+
+__all__ = ["add_collect_parser", "check_checkpoint_dir", "run_collect"]
+
+DEFAULT_EVERY = 60.0
+DEFAULT_KEEP = 2
+
+
+def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                       positive: Callable[[str], float], count: Callable[[str], int]) -> None:
+    parser = sub.add_parser(
+        "collect", parents=[common], help="run Gym's rollout collection, checkpointing the rows in flight",
+        description="Run Gym's own rollout collection (the configuration ng_collect_rollouts takes, as Gym's "
+                    "+key=value overrides) and checkpoint the deployment while rows are in flight; --resume "
+                    "continues after a crash of the deployment and the collector.",
+        epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
+               "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
+               "exit status: 0 done, 1 the collection or the deployment failed, 2 usage",
+    )
+    parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
+                        help="absolute directory holding the checkpoints (its parent must exist)")
+    parser.add_argument("--checkpoint-every", type=positive, default=DEFAULT_EVERY, metavar="SECONDS",
+                        help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
+    parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
+                        help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
+                             "after a newer one is published")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
+                             "the last published checkpoint continue as their next attempt")
+    parser.add_argument("--checkpoint-timeout", type=positive, default=60.0, metavar="S",
+                        help="seconds each prepare, commit and restore may take (default 60)")
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
+    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
+    parser.add_argument("--probe-timeout", type=positive, default=2.0, metavar="S",
+                        help="seconds to wait for each status probe (default 2)")
+    parser.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
+    parser.add_argument("gym_overrides", nargs=argparse.REMAINDER, metavar="+KEY=VALUE",
+                        help="ng_collect_rollouts' configuration (Gym's overrides)")
+
+
+def check_checkpoint_dir(raw: str) -> Path:
+    """The checkpoint directory, or ``UsageError`` saying why it cannot be one (nothing is created)."""
+    path = Path(raw)
+    if not path.is_absolute():
+        raise UsageError(f"--checkpoint-dir {raw} is relative; give an absolute path (every server writes "
+                         "into it, from its own working directory)")
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"--checkpoint-dir {raw} exists and is not a directory")
+        probe = path
+    else:
+        if not path.parent.is_dir():
+            raise UsageError(f"--checkpoint-dir {raw}: its parent {path.parent} does not exist")
+        probe = path.parent
+    # A real write, not os.access: root passes every permission check, a read-only filesystem does not.
+    trial = probe / f".ng-checkpoint-probe-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(trial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(trial)
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {raw}: {probe} is not writable ({exc.strerror or exc})") from None
+    return path
+
+
+def _gym_config(overrides: list[str], resume: bool) -> tuple[Any, Any]:
+    """Gym's global config and ``RolloutCollectionConfig``, parsed as ``ng_collect_rollouts`` parses them."""
+    from nemo_gym.global_config import get_global_config_dict
+    from nemo_gym.rollout_collection import RolloutCollectionConfig
+
+    saved = sys.argv
+    sys.argv = [saved[0], *overrides]
+    try:
+        config = get_global_config_dict()
+        collection = RolloutCollectionConfig.model_validate(config)
+    except Exception as exc:  # Gym raises its config errors, pydantic's and omegaconf's
+        raise UsageError(f"the collection's configuration: {str(exc).strip().splitlines()[0]}") from None
+    finally:
+        sys.argv = saved
+    if resume:
+        collection.resume_from_cache = True
+    return config, collection
+
+
+def _finished_rollouts(output: Path) -> set[str]:
+    """Rollout ids of the rows in Gym's output file (a torn last line, from a crash, is skipped)."""
+    from ..coordination._collection import row_rollout_id
+
+    finished: set[str] = set()
+    try:
+        handle = output.open("rb")
+    except FileNotFoundError:
+        return finished
+    with handle:
+        for line in handle:
+            try:
+                finished.add(row_rollout_id(orjson.loads(line)))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return finished
+
+
+def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]], Any] | None = None) -> int:
+    """The ``collect`` command; ``observe`` also receives every checkpointer event (tests hook there)."""
+    root = check_checkpoint_dir(args.checkpoint_dir)
+    overrides = [o for o in args.gym_overrides if o != "--"]
+    config, collection = _gym_config(overrides, args.resume)
+    store = CheckpointStore(root)
+    if not args.resume and store.published():
+        raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume to "
+                         "continue it, or choose another directory")
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(config, resolve=False)
+    token, _source, _argv = _token(args, plain)
+    return asyncio.run(_collect(args, root, store, plain, token, collection, observe))
+
+
+async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore, plain: dict[str, Any], token: str,
+                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None) -> int:
+    from ..coordination import discover
+    from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
+    from ..coordination._collection import CheckpointingCollectionHelper
+
+    progress = CollectProgress()
+    try:
+        coordinator = await discover(plain, token, probe_timeout=args.probe_timeout, tries=args.tries)
+    except CoordinationError as exc:
+        print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+        return 1
+    async with coordinator:
+        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath)
+        state, fallbacks = (store.latest() if args.resume else (None, []))
+        for checkpoint_id, why in fallbacks:
+            progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
+        if state is not None and (why := identity_mismatch(state.deployment, identity)):
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of another deployment: {why}")
+        helper = CheckpointingCollectionHelper()
+        tracker = helper.tracker
+
+        async def observed(event: str, data: dict[str, Any]) -> None:
+            if event == "resumed":
+                progress.checkpoint_line(data["record"])
+            if observe is not None:
+                outcome = observe(event, data)
+                if asyncio.iscoroutine(outcome):
+                    await outcome
+
+        checkpointer = CollectionCheckpointer(
+            coordinator, store, tracker, every=args.checkpoint_every, keep=args.keep, deployment=identity,
+            output_path=collection.output_jsonl_fpath, timeout=args.checkpoint_timeout, observe=observed,
+        )
+        plan = RestorePlan()
+        if state is not None:
+            plan = await checkpointer.restore_from(state, _finished_rollouts(Path(collection.output_jsonl_fpath)))
+            helper.set_attempts(plan.attempts)
+            progress.say(f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
+                         f"{len(plan.restarted)} start over" + (f" (restore failed: {plan.problem})"
+                                                                if plan.problem else ""))
+        elif args.resume:
+            progress.say("no published checkpoint to restore; Gym's resume_from_cache alone")
+        plan.fallbacks = fallbacks
+
+        def changed() -> None:
+            progress.update(total=helper.total, done=helper.done_before + tracker.returned,
+                            in_flight=len(tracker.in_flight))
+
+        tracker.on_change = changed
+        if progress.live:
+            os.environ.setdefault("TQDM_DISABLE", "1")  # one progress display on the terminal, not two
+        progress.start()
+        loop_task = asyncio.create_task(checkpointer.run())
+        started = time.monotonic()
+        failed: BaseException | None = None
+        try:
+            await helper.run_from_config(collection)
+        except Exception as exc:  # Gym's own failure of the run: reported, exit 1
+            failed = exc
+        finally:
+            checkpointer.stop()
+            await loop_task
+            progress.stop()
+        summary = _summary(root, helper, checkpointer, plan, time.monotonic() - started)
+        print(summary_table(summary), file=sys.stderr)
+        if failed is not None:
+            print(f"ng-checkpoint collect: error: the collection failed: {failed}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print_json(summary, compact=True)
+        return 0 if failed is None else 1
+
+
+def _summary(root: Path, helper: Any, checkpointer: Any, plan: Any, elapsed: float) -> dict[str, Any]:
+    published = [c for c in checkpointer.checkpoints if c.published]
+    pauses = [c.paused_s for c in checkpointer.checkpoints]
+    return {
+        "rollouts": helper.total,
+        "finished": helper.done_before + helper.tracker.returned,
+        "finished_before": helper.done_before,
+        "continued": len(plan.continued),
+        "restarted": len(plan.restarted),
+        "restored_from": plan.source,
+        "restore_s": round(plan.restore_s, 3),
+        "restore_problem": plan.problem,
+        "fallbacks": [list(f) for f in plan.fallbacks],
+        "checkpoints": len(published),
+        "checkpoint_attempts": len(checkpointer.checkpoints),
+        "prepare_s": round(max((c.prepare_s for c in published), default=0.0), 3),
+        "commit_s": round(max((c.commit_s for c in published), default=0.0), 3),
+        "pause_s": {"mean": sum(pauses) / len(pauses) if pauses else 0.0, "max": max(pauses, default=0.0)},
+        "forgotten": checkpointer.forgotten,
+        "elapsed_s": round(elapsed, 3),
+        "checkpoint_dir": str(root),
+    }

@@ -1,0 +1,103 @@
+"""What ``ng-checkpoint collect`` shows while it runs, and the summary at the end.
+
+On a terminal's stderr: a live progress bar (rows done of total, in flight, age of the last
+checkpoint) and a line per checkpoint with the time it paused the deployment. When stderr
+is not a terminal: only the lines. At the end: a summary table on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ._output import console, table
+
+__all__ = ["CollectProgress", "summary_table"]
+
+
+class CollectProgress:
+    """Progress of one collection; ``update`` is cheap and called on every ``/run`` start and end."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.live = self.stream.isatty()
+        self.total = 0
+        self.done = 0
+        self.in_flight = 0
+        self.last_checkpoint: float | None = None
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def start(self) -> None:
+        if not self.live:
+            return
+        self._progress = Progress(
+            TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("in flight {task.fields[in_flight]}  last checkpoint {task.fields[age]}"),
+            TimeElapsedColumn(), console=console(self.stream), transient=False, refresh_per_second=4,
+        )
+        self._task = self._progress.add_task("rows", total=self.total or None, in_flight=0, age="none")
+        self._progress.start()
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self.update()
+            self._progress.stop()
+            self._progress = None
+
+    def _age(self) -> str:
+        if self.last_checkpoint is None:
+            return "none"
+        return f"{time.monotonic() - self.last_checkpoint:.0f}s ago"
+
+    def update(self, *, total: int | None = None, done: int | None = None, in_flight: int | None = None) -> None:
+        if total is not None:
+            self.total = total
+        if done is not None:
+            self.done = done
+        if in_flight is not None:
+            self.in_flight = in_flight
+        if self._progress is not None:
+            self._progress.update(self._task, total=self.total or None, completed=self.done,
+                                  in_flight=self.in_flight, age=self._age())
+
+    def say(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False, highlight=False)
+        else:
+            print(f"[collect] {message}", file=self.stream, flush=True)
+
+    def checkpoint_line(self, record: Any) -> None:
+        if record.published:
+            self.last_checkpoint = time.monotonic()
+            self.say(f"checkpoint {record.checkpoint_id}: {record.continued} rows continued, {record.restarts} "
+                     f"restarts; paused the deployment {record.paused_s:.2f}s (prepare {record.prepare_s:.2f}s, "
+                     f"commit {record.commit_s:.2f}s)")
+        else:
+            self.say(f"checkpoint {record.checkpoint_id} not published ({record.problem}); paused "
+                     f"{record.paused_s:.2f}s")
+        self.update()
+
+
+def summary_table(summary: dict[str, Any]) -> str:
+    """The end-of-run summary as a two-column table."""
+    pauses = summary["pause_s"]
+    rows = [
+        ["rows", summary["rollouts"]],
+        ["finished", summary["finished"]],
+        ["finished before this run", summary["finished_before"]],
+        ["continued from a checkpoint", summary["continued"]],
+        ["started over", summary["restarted"]],
+        ["checkpoints published", f"{summary['checkpoints']} of {summary['checkpoint_attempts']}"],
+        ["deployment paused per checkpoint", (f"mean {pauses['mean']:.2f}s, max {pauses['max']:.2f}s"
+                                              if summary["checkpoints"] else None)],
+        ["restore", f"{summary['restore_s']:.2f}s from {summary['restored_from']}" if summary["restored_from"]
+         else None],
+        ["fallbacks", "; ".join(f"{cid}: {why}" for cid, why in summary["fallbacks"]) or None],
+        ["rollouts forgotten", summary["forgotten"]],
+        ["checkpoint dir", summary["checkpoint_dir"]],
+    ]
+    return table(["COLLECTION", ""], rows, wrap=("",))

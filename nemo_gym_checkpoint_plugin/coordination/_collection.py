@@ -1,0 +1,232 @@
+"""Gym's own rollout collection, composed into a checkpoint controller.
+
+``CheckpointingCollectionHelper`` subclasses nemo-gym's ``RolloutCollectionHelper`` and
+changes only what a checkpoint controller must (everything else, preprocessing,
+``resume_from_cache``, dispatch, the output files, metrics, is Gym's code):
+
+- ``setup_server_client`` returns a ``CollectorServerClient``: Gym's ``ServerClient`` that
+  sends each ``/run`` at most once (Gym's request loop resends an internal call after a
+  dropped connection: after a crash that starts the same attempt twice beside its restored
+  copy), decodes an explicit ``"<id>-aN"`` rollout id of an episode request as attempt N of
+  ``<id>`` (Gym's ``_episode_request_body`` sends it as attempt 0 of ``"<id>-aN"``, which
+  every server refuses), and tells a ``RunTracker`` which episode attempts are in flight.
+  Without a reachable head server it uses the collector's own config (the servers' addresses
+  are in it), so a deployment run without Gym's head server can be collected from.
+- ``_load_from_cache`` (Gym's ``resume_from_cache``) then sets each row's attempt: a row the
+  checkpoint continued goes out as the replacement attempt the restore installed, a row a
+  failed restore retired starts over past the retired attempts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nemo_gym.global_config import (
+    ATTEMPT_INDEX_KEY_NAME,
+    ROLLOUT_ID_KEY_NAME,
+    ROLLOUT_INDEX_KEY_NAME,
+    TASK_INDEX_KEY_NAME,
+    get_global_config_dict,
+)
+from nemo_gym.rollout_collection import RolloutCollectionHelper
+from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
+from nemo_gym.server_utils import (
+    BaseServerConfig,
+    GlobalAIOHTTPAsyncClientConfig,
+    ServerClient,
+    is_global_aiohttp_client_setup,
+    set_global_aiohttp_client,
+)
+from pydantic import PrivateAttr
+
+from .._identity import from_capture_key, make_episode_id
+
+__all__ = [
+    "CheckpointingCollectionHelper",
+    "CollectorServerClient",
+    "RunTracker",
+    "decode_explicit_attempt",
+    "episode_of_run",
+    "row_rollout_id",
+]
+
+
+def decode_explicit_attempt(body: Any) -> Any:
+    """An episode request whose ``episode_id.rollout_id`` ends in ``-aN`` as attempt N of the prefix.
+
+    Attempt 0 next to the suffix is how Gym's ``_episode_request_body`` sends an explicit id
+    (it never has another attempt for it), so it means "no attempt index"; a suffix *and* a
+    non-zero attempt is ambiguous and refused (``AmbiguousEpisodeId``, a ``ValueError``)
+    before anything is sent. Any other body is returned as it is.
+    """
+    if not isinstance(body, Mapping) or not isinstance(body.get("episode_id"), Mapping):
+        return body
+    episode_id = body["episode_id"]
+    rollout_id, attempt = episode_id.get("rollout_id"), episode_id.get("attempt", 0)
+    if not isinstance(rollout_id, str) or not isinstance(attempt, int):
+        return body
+    decoded = make_episode_id(rollout_id, None if attempt == 0 else attempt)
+    if decoded.rollout_id == rollout_id:
+        return body
+    return {**body, "episode_id": {**episode_id, "rollout_id": decoded.rollout_id, "attempt": decoded.attempt}}
+
+
+def episode_of_run(body: Any) -> tuple[str, int] | None:
+    """``(rollout_id, attempt)`` a ``/run`` body names: its ``episode_id``, else Gym's key of a flat row."""
+    if not isinstance(body, Mapping):
+        return None
+    episode_id = body.get("episode_id")
+    if isinstance(episode_id, Mapping):
+        rollout_id, attempt = episode_id.get("rollout_id"), episode_id.get("attempt", 0)
+        return (rollout_id, attempt) if isinstance(rollout_id, str) and isinstance(attempt, int) else None
+    try:
+        key = maybe_rollout_id_from_run_body(body)
+        episode = None if key is None else from_capture_key(key)
+    except (TypeError, ValueError):
+        return None
+    return None if episode is None else (episode.rollout_id, episode.attempt)
+
+
+def row_rollout_id(row: Mapping[str, Any]) -> str:
+    """The rollout id Gym gives a row on the wire (its explicit id decoded, else ``<task>-<rollout>``)."""
+    base = {**row, ATTEMPT_INDEX_KEY_NAME: 0}
+    key = maybe_rollout_id_from_run_body(base) or f"{row[TASK_INDEX_KEY_NAME]}-{row[ROLLOUT_INDEX_KEY_NAME]}"
+    return from_capture_key(key).rollout_id
+
+
+class RunTracker:
+    """The ``/run`` calls in flight, by rollout id, and the rollouts whose ``/run`` returned."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.returned = 0
+        self.failed = 0
+        self.final: list[str] = []
+        self.on_change: Callable[[], None] | None = None
+
+    def started(self, rollout_id: str, attempt: int) -> None:
+        self.in_flight[rollout_id] = attempt
+        if self.on_change is not None:
+            self.on_change()
+
+    def ended(self, rollout_id: str, ok: bool) -> None:
+        self.in_flight.pop(rollout_id, None)
+        if ok:
+            self.returned += 1
+            self.final.append(rollout_id)
+        else:
+            self.failed += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def episodes(self) -> list[dict[str, Any]]:
+        return [{"rollout_id": r, "attempt": a} for r, a in self.in_flight.items()]
+
+    def take_final(self) -> list[str]:
+        final, self.final = self.final, []
+        return final
+
+
+class CollectorServerClient(ServerClient):
+    """Gym's ``ServerClient``; ``/run`` made once, explicit ``-aN`` ids decoded, calls tracked."""
+
+    _tracker: RunTracker | None = PrivateAttr(default=None)
+
+    def track(self, tracker: RunTracker) -> CollectorServerClient:
+        self._tracker = tracker
+        return self
+
+    async def request(self, server_name: str, url_path: str, method: str, **kwargs: Any) -> Any:
+        if method.upper() != "POST" or url_path.partition("?")[0].rsplit("/", 1)[-1] != "run":
+            return await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
+        body = decode_explicit_attempt(kwargs.get("json"))
+        kwargs["json"] = body
+        # Gym's request loop gives up after this many connection failures: one, never a resend.
+        kwargs["_max_connection_retries"] = 1
+        episode = episode_of_run(body)
+        tracker = self._tracker
+        if tracker is not None and episode is not None:
+            tracker.started(*episode)
+        ok = False
+        try:
+            response = await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
+            ok = response.ok
+            if ok:
+                # The row is final once its reply is read; reading it here keeps that inside the tracking.
+                await response.read()
+            return response
+        finally:
+            if tracker is not None and episode is not None:
+                tracker.ended(episode[0], ok)
+
+
+class CheckpointingCollectionHelper(RolloutCollectionHelper):
+    """Gym's ``RolloutCollectionHelper`` as a checkpoint controller's collector (see the module docstring)."""
+
+    _tracker: RunTracker = PrivateAttr(default_factory=RunTracker)
+    _attempts: dict[str, int] = PrivateAttr(default_factory=dict)
+    _total: int = PrivateAttr(default=0)
+    _done_before: int = PrivateAttr(default=0)
+    _started_at: float = PrivateAttr(default_factory=time.monotonic)
+
+    @property
+    def tracker(self) -> RunTracker:
+        return self._tracker
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    @property
+    def done_before(self) -> int:
+        return self._done_before
+
+    def set_attempts(self, attempts: Mapping[str, int]) -> None:
+        """Rollout id -> the attempt its row goes out as (rows not named keep Gym's)."""
+        self._attempts = dict(attempts)
+
+    def setup_server_client(self, head_server_config: BaseServerConfig | None = None) -> ServerClient:
+        try:
+            gym = super().setup_server_client(head_server_config)
+            client = CollectorServerClient(
+                head_server_config=gym.head_server_config, global_config_dict=gym.global_config_dict
+            )
+        except (ValueError, OSError):
+            # No head server answered: the collector's config names every server itself.
+            config = get_global_config_dict()
+            head = head_server_config or BaseServerConfig.model_validate(config["head_server"])
+            client = CollectorServerClient(head_server_config=head, global_config_dict=config)
+            if not is_global_aiohttp_client_setup():
+                set_global_aiohttp_client(cfg=GlobalAIOHTTPAsyncClientConfig.model_validate(config))
+        return client.track(self._tracker)
+
+    def _preprocess_rows_from_config(self, config: Any) -> list[dict]:
+        rows = super()._preprocess_rows_from_config(config)
+        self._total, self._done_before = len(rows), 0
+        return rows
+
+    def _load_from_cache(self, config: Any, **kwargs: Any) -> Any:
+        input_rows, rows, results, result_strs = super()._load_from_cache(config, **kwargs)
+        done = len(kwargs["success_keys"]) if kwargs.get("success_keys") is not None else len(results)
+        self._total, self._done_before = len(input_rows) + done, done
+        continued_first = []
+        others = []
+        for row in input_rows:
+            rollout_id = row_rollout_id(row)
+            attempt = self._attempts.get(rollout_id)
+            if attempt is None:
+                others.append(row)
+                continue
+            attempt = max(attempt, int(row.get(ATTEMPT_INDEX_KEY_NAME) or 0))
+            explicit = row.get(ROLLOUT_ID_KEY_NAME)
+            if isinstance(explicit, str) and from_capture_key(explicit).rollout_id != explicit:
+                # An explicit "<id>-aN" names its attempt itself; an attempt index beside it is ambiguous.
+                row[ROLLOUT_ID_KEY_NAME] = f"{rollout_id}-a{attempt}" if attempt else rollout_id
+                row.pop(ATTEMPT_INDEX_KEY_NAME, None)
+            elif attempt:
+                row[ATTEMPT_INDEX_KEY_NAME] = attempt
+            continued_first.append(row)
+        # Rows the restore is waiting for go first: their restored state is ready to continue.
+        return continued_first + others, rows, results, result_strs

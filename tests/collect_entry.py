@@ -1,0 +1,58 @@
+"""Run ``ng-checkpoint collect`` with an observer that logs events and can pause at one (for SIGKILL tests).
+
+``python tests/collect_entry.py EVENTS PAUSE_AT -- <collect arguments>``: every checkpointer event
+is appended to EVENTS as a JSON line; at the ``PAUSE_AT``-th occurrence of an event
+(``published:2``; ``-`` never) the line is written and the collector blocks until it is killed; a
+``published`` event counts only when the checkpoint holds rows in flight (``continued``).
+At ``restored`` the environment's boundary of every restored row is logged from the checkpoint,
+so a test can tell which steps a continued row had completed before the crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections import Counter
+from typing import Any
+
+from nemo_gym_checkpoint_plugin._storage.reader import read_checkpoint
+from nemo_gym_checkpoint_plugin.cli import build_parser
+from nemo_gym_checkpoint_plugin.cli._collect import run_collect
+from nemo_gym_checkpoint_plugin.cli._where import UsageError
+
+
+def main() -> int:
+    events_path, pause_at, separator, *argv = sys.argv[1:]
+    assert separator == "--"
+    event_name, _, nth = pause_at.partition(":")
+    seen: Counter[str] = Counter()
+
+    def log(entry: dict[str, Any]) -> None:
+        with open(events_path, "a") as out:
+            out.write(json.dumps(entry, default=str) + "\n")
+
+    async def observe(event: str, data: dict[str, Any]) -> None:
+        if event == "published" and not data.get("continued"):
+            log({"event": "published_empty", **data})  # holds no row in flight: not counted
+            return
+        seen[event] += 1
+        entry: dict[str, Any] = {"event": event, "n": seen[event], **{k: v for k, v in data.items() if k != "record"}}
+        if event == "restored":
+            records = read_checkpoint(data["path"], "environment", "single_agent_turn").records
+            entry["boundaries"] = {r["episode_id"]["rollout_id"]: r["boundary"] for r in records}
+        log(entry)
+        if event == event_name and seen[event] == int(nth or 1):
+            log({"event": "paused", "at": pause_at})
+            await asyncio.Event().wait()  # until the test SIGKILLs this process
+
+    args = build_parser().parse_args(["collect", *argv])
+    try:
+        return run_collect(args, observe=observe)
+    except UsageError as exc:  # as ng-checkpoint's main reports it
+        print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
