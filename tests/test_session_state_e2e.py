@@ -7,10 +7,11 @@ Every server is wrapped (a participant), ``step_mode: wait``. The episode seeds 
 3, its agent step calls the ``increment_counter`` tool once (4) and answers; ``/verify`` gives
 reward 1 only for ``expected_count: 4``.
 
-The crashed rollout's last model call is held at the fake backend; prepare waits for its agent
-step, which is released and parks at the ``replied`` boundary (the tool call done, verify not
-yet run). Commit, SIGKILL every process group, fresh processes, restore, resume, and the
-rollout's next attempt continues from the boundary. Counted at the servers: the resources
+The crashed rollout's last model call is held at the fake backend; prepare is ready at once (the
+agent parks at its boundary after the tool call; a held model call never blocks), so the
+rollout is checkpointed inside its agent turn (the environment at ``seeded``, the agent's record
+holding the turn so far). Commit, SIGKILL every process group, fresh processes, restore, resume,
+and the rollout's next attempt continues inside its turn. Counted at the servers: the resources
 server ran no tool call again, the backend completed no model call again, and the reward
 equals that of an uninterrupted rollout of the same task.
 """
@@ -34,7 +35,7 @@ from nemo_gym_checkpoint_plugin.testing.deployment import (
     rollout_body,
 )
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
-from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend, wait_until_async
+from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend
 
 pytestmark = pytest.mark.slow
 
@@ -107,15 +108,8 @@ async def _scenario(deployment: Deployment, checkpoint_dir: Path) -> dict[str, A
 
     coordinator = await discover(deployment.config, TOKEN)
     async with coordinator:
-        preparing = asyncio.ensure_future(prepare(coordinator, "ck-state", timeout=60))
-
-        async def env_blocked() -> bool:
-            status = await _get(env + "/ng-control/v1/checkpoint/status", headers=auth)
-            return status["phase"] == "preparing" and status["report"]["blocker_count"] == 1
-
-        await wait_until_async(env_blocked, 60, "prepare waiting for the agent step in flight")
-        await fake.release(crashed)
-        prepared = await preparing
+        # Mid-turn: the agent parks at its boundary after the tool call; the held model call never blocks.
+        prepared = await prepare(coordinator, "ck-state", timeout=60)
         assert prepared.ready, prepared.to_json()
         committed = await commit(coordinator, "ck-state", str(checkpoint_dir), prepared.continued([crashed]),
                                  timeout=60)
@@ -153,11 +147,11 @@ def test_a_crash_mid_rollout_continues_the_counter_with_no_step_run_twice(tmp_pa
     finally:
         deployment.stop()
 
-    # Checkpointed at the agent step's boundary: the tool call had run, verify had not.
-    assert got["committed"].replies[ENVIRONMENT]["boundaries"] == {"replied": 1}
+    # Checkpointed inside the agent turn: the tool call had run, the answer after it had not.
+    assert got["committed"].replies[ENVIRONMENT]["boundaries"] == {"seeded": 1}
     assert got["committed"].replies[RESOURCES]["episode_ids"] == ["ctr-crashed"]
     assert got["tool_calls_before"] == {"ctr-reference": 1, "ctr-crashed": 1}
-    assert got["completed_before"] == {"0": 1, "1": 1}
+    assert got["completed_before"] == {"0": 1}
     assert got["restored"].replies[RESOURCES]["restored"] == ["ctr-crashed-a1"]
     assert got["resources_status"]["checkpoint_mode"] == "export_restore"
 
@@ -167,6 +161,7 @@ def test_a_crash_mid_rollout_continues_the_counter_with_no_step_run_twice(tmp_pa
     # The same reward as the uninterrupted run: the counter came back at 4 (a lost one reads 0, a repeated call 5).
     assert reference["result"]["reward"] == 1.0
     assert continued["result"]["reward"] == reference["result"]["reward"]
-    # No tool call ran again (the fresh resources server ran none) and no model call was sent again.
+    # No tool call ran again (the fresh resources server ran none) and no completed model call was sent
+    # again: the fresh backend saw only the answer that had not completed before the crash.
     assert got["tool_calls_after"] == {}
-    assert got["conversation"] not in got["stats_after"]["calls"]
+    assert got["stats_after"]["calls"][got["conversation"]] == {"1": 1}

@@ -11,7 +11,8 @@ project venv is never changed. From that venv:
    venv's Python) runs the package's ``TallyResourcesServer`` from its installed directory as
    the resources server, with ``checkpoint_mode: export_restore`` in its config and nothing
    else naming the plugin: the entry-point group finds it. A rollout's ``/add`` tool call
-   runs, its last model call is held, a ``wait``-mode checkpoint parks it after the agent step,
+   runs, its last model call is held, a ``wait``-mode checkpoint takes it inside its agent turn
+   (the agent parks at its boundary after the tool call; the held call never blocks),
    every process group is SIGKILLed, fresh processes restore it and it finishes with reward 1:
    the tally came back through the plugin's own records (tagged ``"plugin": "tally_verifier"``).
 """
@@ -40,7 +41,7 @@ from nemo_gym_checkpoint_plugin.testing.deployment import (
     rollout_body,
 )
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
-from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend, wait_until_async
+from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend
 
 pytestmark = pytest.mark.slow
 
@@ -145,16 +146,10 @@ async def _crash_and_restore(deployment: Deployment, checkpoint_dir: Path) -> di
     await fake.wait_for(lambda s: s["held"] >= 1, 60, "the rollout's answer after its tool call held")
     coordinator = await discover(deployment.config, TOKEN)
     async with coordinator:
-        preparing = asyncio.ensure_future(prepare(coordinator, "ck-tally", timeout=60))
-
-        async def blocked() -> bool:
-            status = await _status(env)
-            return status["phase"] == "preparing" and status["report"]["blocker_count"] == 1
-
-        await wait_until_async(blocked, 60, "prepare waiting for the agent step")
-        await fake.release(rollout)
-        prepared = await preparing
+        # Mid-turn: the prepare is ready while the model call is still held at the backend.
+        prepared = await prepare(coordinator, "ck-tally", timeout=60)
         assert prepared.ready, prepared.to_json()
+        assert (await fake.stats())["held"] == 1
         committed = await commit(coordinator, "ck-tally", str(checkpoint_dir), prepared.continued([rollout]),
                                  timeout=60)
     pids = {name: proc.pid for name, proc in deployment.processes.items()}
@@ -206,7 +201,8 @@ def test_a_real_deployment_discovers_checkpoints_and_restores_the_installed_plug
     assert record["plugin"] == PLUGIN_NAME
     assert record["episode_id"] == {"rollout_id": "tally-crashed", "attempt": 0}
     assert (record["total"], record["target"]) == (1, 1)
-    assert got["committed"].replies[ENVIRONMENT]["boundaries"] == {"replied": 1}
+    # The environment's episode is at its seed boundary, its agent turn continues from the agent's record.
+    assert got["committed"].replies[ENVIRONMENT]["boundaries"] == {"seeded": 1}
     # SIGKILLed: every server is a new process; restored as the next attempt and finished.
     assert all(got["new_pids"][name] != pid for name, pid in got["pids"].items())
     assert got["restored"].replies[RESOURCES]["restored"] == ["tally-crashed-a1"]

@@ -39,7 +39,8 @@ def _content(content: Any) -> str:
 
 
 def _assistant_body(message: dict[str, Any]) -> list[int]:
-    """What the model generated for an assistant message: its text, then each tool call (arguments canonical)."""
+    """What the model generated for an assistant message: its text, then each tool call (its id, name and
+    canonical arguments: the id makes every call of a multi-call turn generate its own tokens)."""
     tokens = _words(_content(message.get("content")))
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
@@ -47,7 +48,8 @@ def _assistant_body(message: dict[str, Any]) -> list[int]:
             arguments = json.dumps(json.loads(function.get("arguments") or "{}"), sort_keys=True, separators=(",", ":"))
         except ValueError:
             arguments = str(function.get("arguments"))
-        tokens += [_word("<tool_call>"), _word(str(function.get("name"))), *_words(arguments)]
+        tokens += [_word("<tool_call>"), _word(str(call.get("id"))), _word(str(function.get("name"))),
+                   *_words(arguments)]
     return tokens + [_END]
 
 
