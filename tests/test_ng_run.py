@@ -105,6 +105,7 @@ class NgRunDeployment:
         counters are what the scenario reads to find steps that ran twice.
         """
         self.starts += 1
+        self.env["PYTHONUNBUFFERED"] = "1"  # ng_run's "servers ready" line reaches its log when printed
         self.backend = self._spawn([sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.fake_backend",
                                     "--host", "127.0.0.1", "--port", "18000"], f"backend-{self.starts}.log")
         log_path = self.work / f"ng_run-{self.starts}.log"
@@ -116,6 +117,9 @@ class NgRunDeployment:
         def ready() -> bool:
             if self.launcher.poll() is not None:
                 raise AssertionError(f"ng_run exited {self.launcher.returncode}:\n{log_path.read_text()[-4000:]}")
+            # ng_run's own readiness wait is over (a Ctrl-C during it exits 1): its line, then every status.
+            if "servers ready!" not in log_path.read_text(errors="replace"):
+                return False
             status = self.ns.command([*NG_CHECKPOINT, "status", "--config", self.config, "--json",
                                      "--probe-timeout", "1", "--tries", "1"], timeout=60, env=self.env)
             return status.returncode == 0

@@ -3,8 +3,10 @@
 On a started deployment (``crash_scenario.new_deployment``: every server a participant):
 
 1. ``ng-checkpoint collect`` of ``rows`` rows without interruption: the reference output;
-2. the same rows again, checkpointed every ``every`` seconds; as soon as a published checkpoint
-   holds rows in flight, the collector and every server are SIGKILLed;
+2. the same rows again, checkpointed every ``every`` seconds, with the answer after the tool call
+   of a few rows past the middle held at the fake backend (so they are in flight, inside their
+   agent turn, whatever the machine's speed); as soon as a published checkpoint holds those rows
+   in flight, the collector and every server are SIGKILLed;
 3. fresh servers; ``ng-checkpoint collect --resume`` to the end: the rows in flight at that
    checkpoint continue as their next attempt, the others come from the output or start over;
 4. the outputs compared row by row (reward and response output, without Gym's random item ids),
@@ -111,8 +113,22 @@ def _get(url: str, token: str) -> dict[str, Any]:
         return json.loads(reply.read())
 
 
-async def _held_checkpoint(store: CheckpointStore, collector: _Collector, timeout: float) -> str | None:
-    """Wait for a published checkpoint holding rows in flight; its id (None if the collection ended first)."""
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with _DIRECT.open(request, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _held_rows(rows: int, parallel: int) -> list[int]:
+    """The task indices whose second model call the checkpointed run holds: ``parallel`` rows past the middle."""
+    first = max(0, min(rows - parallel, rows * 5 // 8))
+    return list(range(first, min(rows, first + parallel)))
+
+
+async def _held_checkpoint(
+    store: CheckpointStore, collector: _Collector, timeout: float, held: set[str]
+) -> str | None:
+    """Wait for a published checkpoint holding every rollout of ``held`` in flight; its id (None if none came)."""
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     while collector.proc.poll() is None and time.monotonic() < deadline:
@@ -120,7 +136,7 @@ async def _held_checkpoint(store: CheckpointStore, collector: _Collector, timeou
             if path.name not in seen:
                 seen.add(path.name)
                 state = await asyncio.to_thread(store.read, path)
-                if state.by_state("continued"):
+                if held <= {row.rollout_id for row in state.by_state("continued")}:
                     return path.name
         await asyncio.sleep(_POLL)  # wait-ok: poll interval of a bounded wait on a condition
     return None
@@ -144,9 +160,16 @@ async def run_collect_story(deployment: Deployment, work: Path, token: str, rows
     try:
         say(f"collecting {rows} rows without interruption (the reference), with Gym's rollout collection")
         await start("uninterrupted", reference_out, work / "uninterrupted-ckpt").wait(timeout)
-        say(f"collecting them again, checkpointed every {every:g}s into {ckpt}")
+        hold = _held_rows(rows, parallel)
+        for index in hold:
+            # The row's second model call (its answer after the tool call) waits at the backend until the crash.
+            _post(deployment.urls[BACKEND] + "/_fake/hold", {"match": f"(rollout row{index})", "count": 1, "step": 1})
+        say(f"collecting them again, checkpointed every {every:g}s into {ckpt}; rows {hold[0]}-{hold[-1]} "
+            f"have their last model call held at the fake backend, so they are in flight at the crash")
         crashed = start("checkpointed", output, ckpt)
-        held = await _held_checkpoint(CheckpointStore(ckpt), crashed, timeout)
+        held = await _held_checkpoint(CheckpointStore(ckpt), crashed, timeout, {f"{index}-0" for index in hold})
+        if held is None:
+            raise DeploymentError(f"no published checkpoint held rows {hold} in flight (log: {crashed.log})")
         killed = deployment.process_groups
         crashed.kill()
         deployment.kill()
