@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -42,6 +43,9 @@ from nemo_gym_checkpoint_plugin.coordination import Progress, commit, discover, 
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import run_body
 from nemo_gym_checkpoint_plugin.testing.deployment import BACKEND, ENVIRONMENT, Deployment, free_port_base
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sampling import sampled, write_summaries  # noqa: E402  (a sibling script, not a package)
 
 # Each rollout held in its agent turn keeps two sockets open in the environment, agent and model
 # servers (caller and callee side); 20,000 descriptors per process (this machine's hard limit) then
@@ -95,7 +99,17 @@ class KindTimes:
         by_kind[kind] = round(max(by_kind.get(kind, 0.0), progress.elapsed), 4)
 
 
-async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool) -> dict[str, Any]:
+def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int = 1000) -> Any:
+    """Sample every server with py-spy while ``phase`` runs when ``--profile`` asks for it."""
+    if profile is None:
+        return contextlib.nullcontext()
+    return sampled({name: proc.pid for name, proc in deployment.processes.items()}, profile, phase, rate)
+
+
+async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
+                   profile: Path | None = None) -> dict[str, Any]:
+    if profile is not None:
+        profile = profile / str(rollouts)
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
     token = secrets.token_urlsafe(24)
     deployment = Deployment(
@@ -132,14 +146,15 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 started = time.monotonic()
                 first = [asyncio.ensure_future(run(r, 0)) for r in ids]
                 in_flight = min(rollouts, max_in_flight)
-                await _wait(lambda: _at_least(counts, in_flight), timeout, f"{in_flight} held model calls")
+                with _phase(deployment, profile, "dispatch", rate=100):
+                    await _wait(lambda: _at_least(counts, in_flight), timeout, f"{in_flight} held model calls")
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
                 result["in_flight"] = (await counts())["held"]
                 _say(f"[{rollouts}] {result['in_flight']} rollouts in flight (held) after {result['dispatch_s']}s")
 
                 coordinator = await discover(deployment.config, token)
                 coordinator.progress = times
-                async with coordinator:
+                async with coordinator, _async(_phase(deployment, profile, "checkpoint")):
                     t0 = time.monotonic()
                     prepared = await prepare(coordinator, "scale", timeout=timeout)
                     result["prepare_s"] = round(time.monotonic() - t0, 4)
@@ -160,7 +175,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 await asyncio.to_thread(deployment.start, 300.0)
                 coordinator = await discover(deployment.config, token)
                 coordinator.progress = times
-                async with coordinator:
+                async with coordinator, _async(_phase(deployment, profile, "restore")):
                     t0 = time.monotonic()
                     restored = await restore(coordinator, "scale-restore", str(checkpoint_dir), scope,
                                              timeout=timeout)
@@ -187,6 +202,10 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 await control.close()
     finally:
         deployment.stop()
+    if profile is not None:
+        for phase in ("dispatch", "checkpoint", "restore"):
+            _say((write_summaries(profile, phase)).read_text())
+        result["profile_dir"] = str(profile)
     result["per_kind_s"] = {op: times.seconds.get(op, {}) for op in ("prepare", "commit", "restore")}
     result["work_dir"] = str(work) if keep else None
     if not keep:
@@ -194,6 +213,12 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
 
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+@contextlib.asynccontextmanager
+async def _async(manager: Any) -> Any:
+    with manager:
+        yield
 
 
 async def _at_least(counts: Any, n: int) -> bool:
@@ -208,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-mode", choices=("wait", "replay"), default="replay")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs, checkpoint)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="sample every server with py-spy during dispatch, checkpoint and restore; "
+                             "collapsed stacks and summaries under DIR/<N>/")
     args = parser.parse_args(argv)
     runs = []
     for n in args.rollouts:
-        run = asyncio.run(run_once(n, args.max_in_flight, args.step_mode, args.timeout, args.keep))
+        run = asyncio.run(run_once(n, args.max_in_flight, args.step_mode, args.timeout, args.keep, args.profile))
         runs.append(run)
         print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
