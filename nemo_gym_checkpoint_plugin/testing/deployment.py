@@ -1,9 +1,14 @@
 """Launch a real NeMo Gym deployment from the wheel's own servers, on 127.0.0.1, without Ray.
 
-One ``Deployment`` owns six processes: the fake inference backend
+One ``Deployment`` owns five processes: the fake inference backend
 (``python -m nemo_gym_checkpoint_plugin.testing.fake_backend``, from the installed
 package) and the four Gym servers of ``gym_config`` (names,
-ports and the config itself are built there). Each Gym server starts as Gym's
+ports and the config itself are built there). ``replicas=K`` adds K - 1 more
+model -> agent -> environment chains (``policy_model_2``, ``simple_agent_2``,
+``single_agent_turn_2``, ...: ``gym_config.gym_servers``), each its own processes,
+ports and log files, sharing the resources server and the fake backend: one process
+holds at most ~9,500 rollouts in its agent turn under a 20,000 file-descriptor limit,
+so a chain per ~9,000 rollouts keeps every process under it. Each Gym server starts as Gym's
 ``RunHelper`` starts it, minus the per-server venv: cwd = its directory, ``python
 <entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and ``NEMO_GYM_CONFIG_PATH``
 (its top-level name) in the environment, the server directory on ``PYTHONPATH``. An
@@ -45,9 +50,13 @@ from .gym_config import (
     MODEL,
     PORT_OFFSETS,
     PORT_SPAN,
+    REPLICATED,
     RESOURCES,
     TOKEN_ENV,
     build_gym_config,
+    gym_servers,
+    port_span,
+    replica_name,
     rollout_body,
     server_location,
 )
@@ -63,9 +72,13 @@ __all__ = [
     "HOST",
     "MODEL",
     "PORT_SPAN",
+    "REPLICATED",
     "RESOURCES",
     "TOKEN_ENV",
     "build_gym_config",
+    "gym_servers",
+    "port_span",
+    "replica_name",
     "rollout_body",
     # Process management.
     "Deployment",
@@ -116,12 +129,13 @@ class ProcessSpec:
 
 
 def _gym_specs(
-    config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None, python: str = sys.executable
+    config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None, python: str = sys.executable,
+    names: tuple[str, ...] = GYM_SERVERS,
 ) -> list[ProcessSpec]:
     from nemo_gym import _resolve_under_cwd_or_install
 
     specs = []
-    for name in GYM_SERVERS:
+    for name in names:
         server_type, implementation, inner = server_location(config, name)
         # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
         server_dir = (server_dirs or {}).get(name) or _resolve_under_cwd_or_install(
@@ -178,7 +192,7 @@ def _responds(url: str, timeout: float) -> bool:
 
 
 class Deployment:
-    """The six processes of one deployment; ``start``, ``stop``, ``kill``, then ``start`` again on the same ports.
+    """The processes of one deployment; ``start``, ``stop``, ``kill``, then ``start`` again on the same ports.
 
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
@@ -189,6 +203,9 @@ class Deployment:
     the one Gym finds for its implementation (a server outside the nemo-gym wheel); ``python``
     is the interpreter every child runs (default this one's; e.g. a venv holding your plugin).
     ``gym_settings``: top-level Gym settings for every server (e.g. its aiohttp connection limits).
+    ``replicas``: how many model -> agent -> environment chains (default 1: five processes);
+    the ports then span ``port_span(replicas)`` from ``port_base``. ``server_dirs`` and
+    ``entrypoints`` name a server's first replica and apply to all of its replicas.
     """
 
     def __init__(
@@ -206,6 +223,7 @@ class Deployment:
         server_dirs: Mapping[str, Path] | None = None,
         python: str | None = None,
         gym_settings: Mapping[str, Any] | None = None,
+        replicas: int = 1,
     ) -> None:
         from omegaconf import OmegaConf
 
@@ -216,18 +234,28 @@ class Deployment:
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(
             port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model,
-            resources=resources, gym_settings=gym_settings,
+            resources=resources, gym_settings=gym_settings, replicas=replicas,
         )
+        self.replicas = replicas
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
         python = python or sys.executable
         backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir, python)
-        self.specs = [backend, *_gym_specs(self.config, self.config_yaml, server_dirs, python)]
+        names = gym_servers(replicas)
+        # A replica runs from its first replica's directory unless given its own.
+        dirs = {replica_name(name, i): path for name, path in (server_dirs or {}).items()
+                for i in range(1, (replicas if name in REPLICATED else 1) + 1)}
+        self.specs = [backend, *_gym_specs(self.config, self.config_yaml, dirs, python, names)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
     def urls(self) -> dict[str, str]:
         """``{name: base url}`` of every server, the fake backend included."""
         return {spec.name: spec.url for spec in self.specs}
+
+    def replica_urls(self, name: str) -> list[str]:
+        """The base URL of every replica of ``name`` (``ENVIRONMENT``, ``AGENT`` or ``MODEL``), replica 1 first."""
+        urls = self.urls
+        return [urls[replica_name(name, i)] for i in range(1, (self.replicas if name in REPLICATED else 1) + 1)]
 
     @property
     def processes(self) -> dict[str, subprocess.Popen[bytes]]:

@@ -9,6 +9,15 @@ Names and ports (``port_base`` + offset), all on 127.0.0.1:
 - ``single_agent_turn`` (+4): ``environment_servers/single_agent_turn``;
 - the head server's port (+5) is reserved in the config; nothing needs it started.
 
+With ``replicas=K`` (default 1: exactly the servers above) the model, agent and
+environment servers run K times: replica ``i >= 2`` is ``policy_model_<i>``,
+``simple_agent_<i>`` and ``single_agent_turn_<i>`` on ports ``+6 + 3 (i - 2)`` and the
+two after it, chained ``single_agent_turn_<i> -> simple_agent_<i> -> policy_model_<i>``
+(Gym resolves a server reference by its top-level name). Their blocks are Gym's own
+``_copy`` of the first replica's with the port and references overridden, so the written
+YAML holds one plain block per server, as a hand-written multi-server Gym config does.
+The resources server and the fake backend stay one each.
+
 ``build_gym_config`` runs Gym's ``GlobalConfigDictParser`` (CLI and dotenv skipped,
 ``offline`` so it neither probes ports nor touches this process's environment or
 exporters) over the servers' shipped YAML plus overrides that bind names, ports and
@@ -38,7 +47,12 @@ __all__ = [
     "RESOURCES",
     "TOKEN_ENV",
     "WRAP_ENTRYPOINT",
+    "REPLICATED",
     "build_gym_config",
+    "gym_servers",
+    "port_span",
+    "replica_name",
+    "replica_port_offsets",
     "rollout_body",
     "server_location",
     "wrapped_entrypoints",
@@ -57,6 +71,46 @@ PORT_SPAN = 6
 TOKEN_ENV = "NG_CHECKPOINT_TOKEN"
 DEFAULT_CHECKPOINT_BLOCK: Mapping[str, Any] = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
 FAKE_MODEL_NAME = "fake-model"
+# The servers a replica chain repeats, in port order (each replica >= 2 takes three consecutive ports).
+REPLICATED = (MODEL, AGENT, ENVIRONMENT)
+_SERVER_TYPES = {MODEL: "responses_api_models", AGENT: "responses_api_agents", ENVIRONMENT: "environment_servers"}
+
+
+def replica_name(name: str, replica: int) -> str:
+    """The top-level name of replica ``replica`` (1-based) of ``name``: the name itself for the first."""
+    if replica < 1:
+        raise ValueError(f"replicas are numbered from 1, got {replica}")
+    if replica > 1 and name not in REPLICATED:
+        raise ValueError(f"{name} is not replicated; only {list(REPLICATED)} are")
+    return name if replica == 1 else f"{name}_{replica}"
+
+
+def _check_replicas(replicas: int) -> None:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+
+
+def gym_servers(replicas: int = 1) -> tuple[str, ...]:
+    """Every Gym server's top-level name: ``GYM_SERVERS``, then replica 2's chain, replica 3's..."""
+    _check_replicas(replicas)
+    extra = tuple(replica_name(name, i) for i in range(2, replicas + 1) for name in REPLICATED)
+    return GYM_SERVERS + extra
+
+
+def replica_port_offsets(replicas: int = 1) -> dict[str, int]:
+    """``{name: port offset}`` of every server (the fake backend included) of a deployment of ``replicas``."""
+    _check_replicas(replicas)
+    offsets = dict(PORT_OFFSETS)
+    for i in range(2, replicas + 1):
+        for j, name in enumerate(REPLICATED):
+            offsets[replica_name(name, i)] = PORT_SPAN + len(REPLICATED) * (i - 2) + j
+    return offsets
+
+
+def port_span(replicas: int = 1) -> int:
+    """How many consecutive ports from the base a deployment of ``replicas`` uses (``PORT_SPAN`` for one)."""
+    _check_replicas(replicas)
+    return PORT_SPAN + len(REPLICATED) * (replicas - 1)
 
 # Each shipped YAML supplies its server's defaults; the overrides below only bind names, ports and the backend.
 _SHIPPED_CONFIGS = (
@@ -100,6 +154,7 @@ def build_gym_config(
     model: Mapping[str, Any] | None = None,
     resources: Mapping[str, Any] | None = None,
     gym_settings: Mapping[str, Any] | None = None,
+    replicas: int = 1,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
@@ -110,12 +165,16 @@ def build_gym_config(
     ``implementation`` (default ``example_single_tool_call``), every other key merged into its
     block (e.g. ``checkpoint_session_state``).
     ``gym_settings`` adds top-level Gym settings (e.g. ``global_aiohttp_connector_limit_per_host``).
+    ``replicas`` runs that many model -> agent -> environment chains (see the module docstring);
+    ``entrypoints`` and ``model`` apply to every replica of the server they name.
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
 
+    offsets = replica_port_offsets(replicas)
+
     def port(name: str) -> dict[str, Any]:
-        return {"host": HOST, "port": port_base + PORT_OFFSETS[name]}
+        return {"host": HOST, "port": port_base + offsets[name]}
 
     chosen = {**_DEFAULT_ENTRYPOINTS, **(entrypoints or {})}
     unknown = set(chosen) - set(GYM_SERVERS)
@@ -164,6 +223,23 @@ def build_gym_config(
         "results_dir": str(work_dir / "results"),
         "cache_dir": str(work_dir / "cache"),
     }
+    for i in range(2, replicas + 1):
+        model_i, agent_i, env_i = (replica_name(name, i) for name in (MODEL, AGENT, ENVIRONMENT))
+        # Gym's `_copy` takes the first replica's merged block (shipped defaults and the overrides
+        # above) and merges these on top: its own port, and the next server of its own chain.
+        initial[model_i] = {"_copy": MODEL, "responses_api_models": {"vllm_model": port(model_i)}}
+        initial[agent_i] = {
+            "_copy": AGENT,
+            "responses_api_agents": {
+                "simple_agent": {**port(agent_i), "model_server": _server_ref(_SERVER_TYPES[MODEL], model_i)}
+            },
+        }
+        initial[env_i] = {
+            "_copy": ENVIRONMENT,
+            "environment_servers": {
+                "single_agent_turn": {**port(env_i), "agent_server": _server_ref(_SERVER_TYPES[AGENT], agent_i)}
+            },
+        }
     if checkpoint is not None:
         initial["checkpoint"] = dict(checkpoint)
     initial.update(gym_settings or {})
@@ -176,7 +252,8 @@ def build_gym_config(
         )
     )
     for name, entrypoint in chosen.items():
-        server_location(config, name)[2]["entrypoint"] = entrypoint
+        for i in range(1, (replicas if name in REPLICATED else 1) + 1):
+            server_location(config, replica_name(name, i))[2]["entrypoint"] = entrypoint
     return config
 
 
