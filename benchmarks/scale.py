@@ -6,20 +6,33 @@ backend, Gym's ``vllm_model``, ``simple_agent``, ``example_single_tool_call`` an
 backend holds each rollout's second model call (its answer after the tool call), so every
 dispatched rollout stays in flight inside its agent turn. Then:
 
-1. send N ``/run`` calls (at most ``--max-in-flight`` open at once: the servers' file
-   descriptors bound how many rollouts one process can hold, see docs/performance.md);
+1. send N ``/run`` calls, round-robin over ``--replicas`` environment servers (each chain
+   environment -> agent -> model its own processes; one resources server, one fake backend),
+   at most ``--max-in-flight`` open at once in all: file descriptors bound how many rollouts
+   one process can hold (see "File descriptors" below and docs/performance.md);
 2. once every dispatched rollout's call is held: prepare, then commit the rollouts the
    prepare reports continuable (timed, total and per participant kind);
 3. SIGKILL every process group, start fresh processes, restore (timed) and resume;
 4. retire what the restore did not return, send every rollout again as its next attempt,
    and wait for every reply (replacement failures are counted, never hidden).
 
-Printed per N: rollouts in flight at the checkpoint, episodes exported, prepare, commit and
-restore seconds (total and per participant kind), bytes written, the peak RSS of each server
-(first processes and replacements), replacement failures. The last line is one JSON object
-``{"runs": [...]}`` with those figures, one entry per N.
+Printed per N: rollouts in flight at the checkpoint, episodes exported (summed over the
+environment replicas), prepare, commit and restore seconds (total, per participant kind: the
+slowest reply of that kind across replicas, and per server), bytes written, the peak RSS and
+the open file descriptors at the checkpoint of each server, the kernel's listen-queue overflows
+during the run, replacement failures. The last line is one JSON object ``{"runs": [...]}`` with
+those figures, one entry per N.
 
-    .venv/bin/python benchmarks/scale.py --rollouts 1000 8000 16000 [--step-mode replay]
+File descriptors: each rollout held inside its agent turn keeps two sockets open in its
+environment, agent and model servers (caller and callee side), one in the fake backend and one
+here, in the controller (its ``/run`` call). Under a limit of L descriptors per process (20,000
+here, the hard limit) a chain holds at most ``--max-in-flight-per-process`` rollouts (default
+9,000, room left for listeners, logs and the control plane), so ``--replicas`` defaults to
+ceil(N / 9,000) and ``--max-in-flight`` to every rollout the replicas can hold; the backend and
+this controller hold one descriptor per rollout in flight in all, so the total must stay under
+L too (checked before starting: 16,000 fits, ~19,000 is the most on one controller).
+
+    .venv/bin/python benchmarks/scale.py --rollouts 1000 8000 16000 [--step-mode replay] [--replicas K]
 """
 
 from __future__ import annotations
@@ -28,7 +41,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import resource
 import secrets
 import sys
 import tempfile
@@ -41,7 +56,14 @@ import aiohttp
 
 from nemo_gym_checkpoint_plugin.coordination import Progress, commit, discover, prepare, restore, resume, retire
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import run_body
-from nemo_gym_checkpoint_plugin.testing.deployment import BACKEND, ENVIRONMENT, Deployment, free_port_base
+from nemo_gym_checkpoint_plugin.testing.deployment import (
+    BACKEND,
+    ENVIRONMENT,
+    Deployment,
+    free_port_base,
+    port_span,
+    replica_name,
+)
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,7 +72,10 @@ from sampling import sampled, write_summaries  # noqa: E402  (a sibling script, 
 # Each rollout held in its agent turn keeps two sockets open in the environment, agent and model
 # servers (caller and callee side); 20,000 descriptors per process (this machine's hard limit) then
 # hold at most ~9,500 rollouts, with room for logs, listeners and the control plane.
-DEFAULT_MAX_IN_FLIGHT = 9_000
+DEFAULT_MAX_IN_FLIGHT_PER_PROCESS = 9_000
+# Descriptors kept aside in a process holding one socket per rollout (the backend, this controller):
+# its listener or control sessions, logs, the event loop, imported libraries.
+_RESERVED_FDS = 500
 # Gym's per-server aiohttp pool queues calls beyond 1,024 per host: sized to the work instead.
 GYM_SETTINGS = {"global_aiohttp_connector_limit": 0, "global_aiohttp_connector_limit_per_host": 0}
 _POLL = 0.1
@@ -87,16 +112,64 @@ async def _wait(check: Any, timeout: float, what: str) -> Any:
     return value
 
 
+def _open_fds(deployment: Deployment) -> dict[str, int]:
+    """Open file descriptors of each live server process and of this controller, now."""
+    counts = {"controller": len(os.listdir("/proc/self/fd"))}
+    for name, proc in deployment.processes.items():
+        with contextlib.suppress(OSError):
+            counts[name] = len(os.listdir(f"/proc/{proc.pid}/fd"))
+    return counts
+
+
+def _listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because a listen queue was full (this network namespace)."""
+    try:
+        text = Path("/proc/net/netstat").read_text()
+        lines = [line.split() for line in text.splitlines() if line.startswith("TcpExt:")]
+        return int(dict(zip(lines[0], lines[1], strict=True))["ListenOverflows"])
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
 class KindTimes:
-    """Per participant kind: the longest reply time of each operation (the fan-out waits for the slowest)."""
+    """Per participant kind (the longest reply across replicas: the fan-out waits for the slowest) and per server."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, dict[str, float]] = defaultdict(dict)
+        self.by_server: dict[str, dict[str, float]] = defaultdict(dict)
 
     def __call__(self, progress: Progress) -> None:
         by_kind = self.seconds[progress.operation]
         kind = progress.participant.kind
         by_kind[kind] = round(max(by_kind.get(kind, 0.0), progress.elapsed), 4)
+        self.by_server[progress.operation][progress.participant.name] = round(progress.elapsed, 4)
+
+
+def plan(rollouts: int, replicas: int | None, max_in_flight: int | None, per_process: int,
+         fd_limit: int) -> tuple[int, int]:
+    """``(replicas, max in flight in all)`` for N rollouts; ``ValueError`` when a process would pass its fd limit.
+
+    Each chain's processes hold two descriptors per rollout in flight through it, so one chain
+    holds ``per_process`` at most; the backend and the controller hold one per rollout in flight in all.
+    """
+    if per_process < 1 or (replicas is not None and replicas < 1) or (max_in_flight is not None and max_in_flight < 1):
+        raise ValueError("--replicas, --max-in-flight and --max-in-flight-per-process must be >= 1")
+    replicas = replicas or max(1, math.ceil(rollouts / per_process))
+    # By default every rollout the chains hold, and no more than the backend and this controller can.
+    max_in_flight = max_in_flight or min(rollouts, per_process * replicas, fd_limit - _RESERVED_FDS)
+    per_chain = math.ceil(min(max_in_flight, rollouts) / replicas)
+    if per_chain > per_process:
+        raise ValueError(
+            f"{per_chain} rollouts in flight per replica chain (--max-in-flight {max_in_flight} over "
+            f"{replicas} replicas) exceeds --max-in-flight-per-process {per_process}: add replicas"
+        )
+    single = min(max_in_flight, rollouts) + _RESERVED_FDS
+    if single > fd_limit:
+        raise ValueError(
+            f"{min(max_in_flight, rollouts)} rollouts in flight need ~{single} descriptors in the fake backend "
+            f"and in this controller (one per rollout), above the limit of {fd_limit}: lower --max-in-flight"
+        )
+    return replicas, max_in_flight
 
 
 def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int = 1000) -> Any:
@@ -107,27 +180,35 @@ def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int =
 
 
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
-                   profile: Path | None = None) -> dict[str, Any]:
+                   profile: Path | None = None, replicas: int = 1) -> dict[str, Any]:
     if profile is not None:
         profile = profile / str(rollouts)
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
     token = secrets.token_urlsafe(24)
     deployment = Deployment(
-        free_port_base(), work, entrypoints=wrapped_entrypoints(), own_process_groups=True,
+        free_port_base(port_span(replicas)), work, entrypoints=wrapped_entrypoints(), own_process_groups=True,
         log_dir=work / "logs", extra_env={TOKEN_ENV: token},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}, gym_settings=GYM_SETTINGS,
+        replicas=replicas,
     )
     ids = [f"scale-{i}" for i in range(rollouts)]
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
-    result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "max_in_flight": max_in_flight}
+    result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "replicas": replicas,
+                              "max_in_flight": max_in_flight}
+    env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
+    overflows_before = _listen_overflows()
     await asyncio.to_thread(deployment.start, 300.0)
     try:
-        env, backend = deployment.urls[ENVIRONMENT], deployment.urls[BACKEND]
-        # One pool sized to the work: at most max_in_flight /run calls open, the rest wait for a
-        # connection (no pool timeout: connect=None; only the socket connect itself is bounded).
+        envs, backend = deployment.replica_urls(ENVIRONMENT), deployment.urls[BACKEND]
+        # Round-robin: rollout j runs through chain j mod K, its replacement through the same chain
+        # (the one that restored it).
+        chain = {r: envs[j % replicas] for j, r in enumerate(ids)}
+        # One pool sized to the work: at most max_in_flight /run calls open in all and no chain past its
+        # share; the rest wait for a connection (no pool timeout: connect=None; only the socket connect
+        # itself is bounded). aiohttp keys hosts by port too, so the per-host limit is per replica.
         limits = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=timeout, sock_read=None)
-        connector = aiohttp.TCPConnector(limit=max_in_flight, limit_per_host=max_in_flight)
+        connector = aiohttp.TCPConnector(limit=max_in_flight, limit_per_host=math.ceil(max_in_flight / replicas))
         async with aiohttp.ClientSession(timeout=limits, connector=connector) as http:
             control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout))
 
@@ -136,7 +217,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     return await reply.json()
 
             async def run(rollout_id: str, attempt: int) -> dict[str, Any]:
-                async with http.post(env + "/run", json=run_body(rollout_id, attempt)) as reply:
+                async with http.post(chain[rollout_id] + "/run", json=run_body(rollout_id, attempt)) as reply:
                     body = await reply.json(content_type=None)
                     return body if reply.status == 200 else {"failure": {"status": reply.status, "body": body}}
 
@@ -150,6 +231,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     await _wait(lambda: _at_least(counts, in_flight), timeout, f"{in_flight} held model calls")
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
                 result["in_flight"] = (await counts())["held"]
+                result["open_fds"] = _open_fds(deployment)
                 _say(f"[{rollouts}] {result['in_flight']} rollouts in flight (held) after {result['dispatch_s']}s")
 
                 coordinator = await discover(deployment.config, token)
@@ -164,7 +246,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     t0 = time.monotonic()
                     committed = await commit(coordinator, "scale", str(checkpoint_dir), scope, timeout=timeout)
                     result["commit_s"] = round(time.monotonic() - t0, 4)
-                    result["exported"] = len(committed.replies[ENVIRONMENT]["episode_ids"])
+                    result["exported"] = sum(len(committed.replies[name]["episode_ids"]) for name in env_names)
                 result["bytes_written"] = _bytes_under(checkpoint_dir)
                 result["peak_rss_mb"] = _peak_rss_mb(deployment)
                 _say(f"[{rollouts}] prepare {result['prepare_s']}s, commit {result['commit_s']}s, "
@@ -181,7 +263,8 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                                              timeout=timeout)
                     result["restore_s"] = round(time.monotonic() - t0, 4)
                     await resume(coordinator, "scale-restore", timeout=timeout)
-                    back = {key.rsplit("-a", 1)[0] for key in restored.replies[ENVIRONMENT].get("restored") or []}
+                    back = {key.rsplit("-a", 1)[0] for name in env_names
+                            for key in restored.replies[name].get("restored") or []}
                     result["restored"] = len(back)
                     others = [{"rollout_id": r, "attempt": 0} for r in ids if r not in back]
                     if others:
@@ -202,11 +285,16 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 await control.close()
     finally:
         deployment.stop()
+        overflows_after = _listen_overflows()
+        if overflows_before is not None and overflows_after is not None:
+            # Shared by every process of this network namespace: other work on the machine counts too.
+            result["listen_overflows"] = overflows_after - overflows_before
     if profile is not None:
         for phase in ("dispatch", "checkpoint", "restore"):
             _say((write_summaries(profile, phase)).read_text())
         result["profile_dir"] = str(profile)
     result["per_kind_s"] = {op: times.seconds.get(op, {}) for op in ("prepare", "commit", "restore")}
+    result["per_server_s"] = {op: times.by_server.get(op, {}) for op in ("prepare", "commit", "restore")}
     result["work_dir"] = str(work) if keep else None
     if not keep:
         import shutil
@@ -228,8 +316,15 @@ async def _at_least(counts: Any, n: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, nargs="+", default=[1000], help="N per run (default 1000)")
-    parser.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
-                        help=f"most /run calls open at once (default {DEFAULT_MAX_IN_FLIGHT})")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="environment -> agent -> model chains, rollouts dispatched round-robin over them "
+                             "(default ceil(N / --max-in-flight-per-process))")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="most /run calls open at once over all replicas (default: every rollout the "
+                             "replicas can hold, N at most)")
+    parser.add_argument("--max-in-flight-per-process", type=int, default=DEFAULT_MAX_IN_FLIGHT_PER_PROCESS,
+                        help="most rollouts one replica chain holds: two descriptors each in its servers "
+                             f"(default {DEFAULT_MAX_IN_FLIGHT_PER_PROCESS}, for a limit of 20,000)")
     parser.add_argument("--step-mode", choices=("wait", "replay"), default="replay")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs, checkpoint)")
@@ -237,13 +332,33 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample every server with py-spy during dispatch, checkpoint and restore; "
                              "collapsed stacks and summaries under DIR/<N>/")
     args = parser.parse_args(argv)
+    fd_limit = _raise_fd_limit()
+    plans = {}
+    for n in args.rollouts:
+        try:
+            plans[n] = plan(n, args.replicas, args.max_in_flight, args.max_in_flight_per_process, fd_limit)
+        except ValueError as exc:
+            parser.error(f"--rollouts {n}: {exc}")
     runs = []
     for n in args.rollouts:
-        run = asyncio.run(run_once(n, args.max_in_flight, args.step_mode, args.timeout, args.keep, args.profile))
+        replicas, max_in_flight = plans[n]
+        _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
+             f"(file descriptor limit {fd_limit} per process)")
+        run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
+                                   replicas))
         runs.append(run)
         print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
     return 0 if all(r["replacement_failures"] == 0 for r in runs) else 1
+
+
+def _raise_fd_limit() -> int:
+    """Raise this process's soft descriptor limit to its hard one (the servers inherit it); return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
 
 
 if __name__ == "__main__":
