@@ -30,7 +30,7 @@ here, the hard limit) a chain holds at most ``--max-in-flight-per-process`` roll
 9,000, room left for listeners, logs and the control plane), so ``--replicas`` defaults to
 ceil(N / 9,000) and ``--max-in-flight`` to every rollout the replicas can hold; the backend and
 this controller hold one descriptor per rollout in flight in all, so the total must stay under
-L too (checked before starting: 16,000 fits, ~19,000 is the most on one controller).
+L too (checked before starting: 16,000 fits, ~19,500 is the most on one controller).
 
     .venv/bin/python benchmarks/scale.py --rollouts 1000 8000 16000 [--step-mode replay] [--replicas K]
 """
