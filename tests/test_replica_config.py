@@ -99,3 +99,17 @@ def test_logs_of_each_replica_go_to_their_own_file(tmp_path: Path) -> None:
 def test_a_replica_count_below_one_is_refused(tmp_path: Path, bad: object) -> None:
     with pytest.raises(ValueError, match="replicas"):
         build_gym_config(BASE, tmp_path, replicas=bad)  # type: ignore[arg-type]
+
+
+def test_the_harness_finds_free_ports_for_every_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_gym_checkpoint_plugin.testing import harness
+
+    spans: list[int] = []
+
+    def base_for(span: int = PORT_SPAN) -> int:
+        spans.append(span)
+        return BASE
+
+    monkeypatch.setattr(harness, "free_port_base", base_for)
+    deployment = harness.new_deployment(tmp_path, replicas=3)
+    assert spans == [port_span(3)] and deployment.replicas == 3

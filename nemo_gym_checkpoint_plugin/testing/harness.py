@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from .deployment import BACKEND, ENVIRONMENT, TOKEN_ENV, Deployment, free_port_base, rollout_body
+from .deployment import BACKEND, ENVIRONMENT, TOKEN_ENV, Deployment, free_port_base, port_span, rollout_body
 
 __all__ = [
     "FakeBackend",
@@ -202,7 +202,9 @@ def new_deployment(work_dir: Path, **kwargs: Any) -> Deployment:
     """
     kwargs.setdefault("log_dir", work_dir / "logs")
     kwargs.setdefault("extra_env", {TOKEN_ENV: HARNESS_TOKEN})
-    return Deployment(free_port_base(), work_dir, own_process_groups=True, **kwargs)
+    # Every port of every replica free, not only the first chain's.
+    base = free_port_base(port_span(kwargs.get("replicas", 1)))
+    return Deployment(base, work_dir, own_process_groups=True, **kwargs)
 
 
 def pid_alive(pid: int) -> bool:
