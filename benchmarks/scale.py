@@ -9,12 +9,15 @@ dispatched rollout stays in flight inside its agent turn. Then:
 1. send N ``/run`` calls, round-robin over ``--replicas`` environment servers (each chain
    environment -> agent -> model its own processes; one resources server, one fake backend),
    at most ``--max-in-flight`` open at once in all: file descriptors bound how many rollouts
-   one process can hold (see "File descriptors" below and docs/performance.md);
+   one process can hold (see "File descriptors" below and docs/performance.md); paced so that
+   at most ``--dispatch-window`` rollouts are on their way to the held call at once (a burst of
+   thousands of connects overflows the servers' listen queues);
 2. once every dispatched rollout's call is held: prepare, then commit the rollouts the
    prepare reports continuable (timed, total and per participant kind);
 3. SIGKILL every process group, start fresh processes, restore (timed) and resume;
-4. retire what the restore did not return, send every rollout again as its next attempt,
-   and wait for every reply (replacement failures are counted, never hidden).
+4. retire what the restore did not return, send every rollout again as its next attempt
+   (at most ``--dispatch-window`` open at once), and wait for every reply (replacement
+   failures are counted, never hidden).
 
 Printed per N: rollouts in flight at the checkpoint, episodes exported (summed over the
 environment replicas), prepare, commit and restore seconds (total, per participant kind: the
@@ -79,6 +82,9 @@ _RESERVED_FDS = 500
 # Gym's per-server aiohttp pool queues calls beyond 1,024 per host: sized to the work instead.
 GYM_SETTINGS = {"global_aiohttp_connector_limit": 0, "global_aiohttp_connector_limit_per_host": 0}
 _POLL = 0.1
+# Rollouts on their way to the held call at once (and replacement calls open at once): well under the
+# servers' listen backlog (uvicorn's 2,048) however the rollouts split over the replicas.
+DEFAULT_DISPATCH_WINDOW = 1_000
 
 
 def _say(message: str) -> None:
@@ -180,7 +186,8 @@ def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int =
 
 
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
-                   profile: Path | None = None, replicas: int = 1) -> dict[str, Any]:
+                   profile: Path | None = None, replicas: int = 1,
+                   window: int = DEFAULT_DISPATCH_WINDOW) -> dict[str, Any]:
     if profile is not None:
         profile = profile / str(rollouts)
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
@@ -195,7 +202,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
     result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "replicas": replicas,
-                              "max_in_flight": max_in_flight}
+                              "max_in_flight": max_in_flight, "dispatch_window": window}
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
     overflows_before = _listen_overflows()
     await asyncio.to_thread(deployment.start, 300.0)
@@ -225,10 +232,13 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 async with control.post(backend + "/_fake/hold", json={"match": "", "count": rollouts, "step": 1}):
                     pass
                 started = time.monotonic()
-                first = [asyncio.ensure_future(run(r, 0)) for r in ids]
+                first: list[asyncio.Future[Any]] = []
                 in_flight = min(rollouts, max_in_flight)
                 with _phase(deployment, profile, "dispatch", rate=100):
-                    await _wait(lambda: _at_least(counts, in_flight), timeout, f"{in_flight} held model calls")
+                    await _dispatch(ids, lambda r: asyncio.ensure_future(run(r, 0)), first, counts, in_flight,
+                                    window, timeout)
+                early = [t.result() for t in first if t.done() and not t.cancelled() and t.exception() is None]
+                result["dispatch_failures"] = sum(1 for body in early if body.get("failure") is not None)
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
                 result["in_flight"] = (await counts())["held"]
                 result["open_fds"] = _open_fds(deployment)
@@ -271,7 +281,15 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                         await retire(coordinator, "scale-retire", others, timeout=timeout)
                 _say(f"[{rollouts}] restore {result['restore_s']}s ({len(back)} continued); running every rollout")
                 t0 = time.monotonic()
-                replies = await asyncio.gather(*(run(r, 1) for r in ids), return_exceptions=True)
+                # A bounded number of replacement /run calls open at once: a controller's concurrency, and
+                # no burst of thousands of connects at one listen queue.
+                gate = asyncio.Semaphore(window)
+
+                async def replacement(rollout_id: str) -> dict[str, Any]:
+                    async with gate:
+                        return await run(rollout_id, 1)
+
+                replies = await asyncio.gather(*(replacement(r) for r in ids), return_exceptions=True)
                 result["replacement_s"] = round(time.monotonic() - t0, 3)
                 failed = [r for r in replies if isinstance(r, BaseException) or r.get("failure") is not None]
                 result["replacement_failures"] = len(failed)
@@ -309,8 +327,29 @@ async def _async(manager: Any) -> Any:
         yield
 
 
-async def _at_least(counts: Any, n: int) -> bool:
-    return (await counts())["held"] >= n
+async def _dispatch(ids: list[str], start: Any, started: list[asyncio.Future[Any]], counts: Any, target: int,
+                    window: int, stall: float) -> None:
+    """Start rollouts so that at most ``window`` are on their way to the held call at once, until ``target`` are held.
+
+    Thousands of ``/run`` calls started in one instant arrive as thousands of connects at one listen
+    queue, then at the agents', then the model servers' (each overflows past its backlog, 2,048 with
+    uvicorn, and the kernel retries or resets the connections): a controller paces them. A rollout
+    that ended before its call was held (a failure) frees its place. ``stall`` bounds a wait without
+    progress, not the whole dispatch (16,000 rollouts take minutes here).
+    """
+    progress_at, best = time.monotonic(), -1
+    while True:
+        held = (await counts())["held"]
+        ended = sum(1 for task in started if task.done())
+        if held >= target or (len(started) == len(ids) and held + ended >= len(ids)):
+            return
+        room = min(held + ended + window - len(started), len(ids) - len(started))
+        started.extend(start(rollout_id) for rollout_id in ids[len(started):len(started) + max(room, 0)])
+        if held + ended > best:
+            progress_at, best = time.monotonic(), held + ended
+        elif time.monotonic() - progress_at > stall:
+            raise TimeoutError(f"no progress for {stall}s: {held} held, {ended} ended, {len(started)} started")
+        await asyncio.sleep(_POLL)  # wait-ok: poll interval of a bounded wait on a condition
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-in-flight-per-process", type=int, default=DEFAULT_MAX_IN_FLIGHT_PER_PROCESS,
                         help="most rollouts one replica chain holds: two descriptors each in its servers "
                              f"(default {DEFAULT_MAX_IN_FLIGHT_PER_PROCESS}, for a limit of 20,000)")
+    parser.add_argument("--dispatch-window", type=int, default=DEFAULT_DISPATCH_WINDOW,
+                        help="most rollouts started and not yet held at once, and most replacement /run calls "
+                             f"open at once (default {DEFAULT_DISPATCH_WINDOW})")
     parser.add_argument("--step-mode", choices=("wait", "replay"), default="replay")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs, checkpoint)")
@@ -332,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample every server with py-spy during dispatch, checkpoint and restore; "
                              "collapsed stacks and summaries under DIR/<N>/")
     args = parser.parse_args(argv)
+    if args.dispatch_window < 1:
+        parser.error("--dispatch-window must be at least 1")
     fd_limit = _raise_fd_limit()
     plans = {}
     for n in args.rollouts:
@@ -345,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
              f"(file descriptor limit {fd_limit} per process)")
         run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
-                                   replicas))
+                                   replicas, args.dispatch_window))
         runs.append(run)
         print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
