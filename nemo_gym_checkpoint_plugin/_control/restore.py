@@ -33,7 +33,7 @@ from nemo_gym_checkpoint_plugin._errors import (
     InvalidCheckpointState,
     InvalidPhase,
 )
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 
 from .._types import Phase, RestoredRecord, sorted_keys
@@ -83,10 +83,12 @@ class RestoreMixin:
             restored = await run_storage(
                 self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
             )
-            records = [_restored_record(record) for record in restored.records]
+            # Each episode's ids once: the scope's, shared by its records (EpisodeId is immutable).
+            ids = {(e.rollout_id, e.attempt): (e, _replacement(e)) for e in map(from_capture_key, keys)}
+            records = [_restored_record(record, ids) for record in restored.records]
             # Before anything is retired or installed: every record's owner must be here to take it.
             self.participants.check_owners(records)
-            scope = [_replacement(from_capture_key(key)) for key in keys]
+            scope = [replacement for _, replacement in ids.values()]
             previous = self._install_task
             if previous is not None and not previous.done():
                 # Two installs never overlap: the next restore waits for the one that outlived its deadline.
@@ -167,10 +169,24 @@ class RestoreMixin:
         return {"forgotten_count": len(rollout_ids)}
 
 
+# An episode's checkpointed attempt and its replacement.
+_Ids = tuple[EpisodeId, EpisodeId]
+
+
 def _replacement(checkpointed: EpisodeId) -> EpisodeId:
-    return EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
+    # A valid EpisodeId's rollout id with a larger attempt is valid: nothing left to validate.
+    return construct_episode(checkpointed.rollout_id, checkpointed.attempt + 1)
 
 
-def _restored_record(record: dict[str, Any]) -> RestoredRecord:
-    checkpointed = EpisodeId.model_validate(record["episode_id"])
-    return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)
+def _restored_record(record: Mapping[str, Any], ids: Mapping[tuple[str, int], _Ids]) -> RestoredRecord:
+    """The record with its checkpointed and replacement ids: the scope's own when it names them exactly."""
+    wire = record["episode_id"]
+    known = None
+    if type(wire) is dict:
+        rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt")
+        if type(rollout_id) is str and type(attempt) is int and len(wire) == 2:
+            known = ids.get((rollout_id, attempt))
+    if known is None:
+        checkpointed = episode_from_wire(wire)
+        known = (checkpointed, _replacement(checkpointed))
+    return RestoredRecord(checkpointed=known[0], replacement=known[1], record=record)
