@@ -14,7 +14,8 @@ The participant's hooks do the least a participant can (hand prepared records ov
 it is given in a dict), so the figures are the core's: scope parsing, export fan-in, scoping,
 encoding, hashing, writing, cleanup; reading, verifying, decoding, ``EpisodeId`` building,
 retire-before-install, handing records to install. Prints wall and CPU seconds (CPU counts
-the storage threads too) and microseconds of CPU per record for each step, a cProfile top-N
+the storage threads too), the seconds the cyclic garbage collector took within them, and
+microseconds of CPU per record for each step, a cProfile top-N
 of each step with ``--profile``, and as its last line one JSON object.
 
     .venv/bin/python benchmarks/control_plane.py [--episodes 16000] [--repeat 1] [--profile] [--top 25]
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -124,14 +126,22 @@ def body_scope(keys: list[dict[str, Any]], model: Any, extra: Mapping[str, Any])
 
 
 class Step:
-    """Wall and CPU time of one step (optionally under cProfile)."""
+    """Wall and CPU time of one step, and the garbage collector's part of it (optionally under cProfile)."""
 
     def __init__(self, name: str, records: int, profile: bool) -> None:
         self.name, self.records = name, records
         self.profiler = cProfile.Profile() if profile else None
-        self.wall = self.cpu = 0.0
+        self.wall = self.cpu = self.gc = 0.0
+        self._gc_start = 0.0
+
+    def _collecting(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc += time.perf_counter() - self._gc_start
 
     def __enter__(self) -> Step:
+        gc.callbacks.append(self._collecting)
         self._wall, self._cpu = time.perf_counter(), time.process_time()
         if self.profiler is not None:
             self.profiler.enable()
@@ -142,9 +152,10 @@ class Step:
             self.profiler.disable()
         self.wall = time.perf_counter() - self._wall
         self.cpu = time.process_time() - self._cpu
+        gc.callbacks.remove(self._collecting)
 
     def figures(self) -> dict[str, Any]:
-        return {"wall_s": round(self.wall, 4), "cpu_s": round(self.cpu, 4),
+        return {"wall_s": round(self.wall, 4), "cpu_s": round(self.cpu, 4), "gc_s": round(self.gc, 4),
                 "cpu_us_per_record": round(self.cpu / max(1, self.records) * 1e6, 2)}
 
     def top(self, count: int) -> str:
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, step in steps.items():
         figures = step.figures()
         print(f"{name:16s} {step.records:7d} records  wall {figures['wall_s']:7.3f} s  cpu {figures['cpu_s']:7.3f} s  "
-              f"{figures['cpu_us_per_record']:8.1f} us/record")
+              f"{figures['cpu_us_per_record']:8.1f} us/record  (garbage collector {figures['gc_s']:.3f} s)")
         if args.profile:
             print(step.top(args.top))
     per_step = {name: step.figures() for name, step in steps.items()}
