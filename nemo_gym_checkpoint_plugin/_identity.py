@@ -5,6 +5,11 @@ Gym's ``EpisodeId`` refuses a ``rollout_id`` ending in ``-a<N>`` (N >= 1) so tha
 (``from_capture_key``) and the explicit-id rule: an id given as ``<id>-aN`` with no
 attempt index means attempt N of ``<id>``; an explicit suffix *and* an attempt
 index would decode ambiguously and is refused.
+
+Episode ids are made by the thousand per checkpoint (every record of a restore, every id
+of a scope): ``episode_id`` checks the usual shape with plain checks that accept exactly
+what ``EpisodeId`` accepts unchanged and builds it without validation (``construct_episode``);
+anything else goes through ``EpisodeId`` itself, which accepts or refuses it with its own error.
 """
 
 from __future__ import annotations
@@ -14,10 +19,86 @@ from typing import Any
 
 from nemo_gym.episode_types import EpisodeId
 
-__all__ = ["EpisodeId", "from_capture_key", "make_episode_id", "episode_from_wire", "AmbiguousEpisodeId"]
+__all__ = [
+    "EpisodeId",
+    "from_capture_key",
+    "make_episode_id",
+    "episode_from_wire",
+    "episode_id",
+    "is_plain_episode",
+    "construct_episode",
+    "AmbiguousEpisodeId",
+]
 
 # The same suffix Gym reserves (its validator uses this pattern): -a0 and -a01 are plain ids.
 _ATTEMPT_SUFFIX = re.compile(r"^(?P<prefix>.+)-a(?P<attempt>[1-9][0-9]*)$")
+# Gym's EpisodeId rules as plain checks: rollout_id's pattern (as a full match: no trailing newline
+# either) and its reserved -a<N> suffix; attempt an int >= 0.
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*").fullmatch
+_RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*\Z").search
+_WIRE_KEYS = frozenset({"rollout_id", "attempt"})
+_STATE = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+
+
+def _constructor() -> Any:
+    """``construct(rollout_id, attempt)``: an ``EpisodeId`` from values known valid, without validation.
+
+    What ``EpisodeId.model_construct`` stores for this model, without its generic work (aliases,
+    defaults, extras: it costs more than validating). A pydantic release that stores a model
+    otherwise fails the self-check below and gets ``model_construct`` itself.
+    """
+    new, setattr_ = EpisodeId.__new__, object.__setattr__
+
+    def construct(rollout_id: str, attempt: int) -> EpisodeId:
+        episode = new(EpisodeId)
+        setattr_(episode, "__dict__", {"rollout_id": rollout_id, "attempt": attempt})
+        setattr_(episode, "__pydantic_fields_set__", {"rollout_id", "attempt"})
+        setattr_(episode, "__pydantic_extra__", None)
+        setattr_(episode, "__pydantic_private__", None)
+        return episode
+
+    def construct_generic(rollout_id: str, attempt: int) -> EpisodeId:
+        return EpisodeId.model_construct(rollout_id=rollout_id, attempt=attempt)
+
+    try:
+        made, validated = construct("r", 1), EpisodeId(rollout_id="r", attempt=1)
+        same = (
+            tuple(getattr(EpisodeId, "__slots__", ())) == _STATE
+            and not EpisodeId.__pydantic_post_init__
+            and not EpisodeId.__private_attributes__
+            and list(EpisodeId.model_fields) == ["rollout_id", "attempt"]
+            and all(getattr(made, name) == getattr(validated, name) for name in _STATE)
+            and made == validated
+            and hash(made) == hash(validated)
+        )
+    except Exception:
+        same = False
+    return construct if same else construct_generic
+
+
+construct_episode = _constructor()
+_construct = construct_episode
+
+
+def is_plain_episode(rollout_id: Any, attempt: Any) -> bool:
+    """True when ``EpisodeId(rollout_id=rollout_id, attempt=attempt)`` accepts both exactly as they are.
+
+    False means "ask ``EpisodeId``": it may still accept (coercing, e.g. a str subclass) or refuse.
+    """
+    return (
+        type(rollout_id) is str
+        and type(attempt) is int
+        and attempt >= 0
+        and _ROLLOUT_ID(rollout_id) is not None
+        and ("-a" not in rollout_id or _RESERVED_SUFFIX(rollout_id) is None)
+    )
+
+
+def episode_id(rollout_id: Any, attempt: Any = 0) -> EpisodeId:
+    """``EpisodeId(rollout_id=..., attempt=...)``, without pydantic's validation when the plain checks pass."""
+    if is_plain_episode(rollout_id, attempt):
+        return _construct(rollout_id, attempt)
+    return EpisodeId(rollout_id=rollout_id, attempt=attempt)
 
 
 class AmbiguousEpisodeId(ValueError):
@@ -29,10 +110,10 @@ def from_capture_key(key: str) -> EpisodeId:
 
     Raises ``ValueError`` (pydantic's, a subclass) when the key names no valid episode.
     """
-    match = _ATTEMPT_SUFFIX.match(key)
+    match = _ATTEMPT_SUFFIX.match(key) if "-a" in key else None
     if match is None:
-        return EpisodeId(rollout_id=key, attempt=0)
-    return EpisodeId(rollout_id=match["prefix"], attempt=int(match["attempt"]))
+        return episode_id(key, 0)
+    return episode_id(match["prefix"], int(match["attempt"]))
 
 
 def make_episode_id(rollout_id: str, attempt: int | None = None) -> EpisodeId:
@@ -56,4 +137,8 @@ def episode_from_wire(value: Any) -> EpisodeId:
     """Validate a wire episode id ``{"rollout_id": ..., "attempt": N}`` (or an ``EpisodeId``)."""
     if isinstance(value, EpisodeId):
         return value
+    if type(value) is dict and value.keys() <= _WIRE_KEYS:
+        rollout_id, attempt = value.get("rollout_id"), value.get("attempt", 0)
+        if is_plain_episode(rollout_id, attempt):
+            return _construct(rollout_id, attempt)
     return EpisodeId.model_validate(value)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_checkpoint_plugin._errors import InvalidPhase
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode
 
 __all__ = [
     "MAX_REPORTED_BLOCKERS",
@@ -188,8 +188,8 @@ class EpisodeIds(Sequence[EpisodeId]):
 
     def materialized(self) -> list[EpisodeId]:
         if self._episodes is None:
-            construct = EpisodeId.model_construct  # the pairs were validated as EpisodeId would
-            self._episodes = [construct(rollout_id=rollout_id, attempt=attempt) for rollout_id, attempt in self.pairs]
+            # The pairs were validated as EpisodeId would: build them without validating again.
+            self._episodes = [construct_episode(rollout_id, attempt) for rollout_id, attempt in self.pairs]
         return self._episodes
 
     def __len__(self) -> int:

@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from nemo_gym_checkpoint_plugin._identity import (
     AmbiguousEpisodeId,
     EpisodeId,
+    construct_episode,
     episode_from_wire,
+    episode_id,
     from_capture_key,
     make_episode_id,
 )
@@ -66,3 +68,73 @@ def test_wire_form() -> None:
         episode_from_wire({"rollout_id": "r-a1", "attempt": 0})
     with pytest.raises(ValidationError):
         episode_from_wire({"rollout_id": "r", "attempt": 0, "extra": 1})
+
+
+# -- the fast paths (plain checks, then an EpisodeId built without validation) ----------------------------------
+# Whatever they are given, they must answer exactly as EpisodeId itself: the same episode, or a refusal.
+
+_STATE = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+# Rollout ids near every rule: the pattern's edges, the reserved suffix, a trailing newline, non-ASCII digits.
+loose_rollout_ids = st.one_of(
+    st.text(alphabet="ab-_.09A\n\u0663é/ ", max_size=12),
+    st.sampled_from(["r-a3", "r-a0", "r-a01", "x-a3-a2", "-a1", "a-a12", "r-a3\n", "r\n", "_r", ".r", "r-a"]),
+    st.builds(lambda s: s + "-a7", st.text(alphabet="ab-", min_size=1, max_size=6)),
+)
+loose_attempts = st.one_of(
+    st.integers(min_value=-3, max_value=2**70), st.booleans(), st.floats(allow_nan=False, max_value=5),
+    st.sampled_from(["3", None, 3.0]),
+)
+
+
+def _outcome(make: object, *args: object, **kwargs: object) -> tuple[str, object]:
+    try:
+        episode = make(*args, **kwargs)  # type: ignore[operator]
+    except ValidationError as exc:
+        return "refused", [(e["type"], e["loc"]) for e in exc.errors()]
+    return "episode", tuple(getattr(episode, name) for name in _STATE)
+
+
+@given(loose_rollout_ids, loose_attempts)
+def test_the_fast_episode_id_answers_exactly_as_episode_id(rollout_id: object, attempt: object) -> None:
+    expected = _outcome(EpisodeId, rollout_id=rollout_id, attempt=attempt)
+    assert _outcome(episode_id, rollout_id, attempt) == expected
+    assert _outcome(episode_from_wire, {"rollout_id": rollout_id, "attempt": attempt}) == expected
+
+
+@given(loose_rollout_ids)
+def test_from_capture_key_answers_exactly_as_parsing_into_episode_id(key: str) -> None:
+    match = re.match(r"^(?P<prefix>.+)-a(?P<attempt>[1-9][0-9]*)$", key)
+    if match is None:
+        expected = _outcome(EpisodeId, rollout_id=key, attempt=0)
+    else:
+        expected = _outcome(EpisodeId, rollout_id=match["prefix"], attempt=int(match["attempt"]))
+    assert _outcome(from_capture_key, key) == expected
+
+
+@pytest.mark.parametrize("wire", [
+    {"rollout_id": "r-a3", "attempt": 0},   # the reserved suffix
+    {"rollout_id": "r-a3\n", "attempt": 0},
+    {"rollout_id": "r\n", "attempt": 1},
+    {"rollout_id": "r", "attempt": -1},
+    {"rollout_id": "r", "extra": 1},
+    {"attempt": 1},
+])
+def test_the_fast_paths_refuse_what_episode_id_refuses(wire: dict) -> None:
+    with pytest.raises(ValidationError) as expected:
+        EpisodeId.model_validate(wire)
+    with pytest.raises(ValidationError) as fast:
+        episode_from_wire(wire)
+    assert fast.value.errors(include_context=False) == expected.value.errors(include_context=False)
+    if wire.keys() <= {"rollout_id", "attempt"}:
+        with pytest.raises(ValidationError):
+            episode_id(wire.get("rollout_id"), wire.get("attempt", 0))
+
+
+def test_a_constructed_episode_id_is_the_validated_one() -> None:
+    made, validated = construct_episode("task-7", 3), EpisodeId(rollout_id="task-7", attempt=3)
+    assert all(getattr(made, name) == getattr(validated, name) for name in _STATE)
+    assert made == validated and hash(made) == hash(validated) and {made: 1}[validated] == 1
+    assert made.model_dump() == validated.model_dump() and made.model_dump_json() == validated.model_dump_json()
+    assert made.capture_key == "task-7-a3" and repr(made) == repr(validated)
+    with pytest.raises(ValidationError):
+        made.attempt = 4  # frozen, as Gym's model is

@@ -152,3 +152,84 @@ def test_integers_beyond_64_bits_written_by_any_writer_decode_exactly(line: byte
 def test_large_floats_without_long_digit_runs_keep_orjson_output() -> None:
     line = b'{"a":[1e300,-9.3e18],"b":1.5e19}\n'
     assert decode_line(line) == orjson.loads(line)
+
+
+# -- the encoder's shortcuts: a line without "null" skips the NaN walk; the walk sums lists of numbers ----------
+
+
+def _has_non_finite(value: object) -> bool:
+    """The plain definition the codec's walk must agree with."""
+    if type(value) is float:
+        return not math.isfinite(value)
+    if type(value) is dict:
+        return any(_has_non_finite(v) for v in value.values())
+    if type(value) in (list, tuple):
+        return any(_has_non_finite(v) for v in value)
+    return False
+
+
+json_values_with_tuples = st.recursive(
+    st.one_of(json_scalars, st.floats(min_value=-1e-3, max_value=1e-3)),
+    lambda children: st.lists(children, max_size=5) | st.tuples(children, children)
+    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30,
+)
+
+
+@given(json_values_with_tuples)
+def test_the_nan_walk_finds_exactly_the_non_finite_numbers(value: object) -> None:
+    from nemo_gym_checkpoint_plugin._storage.codec import _needs_fallback
+
+    assert _needs_fallback(value) is _has_non_finite(value)
+
+
+@pytest.mark.parametrize("record", [
+    {"a": None, "b": math.nan},                               # a None beside it: the line has null anyway
+    {"m": [{"x": None}, {"y": [1, 2, math.inf]}]},            # a list that starts with an int
+    {"m": [1, "x", -math.inf]},                               # a list that is not all numbers
+    {"t": (0.5, [None, math.nan])},
+    {"n": [1e308, 1e308], "z": [math.nan]},                   # a sum that overflows is looked at closer
+    {"s": "null", "v": math.nan},
+])
+def test_a_non_finite_number_is_never_skipped(record: dict) -> None:
+    from nemo_gym_checkpoint_plugin._storage.codec import encode_record
+
+    line, exact = encode_record(record)
+    assert exact and (b"NaN" in line or b"Infinity" in line)
+    assert same(decode_line(line), json_roundtrip(record))
+
+
+def json_roundtrip(value: object) -> object:
+    """``value`` as JSON gives it back: tuples become lists."""
+    if type(value) is dict:
+        return {k: json_roundtrip(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return [json_roundtrip(v) for v in value]
+    return value
+
+
+# -- the decoder's screen: a run of 19 digits not after a "." may be an integer beyond 64 bits -------------------
+
+
+@pytest.mark.parametrize("line", [
+    b'{"f":0.00030000000000000003,"a":123456789012345678901234}\n',      # a fraction's run first
+    b'{"f":[0.0001230000052601099,0.0001230000052601099],"a":-99999999999999999999}\n',
+    b'[0.0000000000000000000000000000000000000001,-12345678901234567890]\n',  # a 40-digit fraction
+    b'[ 12345678901234567890123]\n',
+])
+def test_an_integer_beyond_64_bits_after_long_fractions_decodes_exactly(line: bytes) -> None:
+    import json
+
+    assert repr(decode_line(line)) == repr(json.loads(line))
+
+
+@given(
+    st.lists(st.floats(min_value=-1e-3, max_value=1e-3, allow_nan=False), max_size=20),
+    st.integers(min_value=2**64, max_value=2**200) | st.integers(min_value=-(2**200), max_value=-(2**63) - 1),
+    st.integers(min_value=0, max_value=20),
+)
+def test_an_integer_beyond_64_bits_among_small_floats_survives(floats: list, big: int, at: int) -> None:
+    numbers = [*floats[:at], big, *floats[at:]]
+    record = {"logprobs": numbers}
+    back = decode_line(encode_line(record))
+    assert same(back, record) and type(back["logprobs"][min(at, len(floats))]) is int

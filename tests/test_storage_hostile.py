@@ -114,6 +114,11 @@ class CountingReader:
     def __init__(self, handle) -> None:  # noqa: ANN001
         self.handle, self.read_bytes = handle, 0
 
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.read_bytes += len(data)
+        return data
+
     def readline(self, limit: int = -1) -> bytes:
         line = self.handle.readline(limit)
         self.read_bytes += len(line)

@@ -9,7 +9,9 @@ Rules (docs/protocol.md "Retire, forget, restore marks"):
   (attempt + 1). An install
   that outlives the restore's deadline is kept: a retire or the next restore waits for
   it and admission reopens only once it finished. A failed read or install reopens
-  admission (the marks stay); a failed install also deletes what it may have left;
+  admission (the marks stay); a failed install also deletes what it may have left.
+  Python's cyclic garbage collector is paused from the read until the install ended
+  (``collector.py``: it took half the CPU of a large restore);
 - retire marks first (which refuses data requests parked under those attempts at
   once), then (bounded by its deadline) waits for a running install, stops and frees
   the attempts, waits until those parked requests were answered, then replies
@@ -33,10 +35,11 @@ from nemo_gym_checkpoint_plugin._errors import (
     InvalidCheckpointState,
     InvalidPhase,
 )
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 
 from .._types import Phase, RestoredRecord, sorted_keys
+from .collector import collector_paused
 from .memory import Active, Replay
 
 if TYPE_CHECKING:
@@ -80,21 +83,24 @@ class RestoreMixin:
         self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...]
     ) -> dict[str, Any]:
         try:
-            restored = await run_storage(
-                self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
-            )
-            records = [_restored_record(record) for record in restored.records]
-            # Before anything is retired or installed: every record's owner must be here to take it.
-            self.participants.check_owners(records)
-            scope = [_replacement(from_capture_key(key)) for key in keys]
-            previous = self._install_task
-            if previous is not None and not previous.done():
-                # Two installs never overlap: the next restore waits for the one that outlived its deadline.
-                await asyncio.wait([previous])
-            install = self._install_task = self._spawn(
-                self._install(active.checkpoint_id, restored.manifest, records, scope)
-            )
-            await asyncio.shield(install)
+            with collector_paused():
+                restored = await run_storage(
+                    self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
+                )
+                # Each episode's ids once: the scope's, shared by its records (EpisodeId is immutable).
+                ids = {(e.rollout_id, e.attempt): (e, _replacement(e)) for e in map(from_capture_key, keys)}
+                records = [_restored_record(record, ids) for record in restored.records]
+                # Before anything is retired or installed: every record's owner must be here to take it.
+                self.participants.check_owners(records)
+                scope = [replacement for _, replacement in ids.values()]
+                previous = self._install_task
+                if previous is not None and not previous.done():
+                    # Two installs never overlap: the next restore waits for the one that outlived its deadline.
+                    await asyncio.wait([previous])
+                install = self._install_task = self._spawn(
+                    self._install(active.checkpoint_id, restored.manifest, records, scope)
+                )
+                await asyncio.shield(install)
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -167,10 +173,24 @@ class RestoreMixin:
         return {"forgotten_count": len(rollout_ids)}
 
 
+# An episode's checkpointed attempt and its replacement.
+_Ids = tuple[EpisodeId, EpisodeId]
+
+
 def _replacement(checkpointed: EpisodeId) -> EpisodeId:
-    return EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
+    # A valid EpisodeId's rollout id with a larger attempt is valid: nothing left to validate.
+    return construct_episode(checkpointed.rollout_id, checkpointed.attempt + 1)
 
 
-def _restored_record(record: dict[str, Any]) -> RestoredRecord:
-    checkpointed = EpisodeId.model_validate(record["episode_id"])
-    return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)
+def _restored_record(record: Mapping[str, Any], ids: Mapping[tuple[str, int], _Ids]) -> RestoredRecord:
+    """The record with its checkpointed and replacement ids: the scope's own when it names them exactly."""
+    wire = record["episode_id"]
+    known = None
+    if type(wire) is dict:
+        rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt")
+        if type(rollout_id) is str and type(attempt) is int and len(wire) == 2:
+            known = ids.get((rollout_id, attempt))
+    if known is None:
+        checkpointed = episode_from_wire(wire)
+        known = (checkpointed, _replacement(checkpointed))
+    return RestoredRecord(checkpointed=known[0], replacement=known[1], record=record)

@@ -40,37 +40,50 @@ def _refuse(value: Any) -> Any:
     raise NotJSON(f"{type(value).__name__} is not a JSON value: {value!r:.80}")
 
 
+_NUMBER_TYPES = (int, float)
+
+
 def _needs_fallback(value: Any) -> bool:
     """True when orjson would have changed the value: a NaN or infinity somewhere.
 
-    Walks containers only; a list of plain numbers (token ids, logprobs) is checked in one
-    C-level pass, so the cost follows the record's structure, not its size in bytes.
+    Walks containers only, scalars inline; a list of plain numbers (token ids, logprobs) is
+    checked in one C-level pass, so the cost follows the record's structure, not its size in bytes.
     """
+    kind = type(value)
+    if kind is float:
+        return not math.isfinite(value)
+    if kind is not dict and kind is not list and kind is not tuple:
+        return False
     stack = [value]
+    pop, push, isfinite = stack.pop, stack.append, math.isfinite
     while stack:
-        item = stack.pop()
-        kind = type(item)
-        if kind is float:
-            if not math.isfinite(item):
-                return True
-        elif kind is dict:
-            stack.extend(item.values())
-        elif kind is list or kind is tuple:
-            if not _all_finite_numbers(item):
-                stack.extend(item)
+        item = pop()
+        for child in item.values() if type(item) is dict else item:
+            kind = type(child)
+            if kind is str or child is None or kind is int or kind is bool:
+                continue
+            if kind is float:
+                if not isfinite(child):
+                    return True
+            elif kind is list or kind is tuple:
+                if not (child and type(child[0]) in _NUMBER_TYPES and _all_finite_numbers(child)):
+                    push(child)
+            elif kind is dict:
+                push(child)
     return False
 
 
 def _all_finite_numbers(items: list[Any] | tuple[Any, ...]) -> bool:
     """True when every item is a number and none is NaN or infinite; False means "look closer".
 
-    ``math.fsum`` propagates NaN and infinities, so a finite sum proves every term finite.
-    It raises for non-numbers (TypeError), for +inf with -inf (ValueError), and for integers
-    too large for a float or sums that overflow (OverflowError): those lists are walked item
-    by item.
+    ``sum`` propagates NaN and infinities (float addition keeps them; its compensation term
+    is dropped when not finite), so a finite sum proves every term finite. It raises for
+    non-numbers (TypeError), and ``isfinite`` for an integer sum too large for a float
+    (OverflowError); a sum that overflows to infinity is merely "look closer": those lists
+    are walked item by item.
     """
     try:
-        return math.isfinite(math.fsum(items))
+        return math.isfinite(sum(items))
     except (TypeError, ValueError, OverflowError):
         return False
 
@@ -116,7 +129,8 @@ def encode_record(value: Any) -> tuple[bytes, bool]:
             raise exc.__cause__ from None
         # Integers beyond 64 bits (and nothing else) are what the standard library adds.
         return _stdlib_line(value), True
-    if _needs_fallback(value):
+    # orjson writes NaN and the infinities as null: a line without that token holds none of them.
+    if b"null" in line and _needs_fallback(value):
         return _stdlib_line(value), True
     return line, False
 
@@ -126,16 +140,33 @@ def encode_line(value: Any) -> bytes:
     return encode_record(value)[0]
 
 
-# orjson reads an integer beyond 64 bits as a float, silently. Such a float is at least 2**63 in
-# magnitude, so a decoded record holding no float that large cannot have lost one: the screen
-# walks the decoded containers (a list of numbers in one C-level ``math.hypot`` pass, which is
-# at least the largest magnitude in it) instead of every byte of the line. Only a record that
-# holds such a number is looked at closer: its line is read exactly when it has a run of 19
-# digits (which an integer beyond 64 bits has and no float either library writes has; digits
-# map to "0", everything else to " ", and a C-level substring search finds the run).
+# orjson reads an integer beyond 64 bits as a float, silently. Such an integer is written as a run
+# of at least 19 digits not after a "." (only a fraction's digits follow a "."; a fraction may
+# have that many, leading zeros included, as in 0.00030000000000000003). Digits map to "0", "."
+# to itself, everything else to " " (whatever precedes an integer: "[", ",", ":", "-", a space),
+# and C-level substring searches find the runs and look at what precedes each. Most lines have
+# none (a pass or two over the bytes, in C). A line with such a run is looked at closer: a
+# decoded record holding no number of magnitude 2**63 or more cannot have lost one (the walk
+# checks a list of numbers in one C-level ``math.hypot`` pass, which is at least the largest
+# magnitude in it); one that holds such a number is read exactly.
 _HUGE = float(2**63)
-_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else b if b == 0x2E else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
+_DOT = ord(".")
+
+
+def _long_integer_run(line: bytes) -> bool:
+    """True when ``line`` has a run of 19 digits or more not after a "." (maybe an integer beyond 64 bits)."""
+    digits = line.translate(_DIGITS_ONLY)
+    start = digits.find(_LONG_RUN)
+    while start != -1:
+        # The leftmost match starts a run (unless inside a fraction of 38 digits or more: then this
+        # says True, and the walk decides). A run after no "." may be an integer.
+        if start == 0 or digits[start - 1] != _DOT:
+            return True
+        # A fraction's run: the next run starts after it ends, at least 19 digits on.
+        start = digits.find(_LONG_RUN, start + 19)
+    return False
 
 
 def _holds_huge_number(value: Any) -> bool:
@@ -170,7 +201,8 @@ def decode_line(line: bytes) -> Any:
     except orjson.JSONDecodeError:
         # NaN and Infinity tokens: only the standard library reads them.
         return json.loads(line)
-    if _holds_huge_number(value) and _LONG_RUN in line.translate(_DIGITS_ONLY):
+    # The line's digit runs first: one C-level pass over the bytes, and most lines have no run that long.
+    if _long_integer_run(line) and _holds_huge_number(value):
         # An integer beyond 64 bits that orjson turned into a float: read the line exactly.
         return json.loads(line)
     return value

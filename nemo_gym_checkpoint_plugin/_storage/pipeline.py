@@ -4,7 +4,10 @@ Encoding and decoding records hold the GIL; sha256 over large buffers, file read
 writes and fsync release it. So the records file is hashed and written (or read and
 hashed) by one worker thread while the caller's thread encodes (or decodes) the next
 records. Lines travel in batches of about ``BATCH_BYTES`` through a bounded queue, so
-memory stays at a few batches whatever the file size. The worker also flushes written
+memory stays at a few batches whatever the file size. The worker hashes and writes (or
+reads, hashes and splits) a whole batch at a time: sha256 releases the GIL for each call, and
+taking it back costs a switch interval while the other thread encodes, so once per batch,
+never once per line. The worker also flushes written
 data to disk as it goes (``sync_file_range`` where Linux offers it: the disk writes while
 this process encodes, without waiting), so the final fsync has little left to do.
 """
@@ -83,10 +86,10 @@ class HashingWriter:
                 if batch is _DONE or self._abort.is_set():
                     return
                 assert isinstance(batch, list)
-                for line in batch:
-                    self._sha.update(line)
-                self._out.writelines(batch)
-                unsynced += sum(map(len, batch))
+                data = b"".join(batch)
+                self._sha.update(data)
+                self._out.write(data)
+                unsynced += len(data)
                 if unsynced >= SYNC_BYTES:
                     self._out.flush()
                     _start_writeback(fd, synced_to, unsynced)
@@ -146,9 +149,10 @@ class _ReadEnd:
 
 
 def hashed_lines(handle: BinaryIO, max_line: int) -> Iterator[list[bytes] | _ReadEnd]:
-    """Yield batches of lines read and hashed by a worker thread, then one ``_ReadEnd``.
+    """Yield batches of lines (without their newline) read and hashed by a worker thread, then one ``_ReadEnd``.
 
-    A line longer than ``max_line`` bytes (newline included) ends the read with
+    The worker reads about ``BATCH_BYTES`` at a time, hashes it in one call and splits it at
+    newlines. A line longer than ``max_line`` bytes (newline included) ends the read with
     ``too_long`` after at most ``max_line + 1`` of its bytes were read: a file of one
     endless line never sits in memory whole. Closing the generator early stops the worker.
     """
@@ -167,32 +171,33 @@ def hashed_lines(handle: BinaryIO, max_line: int) -> Iterator[list[bytes] | _Rea
     def run() -> None:
         sha = hashlib.sha256()
         count = 0
-        truncated = False
-        batch: list[bytes] = []
-        size = 0
-        readline = handle.readline
+        read = handle.read
         limit = max_line + 1
+        carry = b""  # the start of a line whose newline is not read yet
         try:
-            while line := readline(limit):
-                if len(line) > max_line:
-                    put(_ReadEnd("", count, False, None, too_long=True))
-                    return
-                sha.update(line)
-                if not line.endswith(b"\n"):
-                    truncated = True
+            while True:
+                # Never more than ``limit`` bytes of one unfinished line: an endless line is refused early.
+                chunk = read(min(BATCH_BYTES, limit - len(carry)))
+                if not chunk:
                     break
-                count += 1
-                batch.append(line)
-                size += len(line)
-                if size >= BATCH_BYTES:
-                    if not put(batch):
+                sha.update(chunk)
+                lines = (carry + chunk).split(b"\n") if carry else chunk.split(b"\n")
+                carry = lines.pop()
+                # Every complete line (plus its newline) within the bound; else the first one beyond it.
+                if lines and max(map(len, lines)) >= max_line:
+                    long = next(index for index, line in enumerate(lines) if len(line) >= max_line)
+                    put(_ReadEnd("", count + long, False, None, too_long=True))
+                    return
+                if len(carry) >= limit:
+                    put(_ReadEnd("", count + len(lines), False, None, too_long=True))
+                    return
+                if lines:
+                    count += len(lines)
+                    if not put(lines):
                         return
-                    batch, size = [], 0
-            if batch and not put(batch):
-                return
-            put(_ReadEnd(sha.hexdigest(), count, truncated, None))
+            put(_ReadEnd(sha.hexdigest(), count, bool(carry), None))
         except BaseException as exc:  # handed to the consumer
-            put(_ReadEnd("", count, truncated, exc))
+            put(_ReadEnd("", count, bool(carry), exc))
 
     worker = threading.Thread(target=run, name="checkpoint-records-reader", daemon=True)
     worker.start()

@@ -41,6 +41,7 @@ __all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkp
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
+_EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
 _CHUNK = 1 << 20
 
 
@@ -56,11 +57,15 @@ def capture_key_of(episode_id: Any) -> str:
 
     A plain check (not Gym's pydantic model) because it runs once per record on restore.
     """
-    if not isinstance(episode_id, Mapping) or set(episode_id) != {"rollout_id", "attempt"}:
+    if type(episode_id) is dict:
+        keys_ok = len(episode_id) == 2 and "rollout_id" in episode_id and "attempt" in episode_id
+    else:
+        keys_ok = isinstance(episode_id, Mapping) and set(episode_id) == _EPISODE_KEYS
+    if not keys_ok:
         raise ValueError("episode_id must be an object with exactly rollout_id and attempt")
     rollout_id, attempt = episode_id["rollout_id"], episode_id["attempt"]
-    if not isinstance(rollout_id, str) or not SAFE_COMPONENT.fullmatch(rollout_id) or _RESERVED_SUFFIX.search(
-        rollout_id
+    if not isinstance(rollout_id, str) or not SAFE_COMPONENT.fullmatch(rollout_id) or (
+        "-a" in rollout_id and _RESERVED_SUFFIX.search(rollout_id)
     ):
         raise ValueError(f"rollout_id {rollout_id!r} is not a valid rollout id")
     if type(attempt) is not int or attempt < 0:
@@ -124,7 +129,7 @@ def _open_records(directory: Path, name: str) -> BinaryIO:
 def iter_verified_lines(
     directory: Path, manifest: Mapping[str, Any], *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> Iterator[bytes]:
-    """Yield each line of the records file; after the last one, check count and digest.
+    """Yield each line of the records file (without its newline); after the last one, check count and digest.
 
     Raises ``InvalidCheckpointState`` for a line longer than ``max_record_bytes`` (refused
     after reading at most that many of its bytes), a truncated last line, a count or a

@@ -1,0 +1,73 @@
+"""A restore pauses Python's cyclic garbage collector from its read until its install ended, and leaves it
+as it found it: enabled again after a restore (or a failed one), still disabled if it was disabled before."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from control_support import Gate, Harness, close_harness, make_harness, wire
+
+from nemo_gym_checkpoint_plugin._control.collector import collector_paused
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    harness = await make_harness(tmp_path)
+    yield harness
+    await close_harness(harness)
+
+
+@pytest.fixture(autouse=True)
+def collector_back_on() -> Iterator[None]:
+    yield
+    gc.enable()
+
+
+async def checkpointed(h: Harness) -> None:
+    h.participant.add("r1", "r2")
+    await h.checkpoint("c1", ["r1", "r2"])
+    await h.call("resume", checkpoint_id="c1")
+    h.participant.episodes.clear()
+
+
+async def test_the_collector_is_paused_during_the_install_and_enabled_after(h: Harness) -> None:
+    await checkpointed(h)
+    h.participant.install_gate = gate = Gate()
+    assert gc.isenabled()
+    restore = asyncio.create_task(h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory),
+                                         episode_ids=[wire("r1"), wire("r2")]))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    assert not gc.isenabled()  # the records are read and being installed
+    gate.release()
+    assert (await restore)["restored"] == ["r1-a1", "r2-a1"]
+    assert gc.isenabled()
+
+
+async def test_a_failed_restore_enables_the_collector_again(h: Harness) -> None:
+    await checkpointed(h)
+    h.participant.install_error = ValueError("refused")
+    await h.error("restore", "invalid_checkpoint_state", checkpoint_id="r-1", checkpoint_dir=str(h.directory),
+                  episode_ids=[wire("r1")])
+    assert gc.isenabled()
+    await h.error("restore", "invalid_checkpoint_state", checkpoint_id="r-2",
+                  checkpoint_dir=str(h.directory / "nowhere"), episode_ids=[wire("r1")])
+    assert gc.isenabled()
+
+
+async def test_a_collector_disabled_before_stays_disabled(h: Harness) -> None:
+    await checkpointed(h)
+    gc.disable()
+    await h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")])
+    assert not gc.isenabled()
+
+
+def test_pauses_nest() -> None:
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
