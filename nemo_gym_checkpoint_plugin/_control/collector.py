@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector, paused while a restore reads and installs its records.
+"""Python's cyclic garbage collector, paused while a restore reads and installs its records, and while
+a commit exports and writes them.
 
 A restore of 16,000 records of a few KB decodes some 40 containers per record. The collector
 starts a collection every 2,000 new containers, traverses the same new records again and again,

@@ -1,5 +1,6 @@
-"""A restore pauses Python's cyclic garbage collector from its read until its install ended, and leaves it
-as it found it: enabled again after a restore (or a failed one), still disabled if it was disabled before."""
+"""A restore pauses Python's cyclic garbage collector from its read until its install ended, and a commit
+while it exports and writes; each leaves it as it found it: enabled again after (or after a failure), still
+disabled if it was disabled before."""
 
 from __future__ import annotations
 
@@ -70,4 +71,26 @@ def test_pauses_nest() -> None:
         with collector_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+async def test_the_collector_is_paused_while_a_commit_exports_and_writes_and_enabled_after(h: Harness) -> None:
+    seen: list[bool] = []
+
+    def observed(records: list) -> Iterator:
+        for record in records:
+            seen.append(gc.isenabled())  # the writer thread iterates the records while it encodes them
+            yield record
+
+    h.participant.add("r1", "r2")
+    h.participant.export_gate = gate = Gate()
+    h.participant.records_wrapper = observed
+    await h.call("prepare", checkpoint_id="c1")
+    commit = asyncio.create_task(h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory),
+                                        episode_ids=[wire("r1"), wire("r2")]))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    assert not gc.isenabled()  # the participant is exporting
+    gate.release()
+    assert (await commit)["episode_ids"] == ["r1", "r2"]
+    assert seen == [False, False]
     assert gc.isenabled()
