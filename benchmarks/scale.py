@@ -80,7 +80,18 @@ DEFAULT_MAX_IN_FLIGHT_PER_PROCESS = 9_000
 # its listener or control sessions, logs, the event loop, imported libraries.
 _RESERVED_FDS = 500
 # Gym's per-server aiohttp pool queues calls beyond 1,024 per host: sized to the work instead.
-GYM_SETTINGS = {"global_aiohttp_connector_limit": 0, "global_aiohttp_connector_limit_per_host": 0}
+# Gym's TCP keepalive (idle 60 s, a probe every 10 s, dropped after 3 unanswered) on ~100,000 loopback
+# sockets sends thousands of probes a second; on 2 busy cores the kernel's per-CPU input queue
+# (net.core.netdev_max_backlog, 1,000) drops some, and a held rollout whose 3 probes in a row were
+# dropped is aborted (ClientOSError, 499): at 16,000 rollouts about 6,000 were. Fewer probes, and
+# more of them before giving up, keep dead-peer detection (docs/performance.md).
+GYM_SETTINGS = {
+    "global_aiohttp_connector_limit": 0,
+    "global_aiohttp_connector_limit_per_host": 0,
+    "global_aiohttp_tcp_keepalive_idle_seconds": 600,
+    "global_aiohttp_tcp_keepalive_interval_seconds": 30,
+    "global_aiohttp_tcp_keepalive_probes": 10,
+}
 _POLL = 0.1
 # Rollouts on their way to the held call at once (and replacement calls open at once): well under the
 # servers' listen backlog (uvicorn's 2,048) however the rollouts split over the replicas.
