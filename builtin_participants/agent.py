@@ -44,9 +44,10 @@ from typing import Any
 
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
+from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
 from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN, ROLLOUT_PATH_PREFIX
@@ -242,16 +243,10 @@ class SimpleAgentSessions:
 
     @hookimpl
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
-        limits: dict[str, int] = {}
-        for episode_id in episode_ids:
-            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
-
-        def named(episode_id: EpisodeId) -> bool:
-            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
-
+        named = RetiredBy(episode_ids)
         if self.turns is not None:
             # The attempts' turns still running (their environment is gone) stop before their sessions go.
-            await self.turns.stop(lambda key: named(from_capture_key(key)))
+            await self.turns.stop(named.key)
         # The environment closes sessions of episodes it stops; what is left (restored, never used) goes here.
         self._drop(lambda episode_id, _key: named(episode_id))
 
