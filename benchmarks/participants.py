@@ -8,11 +8,14 @@ shaped as a held second model call leaves them in ``benchmarks/scale.py``:
   rollout's prefix, activated once, each with a mid-turn journal (one model answer, one tool
   result) as a turn waiting on its second model call has;
 - resources (``example_single_tool_call``): N session bindings;
-- environment (``single_agent_turn``): N episodes at boundary ``seeded``, in the captured agent step;
-- model (``policy_model``): N calls in flight (no token capture: nothing to export).
+- environment (``single_agent_turn``): N episodes at boundary ``seeded``, in the captured agent step,
+  each with a running task;
+- model (``policy_model``): N calls in flight, each with a running task (no token capture: nothing
+  to export, so its restore hooks have nothing to do).
 
 Timed, by calling the hookimpls directly (no HTTP, no storage): ``export`` (scope of all N) on
-the populated server; then on a fresh server (a restarted process) ``retire`` of the N
+the populated server and ``retire_live``, its retire of all N (running tasks cancelled and awaited);
+then on a fresh server (a restarted process) ``retire`` of the N
 checkpointed attempts, ``install`` of the N exported records (JSON round-tripped, as a restore
 reads them), ``restored_pending`` and ``delete_restored`` of the N replacements. Each hook runs
 after a full collection with the garbage collector off (``--gc`` leaves it on: a collection of
@@ -60,7 +63,7 @@ from nemo_gym_checkpoint_plugin.testing.gym_config import (
 
 KINDS = {"agent": AGENT, "resources": RESOURCES, "environment": ENVIRONMENT, "model": MODEL}
 KEEP_GC = False
-HOOKS = ("export", "retire", "install", "restored_pending", "delete_restored")
+HOOKS = ("export", "retire", "install", "restored_pending", "delete_restored", "retire_live")
 _TOKEN = "participants-benchmark"
 
 
@@ -186,14 +189,25 @@ def populate_environment(server: Any, book: Any, ids: list[EpisodeId]) -> None:
             "verify_replay": True,
             "agent_mid_turn": True,
         }
-        running = Episode(episode, episode.capture_key, None, boundary="seeded", state=state)
+        running = Episode(episode, episode.capture_key, _forever(), boundary="seeded", state=state)
         running.step, running.step_captured = "agent", True
         book._episodes[episode.capture_key] = running
 
 
 def populate_model(server: Any, calls: Any, ids: list[EpisodeId]) -> None:
     for episode in ids:
-        calls.begin((episode.rollout_id, episode.attempt))
+        call = calls.begin((episode.rollout_id, episode.attempt))
+        call.task = _forever(lambda call=call: calls.end(call))  # a generation a retire cancels
+
+
+def _forever(finally_: Callable[[], None] | None = None) -> asyncio.Task[None]:
+    """A task that runs until cancelled (an episode's or a model call's), then runs ``finally_``."""
+
+    task = asyncio.ensure_future(asyncio.Event().wait())
+    if finally_ is not None:
+        # A callback, not a finally: a task cancelled before it first ran never runs its body.
+        task.add_done_callback(lambda _task: finally_())
+    return task
 
 
 async def _call(fn: Callable[..., Any], **kwargs: Any) -> Any:
@@ -243,6 +257,8 @@ async def run_kind(kind: str, count: int, directory: Path, profile: cProfile.Pro
             checkpointed = EpisodeId.model_validate(record["episode_id"])
             replacement = EpisodeId(rollout_id=checkpointed.rollout_id, attempt=checkpointed.attempt + 1)
             restored.append(RestoredRecord(checkpointed, replacement, record))
+        # The commit side's own retire (a controller retiring what it checkpointed): every episode held.
+        seconds["retire_live"], _ = await timed(plugin.retire, profile, episode_ids=ids)
         fresh_server, fresh = servers.build(kind)
         checkpointed = [r.checkpointed for r in restored] or ids
         replacements = [r.replacement for r in restored]

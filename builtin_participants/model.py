@@ -167,7 +167,10 @@ class ModelCalls:
                 self.stopped_total += 1
                 if call.task is not None:
                     call.task.cancel()
-        await asyncio.gather(*(call.finished.wait() for call in victims))
+        for call in victims:
+            # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
+            # finished call's wait returns at once (no task per call: a retire may name thousands).
+            await call.finished.wait()
         named = RetiredBy(episode_ids)
         freed = [key for key in self._restored if named.key(key)]
         if freed:
