@@ -19,7 +19,9 @@ then on a fresh server (a restarted process) ``retire`` of the N
 checkpointed attempts, ``install`` of the N exported records (JSON round-tripped, as a restore
 reads them), ``restored_pending`` and ``delete_restored`` of the N replacements. Each hook runs
 after a full collection with the garbage collector off (``--gc`` leaves it on: a collection of
-the heap then lands in whichever hook is allocating when one is due). Prints seconds
+the heap then lands in whichever hook is allocating when one is due). Times are this process's CPU
+seconds (``time.process_time``: a machine shared with other work does not inflate them much; the
+hooks run on one thread). Prints seconds
 and microseconds per episode per hook per kind, a cProfile top-N with ``--profile``, and one
 JSON object as its last line.
 
@@ -223,13 +225,13 @@ async def timed(fn: Callable[..., Any], profile: cProfile.Profile | None, **kwar
         gc.disable()
     if profile is not None:
         profile.enable()
-    started = time.perf_counter()
+    started = time.process_time()
     result = await _call(fn, **kwargs)
     if isinstance(result, ParticipantExport):
         result = result.records
     if result is not None and not isinstance(result, list):
         result = list(result)  # an iterator export is consumed by the writer: its cost is the export's
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     if profile is not None:
         profile.disable()
     gc.enable()
@@ -290,7 +292,7 @@ def main() -> None:
     global KEEP_GC
     KEEP_GC = args.gc
     figures: dict[str, Any] = {"episodes": args.episodes, "kinds": {}}
-    print(f"{'kind':<12}{'records':>8}" + "".join(f"{hook:>18}" for hook in HOOKS) + "   (s, us/episode)")
+    print(f"{'kind':<12}{'records':>8}" + "".join(f"{hook:>18}" for hook in HOOKS) + "   (CPU s, us/episode)")
     for kind in args.kinds.split(","):
         profile = cProfile.Profile() if args.profile else None
         seconds: dict[str, float] = {}
