@@ -45,6 +45,7 @@ from typing import Any
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -159,10 +160,21 @@ class SimpleAgentSessions:
 
     @hookimpl
     async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+        sessions = self._records()
+        with collector_paused():  # thousands of sessions built at once (bulk.py)
+            staged = await self._stage(records, sessions)
+        # Every record was accepted: only now does any session appear.
+        for session_id, (session_record, key, turn) in staged.items():
+            sessions[session_id] = session_record
+            self._installed.add(key)
+            if turn is not None and self.turns is not None:
+                self.turns.turns[session_id] = turn
+
+    async def _stage(self, records: list[RestoredRecord], sessions: dict[str, Any]) -> dict[str, Any]:
+        """Each record's session, built and checked (``ValueError`` naming the episode); nothing installed yet."""
         from nemo_gym.base_responses_api_agent import AgentSeedSessionRequest, _AgentSessionRecord
         from nemo_gym.rollout_observability import AgentObservationBundle
 
-        sessions = self._records()
         staged: dict[str, Any] = {}
         for restored in records:
             record = restored.record
@@ -198,12 +210,7 @@ class SimpleAgentSessions:
                 except ValueError as exc:
                     raise ValueError(f"episode {old_key}: {exc}") from None
             staged[session_id] = (_AgentSessionRecord(state=state, episode_id=replacement), new_key, turn)
-        # Every record was accepted: only now does any session appear.
-        for session_id, (session_record, key, turn) in staged.items():
-            sessions[session_id] = session_record
-            self._installed.add(key)
-            if turn is not None and self.turns is not None:
-                self.turns.turns[session_id] = turn
+        return staged
 
     @hookimpl
     def restored_pending(self) -> list[str]:
