@@ -142,6 +142,6 @@ def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) 
         elif isinstance(plugin, ResourcesSessions):
             install_resources_declarations(app, participants, plugin)
         elif isinstance(plugin, SimpleAgentSessions):
-            install_agent_declaration(app, mid_turn=plugin.turns is not None)
+            install_agent_declaration(app, mid_turn=plugin.turns is not None, sessions=plugin)
         elif isinstance(plugin, ModelCalls):
             install_model_calls(app, plugin)

@@ -39,13 +39,16 @@ refuses a ``/run`` naming no rollout with ``rollout_id_required``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
+from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
 from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN, ROLLOUT_PATH_PREFIX
@@ -53,6 +56,8 @@ from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSIO
 __all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
 
 _ROLLOUT_SEGMENT = ROLLOUT_PATH_PREFIX
+# Seed-request dumps kept beyond twice the open sessions at the last prune are pruned (never below this).
+_PRUNE_FLOOR = 1024
 
 
 def is_session_agent(server: Any) -> bool:
@@ -87,55 +92,102 @@ class SimpleAgentSessions:
         self.server = server
         self.turns = turns
         self._installed: set[str] = set()
+        # Session id -> (its seed request, that request's JSON dump): a session's seed request is not
+        # changed once seeded, so each is dumped once; a request replaced by another is dumped again.
+        self._dumps: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._prune_at = _PRUNE_FLOOR
 
     def _records(self) -> dict[str, Any]:
+        # A pydantic private attribute (each read costs microseconds): hooks read it once.
         return self.server._session_records
+
+    def _request_dump(self, session_id: str, request: Any) -> dict[str, Any]:
+        cached = self._dumps.get(session_id)
+        if cached is not None and cached[0] is request:
+            return cached[1]
+        dump = request.model_dump(mode="json")
+        self._dumps[session_id] = (request, dump)
+        return dump
+
+    def remember_seed(self, session_id: str) -> None:
+        """A session was just seeded (its seed reply is starting): dump its request now, not in a checkpoint."""
+        sessions = self._records()
+        record = sessions.get(session_id)
+        state = record.state if record is not None else None
+        if state is not None:
+            self._request_dump(session_id, state.request)
+        if len(self._dumps) > self._prune_at:
+            self._prune_dumps(sessions)
+
+    def _prune_dumps(self, sessions: dict[str, Any]) -> None:
+        """Forget the dumps of sessions closed or gone (and of requests replaced since)."""
+        kept = {}
+        for session_id, (request, dump) in self._dumps.items():
+            record = sessions.get(session_id)
+            if record is not None and record.state is not None and record.state.request is request:
+                kept[session_id] = (request, dump)
+        self._dumps = kept
+        self._prune_at = max(_PRUNE_FLOOR, 2 * len(kept))
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+        sessions = self._records()
+        turns = self.turns.turns if self.turns is not None else None
         records = []
-        for session_id, record in self._records().items():
+        for session_id, record in sessions.items():
             state = record.state
-            if state is None or record.closing or record.episode_id is None:
+            episode_id = record.episode_id
+            if state is None or record.closing or episode_id is None:
                 continue
-            if scope is not None and record.episode_id.capture_key not in scope:
+            if scope is not None and episode_id.capture_key not in scope:
                 continue
             observations = getattr(state, "observations", None)
-            records.append(
-                {
-                    "episode_id": {"rollout_id": record.episode_id.rollout_id, "attempt": record.episode_id.attempt},
-                    "agent_session_id": session_id,
-                    "request": state.request.model_dump(mode="json"),
-                    "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
-                    "activations": int(getattr(state, "activations", 0)),
-                    "observations": observations.model_dump(mode="json") if observations is not None else None,
-                    **({"turn": self._turn_record(session_id)} if self.turns is not None else {}),
-                }
-            )
+            entry = {
+                "episode_id": {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt},
+                "agent_session_id": session_id,
+                # Shared with later exports (never mutated: records are only read once exported).
+                "request": self._request_dump(session_id, state.request),
+                "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
+                "activations": int(getattr(state, "activations", 0)),
+                "observations": observations.model_dump(mode="json") if observations is not None else None,
+            }
+            if turns is not None:
+                turn = turns.get(session_id)
+                entry["turn"] = turn.to_wire() if turn is not None else None
+            records.append(entry)
+        self._prune_dumps(sessions)
         return records
-
-    def _turn_record(self, session_id: str) -> dict[str, Any] | None:
-        assert self.turns is not None
-        turn = self.turns.turns.get(session_id)
-        return turn.to_wire() if turn is not None else None
 
     @hookimpl
     async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+        sessions = self._records()
+        with collector_paused():  # thousands of sessions built at once (bulk.py)
+            staged = await self._stage(records, sessions)
+        # Every record was accepted: only now does any session appear.
+        for session_id, (session_record, key, turn) in staged.items():
+            sessions[session_id] = session_record
+            self._installed.add(key)
+            if turn is not None and self.turns is not None:
+                self.turns.turns[session_id] = turn
+
+    async def _stage(self, records: list[RestoredRecord], sessions: dict[str, Any]) -> dict[str, Any]:
+        """Each record's session, built and checked (``ValueError`` naming the episode); nothing installed yet."""
         from nemo_gym.base_responses_api_agent import AgentSeedSessionRequest, _AgentSessionRecord
         from nemo_gym.rollout_observability import AgentObservationBundle
 
         staged: dict[str, Any] = {}
         for restored in records:
             record = restored.record
-            old_key, new_key = restored.checkpointed.capture_key, restored.replacement.capture_key
+            old_key, replacement = restored.checkpointed.capture_key, restored.replacement
+            new_key = replacement.capture_key
             session_id = record.get("agent_session_id")
             if not isinstance(session_id, str) or not session_id:
                 raise ValueError(f"episode {old_key}: agent_session_id must be a non-empty string")
-            if session_id in self._records() or session_id in staged:
+            if session_id in sessions or session_id in staged:
                 raise ValueError(f"episode {old_key}: agent session {session_id} already exists here")
             request = dict(record.get("request") or {})
-            request["episode_id"] = {"rollout_id": restored.replacement.rollout_id,
-                                     "attempt": restored.replacement.attempt}
+            # The replacement's EpisodeId itself (validated when it was built; pydantic keeps an instance).
+            request["episode_id"] = replacement
             request["tool_accesses"] = [
                 {**access, "base_url": rewrite_rollout_base(str(access["base_url"]), old_key, new_key)}
                 if isinstance(access, Mapping) and "base_url" in access
@@ -157,52 +209,53 @@ class SimpleAgentSessions:
                     turn = Turn.from_wire(record["turn"])
                 except ValueError as exc:
                     raise ValueError(f"episode {old_key}: {exc}") from None
-            staged[session_id] = (_AgentSessionRecord(state=state, episode_id=restored.replacement), new_key, turn)
-        # Every record was accepted: only now does any session appear.
-        for session_id, (session_record, key, turn) in staged.items():
-            self._records()[session_id] = session_record
-            self._installed.add(key)
-            if turn is not None and self.turns is not None:
-                self.turns.turns[session_id] = turn
+            staged[session_id] = (_AgentSessionRecord(state=state, episode_id=replacement), new_key, turn)
+        return staged
 
     @hookimpl
     def restored_pending(self) -> list[str]:
+        if not self._installed:
+            return []
         pending = set()
         for record in self._records().values():
-            if record.episode_id is not None and record.episode_id.capture_key in self._installed:
-                state = record.state
-                if state is not None and not record.closing:
-                    pending.add(record.episode_id.capture_key)
+            episode_id = record.episode_id
+            if episode_id is not None and record.state is not None and not record.closing:
+                key = episode_id.capture_key
+                if key in self._installed:
+                    pending.add(key)
         self._installed &= pending
         return sorted(pending)
 
-    def _drop(self, named: Any) -> None:
-        for session_id, record in list(self._records().items()):
-            if record.episode_id is not None and named(record.episode_id) and record.state is not None:
-                del self._records()[session_id]
-                self._installed.discard(record.episode_id.capture_key)
-                if self.turns is not None:
-                    self.turns.turns.pop(session_id, None)
+    def _drop(self, named: Callable[[EpisodeId, str], bool]) -> None:
+        """Remove the sessions (with state) whose attempt ``named(episode_id, capture_key)`` names."""
+        sessions = self._records()
+        turns = self.turns.turns if self.turns is not None else None
+        for session_id, record in list(sessions.items()):
+            episode_id = record.episode_id
+            if episode_id is None or record.state is None:
+                continue
+            key = episode_id.capture_key
+            if named(episode_id, key):
+                del sessions[session_id]
+                self._dumps.pop(session_id, None)
+                self._installed.discard(key)
+                if turns is not None:
+                    turns.pop(session_id, None)
 
     @hookimpl
     def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
-        keys = {episode_id.capture_key for episode_id in episode_ids}
-        self._drop(lambda episode_id: episode_id.capture_key in keys and episode_id.capture_key in self._installed)
+        keys = {episode_id.capture_key for episode_id in episode_ids} & self._installed
+        if keys:
+            self._drop(lambda _episode_id, key: key in keys and key in self._installed)
 
     @hookimpl
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
-        limits: dict[str, int] = {}
-        for episode_id in episode_ids:
-            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
-
-        def named(episode_id: EpisodeId) -> bool:
-            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
-
+        named = RetiredBy(episode_ids)
         if self.turns is not None:
             # The attempts' turns still running (their environment is gone) stop before their sessions go.
-            await self.turns.stop(lambda key: named(from_capture_key(key)))
+            await self.turns.stop(named.key)
         # The environment closes sessions of episodes it stops; what is left (restored, never used) goes here.
-        self._drop(named)
+        self._drop(lambda episode_id, _key: named(episode_id))
 
     # -- mid-turn boundaries (only with turns) -------------------------------------------------------
 
@@ -236,13 +289,27 @@ class SimpleAgentSessions:
         return fields
 
 
-def install_agent_declaration(app: Any, *, mid_turn: bool = False) -> None:
-    """Add ``x-ng-checkpoint-agent-session: capture`` (``mid-turn`` with turns) to every successful seed reply."""
+def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: SimpleAgentSessions | None = None) -> None:
+    """Add ``x-ng-checkpoint-agent-session: capture`` (``mid-turn`` with turns) to every successful seed reply.
+
+    With ``sessions``, each successful seed also has its request dumped there (``remember_seed``), so an
+    export finds it done: a checkpoint holds every rollout still, a seed does not.
+    """
     from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
 
     value = AGENT_SESSION_MID_TURN if mid_turn else AGENT_SESSION_CAPTURE
 
-    async def declare(_body: bytes, status: int) -> dict[str, str]:
-        return {AGENT_CAPTURE_HEADER: value} if 200 <= status < 300 else {}
+    async def declare(body: bytes, status: int) -> dict[str, str]:
+        if not 200 <= status < 300:
+            return {}
+        if sessions is not None:
+            try:
+                seeded = orjson.loads(body)
+            except ValueError:
+                seeded = None  # a body only Gym's own parser reads: its first export dumps it instead
+            session_id = seeded.get("agent_session_id") if isinstance(seeded, dict) else None
+            if isinstance(session_id, str):
+                sessions.remember_seed(session_id)
+        return {AGENT_CAPTURE_HEADER: value}
 
     app.add_middleware(ReplyHeaders, path="/v1/agent_sessions", headers_for=declare)

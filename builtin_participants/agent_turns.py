@@ -88,8 +88,8 @@ class Turn:
         """A restored turn; ``ValueError`` naming what is wrong."""
         if not isinstance(raw, Mapping):
             raise ValueError("turn must be a JSON object or null")
-        activation, digest, cookies, calls = (raw.get(k) for k in ("activation", "request_sha256",
-                                                                   "cookies_before", "calls"))
+        activation, digest = raw.get("activation"), raw.get("request_sha256")
+        cookies, calls = raw.get("cookies_before"), raw.get("calls")
         if not isinstance(activation, int) or isinstance(activation, bool) or activation < 1:
             raise ValueError("turn.activation must be an integer >= 1")
         if not isinstance(digest, str) or len(digest) != 64:
@@ -99,18 +99,29 @@ class Turn:
         if not isinstance(calls, list):
             raise ValueError("turn.calls must be a list")
         for index, call in enumerate(calls):
-            where = f"turn.calls[{index}]"
-            if not isinstance(call, Mapping) or call.get("call") not in _KINDS:
-                raise ValueError(f"{where} must be an object with call (model|tool)")
-            if not isinstance(call.get("sha256"), str):
-                raise ValueError(f"{where}: sha256 must be a string")
-            if call["call"] == "model" and not isinstance(call.get("response"), Mapping):
-                raise ValueError(f"{where}: a model call needs its response object")
-            tool_ok = isinstance(call.get("status"), int) and isinstance(call.get("body"), str)
-            if call["call"] == "tool" and not tool_ok:
-                raise ValueError(f"{where}: a tool call needs its status and body")
+            kind = call.get("call") if isinstance(call, Mapping) else None
+            if kind == "model":
+                if isinstance(call.get("sha256"), str) and isinstance(call.get("response"), Mapping):
+                    continue
+            elif kind == "tool":
+                if isinstance(call.get("sha256"), str) and isinstance(call.get("status"), int) \
+                        and isinstance(call.get("body"), str):
+                    continue
+            _refuse_call(index, call)
         return cls(activation, digest, {str(k): str(v) for k, v in cookies.items()},
                    raw.get("observations_before"), [dict(c) for c in calls], restored=True)
+
+
+def _refuse_call(index: int, call: Any) -> None:
+    """Raise the ``ValueError`` that names what is wrong with a restored turn's call ``index``."""
+    where = f"turn.calls[{index}]"
+    if not isinstance(call, Mapping) or call.get("call") not in _KINDS:
+        raise ValueError(f"{where} must be an object with call (model|tool)")
+    if not isinstance(call.get("sha256"), str):
+        raise ValueError(f"{where}: sha256 must be a string")
+    if call["call"] == "model":
+        raise ValueError(f"{where}: a model call needs its response object")
+    raise ValueError(f"{where}: a tool call needs its status and body")
 
 
 class _Content:

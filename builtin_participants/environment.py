@@ -53,6 +53,9 @@ Rules kept here:
 - **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
   before keeping any; a restored episode is handed to the ``/run`` of its replacement
   attempt by ``begin`` (``episode.restored``), and is pending until then.
+
+The record and retire hooks (``export``, ``install``, ``restored_pending``, ``delete_restored``,
+``retire``) are ``EpisodeRecords`` (``episode_records.py``), a base class of ``EpisodeBook``.
 """
 
 from __future__ import annotations
@@ -63,21 +66,18 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.episode_records import EpisodeRecords
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
 from nemo_gym_checkpoint_plugin._errors import StaleAttempt
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import Readiness
 
 __all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
 
 
-def _wire(episode_id: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
-
-
-class EpisodeBook:
+class EpisodeBook(EpisodeRecords):
     """The environment participant plugin (register it on the server's plugin manager).
 
     ``validate_state(boundary, state)`` is the run logic's check of a restored record: it
@@ -299,105 +299,9 @@ class EpisodeBook:
             await self._changed.wait()
 
     @hookimpl
-    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
-        records: list[dict[str, Any]] = []
-        by_boundary: dict[str, int] = {}
-        for key, episode in self._episodes.items():
-            if episode.restart or episode.retiring or (scope is not None and key not in scope):
-                continue
-            # A restart declared while this checkpoint was open cannot continue from its sessions.
-            boundary = None if episode.pending_restart else episode.boundary
-            records.append(self._record(episode.episode_id, boundary, episode.state))
-            by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
-        for key, restored in self._restored.items():
-            if scope is None or key in scope:
-                records.append(self._record(_from_key(key), restored.boundary, restored.state))
-                by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
-        return ParticipantExport(
-            records=records,
-            manifest_extras={"step_mode": self.step_mode.value},
-            reply_extras={"boundaries": by_boundary},
-        )
-
-    def _record(self, episode_id: EpisodeId, boundary: str | None, state: Mapping[str, Any]) -> dict[str, Any]:
-        return {
-            "episode_id": _wire(episode_id),
-            "boundary": boundary,
-            "state": dict(state) if boundary is not None else {},
-            "step_mode": self.step_mode.value,
-        }
-
-    @hookimpl
-    def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
-        staged: dict[str, RestoredEpisode] = {}
-        for restored in records:
-            record = restored.record
-            key = restored.replacement.capture_key
-            boundary = record.get("boundary")
-            state = record.get("state")
-            if boundary is not None and not isinstance(boundary, str):
-                raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
-            if not isinstance(state, Mapping):
-                raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
-            if self._validate_state is not None:
-                try:
-                    self._validate_state(boundary, state)
-                except ValueError as exc:
-                    raise ValueError(f"episode {restored.checkpointed.capture_key}: {exc}") from None
-            if key in self._episodes:
-                raise ValueError(f"episode {key} is already running here; it cannot be restored over")
-            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
-        # Nothing is kept unless every record was accepted.
-        self._restored.update(staged)
-
-    @hookimpl
-    def restored_pending(self) -> list[str]:
-        return list(self._restored)
-
-    @hookimpl
-    def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
-        for episode_id in episode_ids:
-            self._restored.pop(episode_id.capture_key, None)
-
-    @hookimpl
-    async def retire(self, episode_ids: list[EpisodeId]) -> None:
-        limits: dict[str, int] = {}
-        for episode_id in episode_ids:
-            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
-
-        def named(episode_id: EpisodeId) -> bool:
-            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
-
-        for key in [k for k in self._restored if named(_from_key(k))]:
-            del self._restored[key]
-        stopping = [e for e in self._episodes.values() if named(e.episode_id)]
-        current = asyncio.current_task()
-        for episode in stopping:
-            episode.retiring = True
-            if self._closed:
-                self._blocking.add(episode.key)
-            task = episode.task
-            if task is None or task is current or task.done() or task in self._stopping.values():
-                continue
-            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
-            task.cancel()
-            self._stopping[episode.key] = task
-            task.add_done_callback(lambda _t, key=episode.key: self._stopping.pop(key, None))
-        # Every task an earlier or this retire cancelled for these attempts, even one whose episode
-        # already left the book and is still cleaning up.
-        tasks = [task for key, task in self._stopping.items() if task is not current and named(_from_key(key))]
-        if tasks:
-            await asyncio.wait(tasks)
-
-    @hookimpl
     def status_fields(self) -> dict[str, Any]:
         # episode_keys: what a controller without its own list of /run calls (ng-checkpoint commit --all)
         # continues, restarts included; restored episodes not yet started by their replacement attempt.
         return {"step_mode": self.step_mode.value, "episodes": len(self._episodes),
                 "episode_keys": sorted({*self._episodes, *self._restored})}
 
-
-def _from_key(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin._identity import from_capture_key
-
-    return from_capture_key(key)

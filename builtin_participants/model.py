@@ -31,6 +31,7 @@ import asyncio
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
@@ -166,8 +167,12 @@ class ModelCalls:
                 self.stopped_total += 1
                 if call.task is not None:
                     call.task.cancel()
-        await asyncio.gather(*(call.finished.wait() for call in victims))
-        freed = [key for key in self._restored if _retired_by(key, episode_ids)]
+        for call in victims:
+            # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
+            # finished call's wait returns at once (no task per call: a retire may name thousands).
+            await call.finished.wait()
+        named = RetiredBy(episode_ids)
+        freed = [key for key in self._restored if named.key(key)]
         if freed:
             await self.delete_restored([_episode_of(key) for key in freed])
 
@@ -250,11 +255,6 @@ def _episode_of(key: str) -> EpisodeId:
     from nemo_gym_checkpoint_plugin._identity import from_capture_key
 
     return from_capture_key(key)
-
-
-def _retired_by(key: str, episode_ids: list[EpisodeId]) -> bool:
-    episode = _episode_of(key)
-    return any(e.rollout_id == episode.rollout_id and episode.attempt <= e.attempt for e in episode_ids)
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

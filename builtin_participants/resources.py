@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared
 from nemo_gym_checkpoint_plugin.builtin_participants.session_state import SessionState, UnsupportedSessionValue
 
@@ -115,7 +116,7 @@ class ResourcesSessions:
         self._installed_state.discard(episode_id.capture_key)
         if self.session_state is not None:
             # The episode is over here: its sessions are never exported again (the server keeps its own data).
-            self.session_state.unbind(lambda episode: episode == episode_id)
+            self.session_state.unbind(episode_id)
 
     # -- participant hooks -------------------------------------------------------------------------
 
@@ -204,19 +205,13 @@ class ResourcesSessions:
 
     @hookimpl
     def retire(self, episode_ids: list[EpisodeId]) -> None:
-        limits: dict[str, int] = {}
-        for episode_id in episode_ids:
-            limits[episode_id.rollout_id] = max(limits.get(episode_id.rollout_id, -1), episode_id.attempt)
-
-        def named(episode_id: EpisodeId) -> bool:
-            return episode_id.attempt <= limits.get(episode_id.rollout_id, -1)
-
-        for key in [k for k in self._restarts if named(_key_episode(k))]:
+        named = RetiredBy(episode_ids)
+        for key in [k for k in self._restarts if named.key(k)]:
             self._restarts.discard(key)
-        self._installed_state = {k for k in self._installed_state if not named(_key_episode(k))}
+        self._installed_state = {k for k in self._installed_state if not named.key(k)}
         if self.session_state is not None:
             self.session_state.drop(named)
-        for key in [k for k in self._installed if named(_key_episode(k))]:
+        for key in [k for k in self._installed if named.key(k)]:
             session_id = self._installed.pop(key)
             if self._table is not None:
                 self._table.pop(session_id, None)

@@ -132,12 +132,28 @@ class SessionState:
         self.attrs = tuple(attrs)
         self.tables: dict[str, dict[str, Any]] = {attr: getattr(server, attr) for attr in self.attrs}
         self.bindings: dict[str, EpisodeId] = {}  # session id -> the episode (attempt) that owns it
+        # The other way (episode -> its session ids): a close unbinds its episode without scanning every binding.
+        self._sessions: dict[EpisodeId, set[str]] = {}
 
     def bind(self, session_id: str, episode: EpisodeId) -> None:
         current = self.bindings.get(session_id)
         # A later attempt of the same rollout (a restored episode reusing its cookie) takes the session over.
         if current is None or (current.rollout_id == episode.rollout_id and current.attempt < episode.attempt):
-            self.bindings[session_id] = episode
+            self._set(session_id, episode)
+
+    def _set(self, session_id: str, episode: EpisodeId) -> None:
+        self._forget(session_id)
+        self.bindings[session_id] = episode
+        self._sessions.setdefault(episode, set()).add(session_id)
+
+    def _forget(self, session_id: str) -> None:
+        episode = self.bindings.pop(session_id, None)
+        if episode is not None:
+            sessions = self._sessions.get(episode)
+            if sessions is not None:
+                sessions.discard(session_id)
+                if not sessions:
+                    del self._sessions[episode]
 
     def sessions_of(self, keys: frozenset[str] | None) -> dict[str, list[str]]:
         """``{capture key: [session id, ...]}`` of bound sessions holding state, for episodes in ``keys``."""
@@ -191,19 +207,19 @@ class SessionState:
         for session_id, values in staged:
             for attr, value in values.items():
                 self.tables[attr][session_id] = value
-            self.bindings[session_id] = replacement
+            self._set(session_id, replacement)
 
     def drop(self, named: Any) -> None:
         """Forget every session bound to an episode ``named(episode)`` says, and its state."""
         for session_id in [s for s, episode in self.bindings.items() if named(episode)]:
-            del self.bindings[session_id]
+            self._forget(session_id)
             for table in self.tables.values():
                 table.pop(session_id, None)
 
-    def unbind(self, named: Any) -> None:
-        """Forget the bindings of episodes ``named(episode)`` says, leaving the server's own data alone."""
-        for session_id in [s for s, episode in self.bindings.items() if named(episode)]:
-            del self.bindings[session_id]
+    def unbind(self, episode: EpisodeId) -> None:
+        """Forget the bindings of ``episode``'s sessions (its close), leaving the server's own data alone."""
+        for session_id in list(self._sessions.get(episode, ())):
+            self._forget(session_id)
 
 
 class SessionBinder:

@@ -19,12 +19,17 @@ import httpx
 import pytest
 from nemo_gym_checkpoint_plugin.builtin_participants import declarations
 from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
-from nemo_gym_checkpoint_plugin.builtin_participants.session_state import UnsupportedSessionValue, decode, encode
+from nemo_gym_checkpoint_plugin.builtin_participants.session_state import (
+    SessionState,
+    UnsupportedSessionValue,
+    decode,
+    encode,
+)
 from pydantic import BaseModel, Field
 from test_attach_inprocess import _app, _build, _server_class
 
 from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
-from nemo_gym_checkpoint_plugin._identity import from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._settings import SettingsError
 from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES, TOKEN_ENV, build_gym_config
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
@@ -352,3 +357,21 @@ async def _status(built: Built) -> dict[str, Any]:
         reply = await http.get(f"{CONTROL}/status", headers=AUTH)
     assert reply.status_code == 200, reply.text
     return reply.json()
+
+
+def test_a_close_unbinds_its_own_sessions_only_after_takeovers_restores_and_drops() -> None:
+    from types import SimpleNamespace
+
+    state = SessionState(SimpleNamespace(counts={}), ["counts"])
+    r0, r1, q0 = EpisodeId(rollout_id="r"), EpisodeId(rollout_id="r", attempt=1), EpisodeId(rollout_id="q")
+    for session_id, episode in (("s1", r0), ("s2", r0), ("s3", q0)):
+        state.bind(session_id, episode)
+    state.bind("s1", r1)  # a restored attempt reusing its cookie takes the session over
+    state.unbind(r0)  # the close of attempt 0: its other session goes, the taken-over one stays
+    assert state.bindings == {"s1": r1, "s3": q0}
+    state.apply(r1, [("s4", {"counts": 1})])
+    state.drop(lambda episode: episode == q0)
+    assert state.bindings == {"s1": r1, "s4": r1}
+    state.unbind(q0)  # nothing left of it: nothing happens
+    state.unbind(r1)
+    assert state.bindings == {} and state.tables["counts"] == {"s4": 1}

@@ -1,0 +1,127 @@
+"""The environment participant's records and retire: what ``EpisodeBook`` writes, reads back and stops.
+
+``EpisodeBook`` (``environment.py``: the run logic's side, admission and readiness) inherits these
+hooks; the rules are those of its module docstring ("Boundaries", "Retire", "Restore"). Each hook
+costs O(episodes named + episodes held) once: a server holds thousands of episodes at a checkpoint,
+so nothing here scans the book per episode or builds an ``EpisodeId`` per held key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
+from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
+
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
+
+__all__ = ["EpisodeRecords"]
+
+
+class EpisodeRecords:
+    """Export, install, restored-pending bookkeeping and retire of an ``EpisodeBook`` (its base class)."""
+
+    if TYPE_CHECKING:
+        step_mode: StepMode
+        _validate_state: Callable[[str | None, Mapping[str, Any]], None] | None
+        _episodes: dict[str, Episode]
+        _restored: dict[str, RestoredEpisode]
+        _stopping: dict[str, asyncio.Task[Any]]
+        _closed: bool
+        _blocking: set[str]
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
+        records: list[dict[str, Any]] = []
+        by_boundary: dict[str, int] = {}
+        mode = self.step_mode.value
+        for key, episode in self._episodes.items():
+            if episode.restart or episode.retiring or (scope is not None and key not in scope):
+                continue
+            # A restart declared while this checkpoint was open cannot continue from its sessions.
+            boundary = None if episode.pending_restart else episode.boundary
+            episode_id = episode.episode_id
+            records.append(_record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode))
+            by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
+        for key, restored in self._restored.items():
+            if scope is None or key in scope:
+                rollout_id, attempt = split_key(key)
+                records.append(_record(rollout_id, attempt, restored.boundary, restored.state, mode))
+                by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
+        return ParticipantExport(
+            records=records,
+            manifest_extras={"step_mode": mode},
+            reply_extras={"boundaries": by_boundary},
+        )
+
+    @hookimpl
+    def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
+        staged: dict[str, RestoredEpisode] = {}
+        for restored in records:
+            record = restored.record
+            key = restored.replacement.capture_key
+            boundary = record.get("boundary")
+            state = record.get("state")
+            if boundary is not None and not isinstance(boundary, str):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
+            if not isinstance(state, Mapping):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
+            if self._validate_state is not None:
+                try:
+                    self._validate_state(boundary, state)
+                except ValueError as exc:
+                    raise ValueError(f"episode {restored.checkpointed.capture_key}: {exc}") from None
+            if key in self._episodes:
+                raise ValueError(f"episode {key} is already running here; it cannot be restored over")
+            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
+        # Nothing is kept unless every record was accepted.
+        self._restored.update(staged)
+
+    @hookimpl
+    def restored_pending(self) -> list[str]:
+        return list(self._restored)
+
+    @hookimpl
+    def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        for episode_id in episode_ids:
+            self._restored.pop(episode_id.capture_key, None)
+
+    @hookimpl
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
+        named = RetiredBy(episode_ids)
+        for key in [k for k in self._restored if named.key(k)]:
+            del self._restored[key]
+        stopping = [e for e in self._episodes.values() if named(e.episode_id)]
+        current = asyncio.current_task()
+        # Every task an earlier retire cancelled (one set: a retire of N episodes never scans them N times).
+        cancelled = set(self._stopping.values())
+        for episode in stopping:
+            episode.retiring = True
+            if self._closed:
+                self._blocking.add(episode.key)
+            task = episode.task
+            if task is None or task is current or task.done() or task in cancelled:
+                continue
+            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
+            task.cancel()
+            cancelled.add(task)
+            self._stopping[episode.key] = task
+            task.add_done_callback(lambda _t, key=episode.key: self._stopping.pop(key, None))
+        # Every task an earlier or this retire cancelled for these attempts, even one whose episode
+        # already left the book and is still cleaning up.
+        tasks = [task for key, task in self._stopping.items() if task is not current and named.key(key)]
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def _record(rollout_id: str, attempt: int, boundary: str | None, state: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    return {
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "boundary": boundary,
+        "state": dict(state) if boundary is not None else {},
+        "step_mode": mode,
+    }
