@@ -39,7 +39,7 @@ from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, e
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 
 from .._types import Phase, RestoredRecord, sorted_keys
-from .collector import collector_paused
+from .collector import collector_paused, promote_to_oldest
 from .memory import Active, Replay
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class RestoreMixin:
                     self._install(active.checkpoint_id, restored.manifest, records, scope)
                 )
                 await asyncio.shield(install)
+                promote_to_oldest()  # the installed state is long-lived: no young collection of it
         except asyncio.CancelledError:
             raise
         except BaseException:
