@@ -96,6 +96,8 @@ _POLL = 0.1
 # Rollouts on their way to the held call at once (and replacement calls open at once): well under the
 # servers' listen backlog (uvicorn's 2,048) however the rollouts split over the replicas.
 DEFAULT_DISPATCH_WINDOW = 1_000
+# Samples per second per server during checkpoint and restore with --profile (--profile-rate).
+PROFILE_RATE = 1000
 
 
 def _say(message: str) -> None:
@@ -189,7 +191,7 @@ def plan(rollouts: int, replicas: int | None, max_in_flight: int | None, per_pro
     return replicas, max_in_flight
 
 
-def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int = 1000) -> Any:
+def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int) -> Any:
     """Sample every server with py-spy while ``phase`` runs when ``--profile`` asks for it."""
     if profile is None:
         return contextlib.nullcontext()
@@ -198,7 +200,7 @@ def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int =
 
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
                    profile: Path | None = None, replicas: int = 1,
-                   window: int = DEFAULT_DISPATCH_WINDOW) -> dict[str, Any]:
+                   window: int = DEFAULT_DISPATCH_WINDOW, profile_rate: int = PROFILE_RATE) -> dict[str, Any]:
     if profile is not None:
         profile = profile / str(rollouts)
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
@@ -257,7 +259,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
 
                 coordinator = await discover(deployment.config, token)
                 coordinator.progress = times
-                async with coordinator, _async(_phase(deployment, profile, "checkpoint")):
+                async with coordinator, _async(_phase(deployment, profile, "checkpoint", profile_rate)):
                     t0 = time.monotonic()
                     prepared = await prepare(coordinator, "scale", timeout=timeout)
                     result["prepare_s"] = round(time.monotonic() - t0, 4)
@@ -278,7 +280,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 await asyncio.to_thread(deployment.start, 300.0)
                 coordinator = await discover(deployment.config, token)
                 coordinator.progress = times
-                async with coordinator, _async(_phase(deployment, profile, "restore")):
+                async with coordinator, _async(_phase(deployment, profile, "restore", profile_rate)):
                     t0 = time.monotonic()
                     restored = await restore(coordinator, "scale-restore", str(checkpoint_dir), scope,
                                              timeout=timeout)
@@ -384,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="sample every server with py-spy during dispatch, checkpoint and restore; "
                              "collapsed stacks and summaries under DIR/<N>/")
+    parser.add_argument("--profile-rate", type=int, default=PROFILE_RATE,
+                        help=f"py-spy samples per second per server in checkpoint and restore (default {PROFILE_RATE}; "
+                             "on 2 cores, a lower rate disturbs the timed figures less)")
     args = parser.parse_args(argv)
+    if args.profile_rate < 1:
+        parser.error("--profile-rate must be at least 1")
     if args.dispatch_window < 1:
         parser.error("--dispatch-window must be at least 1")
     fd_limit = _raise_fd_limit()
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
              f"(file descriptor limit {fd_limit} per process)")
         run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
-                                   replicas, args.dispatch_window))
+                                   replicas, args.dispatch_window, args.profile_rate))
         runs.append(run)
         print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
