@@ -21,7 +21,8 @@ dispatched rollout stays in flight inside its agent turn. Then:
 
 Printed per N: rollouts in flight at the checkpoint, episodes exported (summed over the
 environment replicas), prepare, commit and restore seconds (total, per participant kind: the
-slowest reply of that kind across replicas, and per server), bytes written, the peak RSS and
+slowest reply of that kind across replicas, and per server), the CPU seconds each server used
+during the commit and the restore call (``cpu_s``), bytes written, the peak RSS and
 the open file descriptors at the checkpoint of each server, the kernel's listen-queue overflows
 during the run, replacement failures. The last line is one JSON object ``{"runs": [...]}`` with
 those figures, one entry per N.
@@ -70,7 +71,8 @@ from nemo_gym_checkpoint_plugin.testing.deployment import (
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sampling import sampled, write_summaries  # noqa: E402  (a sibling script, not a package)
+from process_stats import bytes_under, cpu_used, listen_overflows, open_fds, peak_rss_mb  # noqa: E402
+from sampling import sampled, write_summaries  # noqa: E402  (sibling scripts, not a package)
 
 # Each rollout held in its agent turn keeps two sockets open in the environment, agent and model
 # servers (caller and callee side); 20,000 descriptors per process (this machine's hard limit) then
@@ -104,24 +106,6 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _peak_rss_mb(deployment: Deployment) -> dict[str, float]:
-    """Peak resident memory (VmHWM) of each live server process, in MiB."""
-    peaks = {}
-    for name, proc in deployment.processes.items():
-        try:
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                peaks[name] = round(int(line.split()[1]) / 1024, 1)
-    return peaks
-
-
-def _bytes_under(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 async def _wait(check: Any, timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := await check()):
@@ -129,25 +113,6 @@ async def _wait(check: Any, timeout: float, what: str) -> Any:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(_POLL)  # wait-ok: poll interval of a bounded wait on a condition
     return value
-
-
-def _open_fds(deployment: Deployment) -> dict[str, int]:
-    """Open file descriptors of each live server process and of this controller, now."""
-    counts = {"controller": len(os.listdir("/proc/self/fd"))}
-    for name, proc in deployment.processes.items():
-        with contextlib.suppress(OSError):
-            counts[name] = len(os.listdir(f"/proc/{proc.pid}/fd"))
-    return counts
-
-
-def _listen_overflows() -> int | None:
-    """The kernel's count of connections dropped because a listen queue was full (this network namespace)."""
-    try:
-        text = Path("/proc/net/netstat").read_text()
-        lines = [line.split() for line in text.splitlines() if line.startswith("TcpExt:")]
-        return int(dict(zip(lines[0], lines[1], strict=True))["ListenOverflows"])
-    except (OSError, IndexError, KeyError, ValueError):
-        return None
 
 
 class KindTimes:
@@ -191,11 +156,15 @@ def plan(rollouts: int, replicas: int | None, max_in_flight: int | None, per_pro
     return replicas, max_in_flight
 
 
+def _pids(deployment: Deployment) -> dict[str, int]:
+    return {name: proc.pid for name, proc in deployment.processes.items()}
+
+
 def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int) -> Any:
     """Sample every server with py-spy while ``phase`` runs when ``--profile`` asks for it."""
     if profile is None:
         return contextlib.nullcontext()
-    return sampled({name: proc.pid for name, proc in deployment.processes.items()}, profile, phase, rate)
+    return sampled(_pids(deployment), profile, phase, rate)
 
 
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
@@ -214,10 +183,11 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
     ids = [f"scale-{i}" for i in range(rollouts)]
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
+    cpu: dict[str, dict[str, float]] = {"commit": {}, "restore": {}}
     result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "replicas": replicas,
                               "max_in_flight": max_in_flight, "dispatch_window": window}
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
-    overflows_before = _listen_overflows()
+    overflows_before = listen_overflows()
     await asyncio.to_thread(deployment.start, 300.0)
     try:
         envs, backend = deployment.replica_urls(ENVIRONMENT), deployment.urls[BACKEND]
@@ -254,7 +224,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 result["dispatch_failures"] = sum(1 for body in early if body.get("failure") is not None)
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
                 result["in_flight"] = (await counts())["held"]
-                result["open_fds"] = _open_fds(deployment)
+                result["open_fds"] = open_fds(_pids(deployment))
                 _say(f"[{rollouts}] {result['in_flight']} rollouts in flight (held) after {result['dispatch_s']}s")
 
                 coordinator = await discover(deployment.config, token)
@@ -267,11 +237,12 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                         raise RuntimeError(f"prepare not ready: {prepared.to_json()}")
                     scope = prepared.continued(ids)
                     t0 = time.monotonic()
-                    committed = await commit(coordinator, "scale", str(checkpoint_dir), scope, timeout=timeout)
+                    with cpu_used(_pids(deployment), cpu["commit"]):
+                        committed = await commit(coordinator, "scale", str(checkpoint_dir), scope, timeout=timeout)
                     result["commit_s"] = round(time.monotonic() - t0, 4)
                     result["exported"] = sum(len(committed.replies[name]["episode_ids"]) for name in env_names)
-                result["bytes_written"] = _bytes_under(checkpoint_dir)
-                result["peak_rss_mb"] = _peak_rss_mb(deployment)
+                result["bytes_written"] = bytes_under(checkpoint_dir)
+                result["peak_rss_mb"] = peak_rss_mb(_pids(deployment))
                 _say(f"[{rollouts}] prepare {result['prepare_s']}s, commit {result['commit_s']}s, "
                      f"{result['exported']} episodes exported, {result['bytes_written']} bytes")
 
@@ -282,8 +253,9 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 coordinator.progress = times
                 async with coordinator, _async(_phase(deployment, profile, "restore", profile_rate)):
                     t0 = time.monotonic()
-                    restored = await restore(coordinator, "scale-restore", str(checkpoint_dir), scope,
-                                             timeout=timeout)
+                    with cpu_used(_pids(deployment), cpu["restore"]):
+                        restored = await restore(coordinator, "scale-restore", str(checkpoint_dir), scope,
+                                                 timeout=timeout)
                     result["restore_s"] = round(time.monotonic() - t0, 4)
                     await resume(coordinator, "scale-restore", timeout=timeout)
                     back = {key.rsplit("-a", 1)[0] for name in env_names
@@ -311,12 +283,12 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 )
                 if failed:
                     result["first_failure"] = repr(failed[0])[:300]
-                result["peak_rss_mb_replacements"] = _peak_rss_mb(deployment)
+                result["peak_rss_mb_replacements"] = peak_rss_mb(_pids(deployment))
             finally:
                 await control.close()
     finally:
         deployment.stop()
-        overflows_after = _listen_overflows()
+        overflows_after = listen_overflows()
         if overflows_before is not None and overflows_after is not None:
             # Shared by every process of this network namespace: other work on the machine counts too.
             result["listen_overflows"] = overflows_after - overflows_before
@@ -326,6 +298,9 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
         result["profile_dir"] = str(profile)
     result["per_kind_s"] = {op: times.seconds.get(op, {}) for op in ("prepare", "commit", "restore")}
     result["per_server_s"] = {op: times.by_server.get(op, {}) for op in ("prepare", "commit", "restore")}
+    # CPU seconds each server (and this controller) used during the commit and the restore call: on 2 cores
+    # a phase lasts at least its total over 2, whatever the slowest server's own share.
+    result["cpu_s"] = cpu
     result["work_dir"] = str(work) if keep else None
     if not keep:
         import shutil

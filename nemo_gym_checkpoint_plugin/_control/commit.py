@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from nemo_gym_checkpoint_plugin._collector import collector_paused
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointError,
     ExportFailed,
@@ -39,7 +40,6 @@ from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
 
 from .._types import Phase, sorted_keys
-from .collector import collector_paused
 from .memory import Active, KeptExport, Replay
 
 if TYPE_CHECKING:

@@ -122,3 +122,5 @@ class Active:
     writer: Any = None
     cleanup_task: asyncio.Task[None] | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    # The frozen heap (_collector.py) from the checkpoint's or restore's beginning until it ends.
+    heap: Any = None

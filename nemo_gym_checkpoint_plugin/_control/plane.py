@@ -35,6 +35,7 @@ from typing import Any
 import pluggy
 
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
+from nemo_gym_checkpoint_plugin._collector import hold_heap
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointConflict,
     DeadlineExceeded,
@@ -174,6 +175,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
         """Enter ``phase`` with admission closed (under the lock). A raising close hook reverts it all."""
         self._active = active
         self.phase = phase
+        # No full collection of the heap inside the checkpoint or restore (_collector.py); released at idle.
+        active.heap = hold_heap()
         self.admission.close()
         try:
             await self.participants.close_admission(active.checkpoint_id)
@@ -189,6 +192,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self._active = None
         self.phase = Phase.IDLE
         self.lease.clear()
+        if active.heap is not None:
+            active.heap.release()
         current = asyncio.current_task()
         for task in list(active.tasks):
             if task is not current:
@@ -352,6 +357,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self.lease.clear()
         tasks = set(self._background)
         if self._active is not None:
+            if self._active.heap is not None:
+                self._active.heap.release()
             tasks |= self._active.tasks
             if self._active.cleanup_task is not None:
                 tasks.add(self._active.cleanup_task)

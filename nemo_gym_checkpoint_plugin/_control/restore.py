@@ -11,7 +11,7 @@ Rules (docs/protocol.md "Retire, forget, restore marks"):
   it and admission reopens only once it finished. A failed read or install reopens
   admission (the marks stay); a failed install also deletes what it may have left.
   Python's cyclic garbage collector is paused from the read until the install ended
-  (``collector.py``: it took half the CPU of a large restore);
+  (``_collector.py``: it took half the CPU of a large restore);
 - retire marks first (which refuses data requests parked under those attempts at
   once), then (bounded by its deadline) waits for a running install, stops and frees
   the attempts, waits until those parked requests were answered, then replies
@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from nemo_gym_checkpoint_plugin._collector import collector_paused, promote_to_oldest
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointConflict,
     CheckpointError,
@@ -39,7 +40,6 @@ from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, e
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 
 from .._types import Phase, RestoredRecord, sorted_keys
-from .collector import collector_paused, promote_to_oldest
 from .memory import Active, Replay
 
 if TYPE_CHECKING:

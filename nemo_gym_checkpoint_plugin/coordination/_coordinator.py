@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._collector import heap_frozen
 from .._errors import InvalidCheckpointState
 from .._storage.index import check_participants_index, write_participants_index
 from ._discovery import Participant
@@ -152,6 +153,15 @@ class Coordinator:
 
         Returns replies, failures, the names never reached, and the kinds of the stage it stopped at.
         """
+        # No full collection of this process's heap (a training controller's can be large) inside the
+        # fan-out: it would hold up every reply this process reads (_collector.py).
+        with heap_frozen():
+            return await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
+
+    async def _stages_run(
+        self, operation: str, payload: dict[str, Any] | None, deadline_ts: float,
+        stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None, keep_going: bool,
+    ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
         body = None if payload is None else encode_body(payload)
         budget = max(deadline_ts - time.time(), 0.0)
         stages = self._stages(operation)

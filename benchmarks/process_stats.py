@@ -1,0 +1,77 @@
+"""What the servers of a running deployment use, read from ``/proc``: memory, descriptors, CPU, listen overflows.
+
+A sibling of ``scale.py`` (not a package): each reader takes ``{server name: pid}`` and skips a
+process that is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+# Clock ticks per second of /proc/<pid>/stat's utime and stime.
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb(pids: dict[str, int]) -> dict[str, float]:
+    """Peak resident memory (VmHWM) of each live process, in MiB."""
+    peaks = {}
+    for name, pid in pids.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peaks[name] = round(int(line.split()[1]) / 1024, 1)
+    return peaks
+
+
+def open_fds(pids: dict[str, int]) -> dict[str, int]:
+    """Open file descriptors of each live process and of this controller, now."""
+    counts = {"controller": len(os.listdir("/proc/self/fd"))}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            counts[name] = len(os.listdir(f"/proc/{pid}/fd"))
+    return counts
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, every thread) each live process has used so far, and this controller's."""
+    used = {"controller": sum(os.times()[:2])}
+    for name, pid in pids.items():
+        try:
+            # Fields after the command (which may hold spaces) start at state; utime and stime are 14 and 15.
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        used[name] = (int(fields[11]) + int(fields[12])) / _TICKS
+    return used
+
+
+@contextlib.contextmanager
+def cpu_used(pids: dict[str, int], into: dict[str, float]) -> Iterator[None]:
+    """Fill ``into`` with the CPU seconds each process (and this controller) used while the block ran."""
+    before = cpu_seconds(pids)
+    try:
+        yield
+    finally:
+        after = cpu_seconds(pids)
+        into.update({name: round(after[name] - before[name], 3) for name in after if name in before})
+        into["total"] = round(sum(v for k, v in into.items() if k != "total"), 3)
+
+
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because a listen queue was full (this network namespace)."""
+    try:
+        text = Path("/proc/net/netstat").read_text()
+        lines = [line.split() for line in text.splitlines() if line.startswith("TcpExt:")]
+        return int(dict(zip(lines[0], lines[1], strict=True))["ListenOverflows"])
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
+def bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
