@@ -104,6 +104,7 @@ class Servers:
         server.setup_liveness(app)
         control = getattr(app.state, ATTACHMENT_STATE).control
         self.controls.append(control)
+        self.last_app = app
         wanted = {"agent": SimpleAgentSessions, "resources": ResourcesSessions, "environment": EpisodeBook,
                   "model": ModelCalls}[kind]
         (plugin,) = [p for p in control.pm.get_plugins() if isinstance(p, wanted)]

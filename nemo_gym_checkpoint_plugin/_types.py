@@ -181,10 +181,16 @@ class EpisodeIds(Sequence[EpisodeId]):
     made on first use, or up front in the parsing thread when the route hands them to hooks (retire).
     """
 
-    def __init__(self, pairs: list[tuple[str, int]], sorted_capture_keys: tuple[str, ...]) -> None:
+    def __init__(self, pairs: list[tuple[str, int]], sorted_capture_keys: tuple[str, ...] | None = None) -> None:
         self.pairs = pairs
-        self.sorted_capture_keys = sorted_capture_keys
+        self._keys = sorted_capture_keys
         self._episodes: list[EpisodeId] | None = None
+
+    @property
+    def sorted_capture_keys(self) -> tuple[str, ...]:
+        if self._keys is None:
+            self._keys = tuple(sorted({r if a == 0 else f"{r}-a{a}" for r, a in self.pairs}))
+        return self._keys
 
     def materialized(self) -> list[EpisodeId]:
         if self._episodes is None:

@@ -1,26 +1,32 @@
-"""A restore builds each episode's ids once, from its scope, and hands its records the same ones; a record
-the scope does not name exactly (a storage backend of one's own may return one) gets EpisodeId's own answer."""
+"""A restore builds the ids of each record it read (not of every episode in its scope) from the scope's
+validated pair, without validating again; a record the scope does not name exactly (a storage backend of
+one's own may return one) gets EpisodeId's own answer."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from nemo_gym_checkpoint_plugin._control.restore import _replacement, _restored_record
+from nemo_gym_checkpoint_plugin._control import restore as restore_module
+from nemo_gym_checkpoint_plugin._control.restore import _restored_record
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 
 SCOPE = ["r", "r-a1", "r-a2", "task.7"]
 
 
 def ids() -> dict:
-    return {(e.rollout_id, e.attempt): (e, _replacement(e)) for e in map(from_capture_key, SCOPE)}
+    return dict.fromkeys((e.rollout_id, e.attempt) for e in map(from_capture_key, SCOPE))
 
 
-def test_a_record_of_the_scope_gets_the_scopes_ids() -> None:
-    known = ids()
-    restored = _restored_record({"episode_id": {"rollout_id": "r", "attempt": 2}, "x": 1}, known)
-    assert restored.checkpointed is known[("r", 2)][0] and restored.replacement is known[("r", 2)][1]
+def test_a_record_of_the_scope_gets_its_ids_without_validating_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(wire: object) -> None:
+        raise AssertionError(f"validated again: {wire}")
+
+    monkeypatch.setattr(restore_module, "episode_from_wire", refuse)
+    restored = _restored_record({"episode_id": {"rollout_id": "r", "attempt": 2}, "x": 1}, ids())
+    assert restored.checkpointed == EpisodeId(rollout_id="r", attempt=2)
     assert restored.replacement == EpisodeId(rollout_id="r", attempt=3)
+    assert restored.record["x"] == 1
 
 
 @pytest.mark.parametrize("wire", [

@@ -203,6 +203,36 @@ def test_bulk_validation_matches_the_model(episode_ids: list[Any]) -> None:
     assert got.episode_ids.sorted_capture_keys == tuple(sorted({e.capture_key for e in expected.episode_ids}))
 
 
+plain_ids = st.one_of(
+    st.sampled_from(["r1", "r1-a2", "r-a0", "r-a01", "a.b_c-d", "-x", "é", "r\n", "a\nb", "", "x-a1\ny", "r-a"]),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,6}(-a[0-9]{1,2})?", fullmatch=True),
+)
+plain_items = st.fixed_dictionaries({"rollout_id": plain_ids},
+                                    optional={"attempt": st.one_of(st.integers(-1, 5), st.just(True))})
+
+
+@settings(max_examples=300, deadline=None)
+@given(episode_ids=st.lists(plain_items, min_size=1, max_size=6))
+def test_the_whole_list_check_takes_exactly_what_the_model_takes(episode_ids: list[Any]) -> None:
+    """The fast path over a whole list (one regular expression over the joined ids) accepts a list only
+    when the model accepts every item unchanged, with the same pairs and keys."""
+    try:
+        expected = [(e.rollout_id, e.attempt) for e in RetireBody.model_validate(
+            {"checkpoint_id": "c1", "deadline_ts": 1.0, "episode_ids": episode_ids}).episode_ids]
+    except ValidationError:
+        expected = None
+    got = bodies._plain_episodes(episode_ids)
+    exact = expected is not None and all(
+        type(item.get("attempt", 0)) is int and item["rollout_id"] == rollout_id
+        for item, (rollout_id, _) in zip(episode_ids, expected, strict=True))
+    if got is None:
+        assert not exact, f"a list the model takes unchanged went the slow way: {episode_ids}"
+        return
+    assert expected is not None, f"accepted what the model refuses: {episode_ids}"
+    assert got.pairs == expected
+    assert got.sorted_capture_keys == tuple(sorted({r if a == 0 else f"{r}-a{a}" for r, a in expected}))
+
+
 @pytest.mark.parametrize("number", [b"36893488147419103232", b"-36893488147419103232", b"1e400"])
 async def test_numbers_beyond_64_bits_are_never_a_500(small: Harness, number: bytes) -> None:
     # orjson reads integers beyond 64 bits as floats; whatever they become, never a 500.

@@ -36,10 +36,10 @@ from nemo_gym_checkpoint_plugin._errors import (
     InvalidCheckpointState,
     InvalidPhase,
 )
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 
-from .._types import Phase, RestoredRecord, sorted_keys
+from .._types import EpisodeIds, Phase, RestoredRecord, rollout_attempts, sorted_keys
 from .memory import Active, Replay
 
 if TYPE_CHECKING:
@@ -75,24 +75,28 @@ class RestoreMixin:
                 await self._mark_all(episode_ids)
                 active = Active(checkpoint_id, "restore")
                 await self._begin(active, deadline_ts, Phase.RESTORED)
-                task = self._spawn(self._read_and_install(active, args[0], args[1] or ()), active)
+                # Each episode once (a scope may repeat one), in the scope's order.
+                pairs = dict.fromkeys(rollout_attempts(episode_ids))
+                task = self._spawn(self._read_and_install(active, args[0], args[1] or (), pairs), active)
                 active.restore = Replay(args, task)
         return await self._joined(task, deadline_ts, f"restore {checkpoint_id}")
 
     async def _read_and_install(
-        self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...]
+        self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...],
+        pairs: Mapping[tuple[str, int], None],
     ) -> dict[str, Any]:
         try:
             with collector_paused():
                 restored = await run_storage(
                     self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
                 )
-                # Each episode's ids once: the scope's, shared by its records (EpisodeId is immutable).
-                ids = {(e.rollout_id, e.attempt): (e, _replacement(e)) for e in map(from_capture_key, keys)}
-                records = [_restored_record(record, ids) for record in restored.records]
+                # Ids only for the records read (this participant's own, a fraction of a large scope): the
+                # scope's pairs were validated as EpisodeId would, so a record naming one is built from it.
+                records = [_restored_record(record, pairs) for record in restored.records]
                 # Before anything is retired or installed: every record's owner must be here to take it.
                 self.participants.check_owners(records)
-                scope = [replacement for _, replacement in ids.values()]
+                # The replacement of every episode in scope, made into EpisodeIds only if a plugin reads them.
+                scope = EpisodeIds([(rollout_id, attempt + 1) for rollout_id, attempt in pairs])
                 previous = self._install_task
                 if previous is not None and not previous.done():
                     # Two installs never overlap: the next restore waits for the one that outlived its deadline.
@@ -174,24 +178,18 @@ class RestoreMixin:
         return {"forgotten_count": len(rollout_ids)}
 
 
-# An episode's checkpointed attempt and its replacement.
-_Ids = tuple[EpisodeId, EpisodeId]
-
-
 def _replacement(checkpointed: EpisodeId) -> EpisodeId:
     # A valid EpisodeId's rollout id with a larger attempt is valid: nothing left to validate.
     return construct_episode(checkpointed.rollout_id, checkpointed.attempt + 1)
 
 
-def _restored_record(record: Mapping[str, Any], ids: Mapping[tuple[str, int], _Ids]) -> RestoredRecord:
-    """The record with its checkpointed and replacement ids: the scope's own when it names them exactly."""
+def _restored_record(record: Mapping[str, Any], pairs: Mapping[tuple[str, int], None]) -> RestoredRecord:
+    """The record with its checkpointed and replacement ids, built from the scope's validated pair when it names one."""
     wire = record["episode_id"]
-    known = None
-    if type(wire) is dict:
+    if type(wire) is dict and len(wire) == 2:
         rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt")
-        if type(rollout_id) is str and type(attempt) is int and len(wire) == 2:
-            known = ids.get((rollout_id, attempt))
-    if known is None:
-        checkpointed = episode_from_wire(wire)
-        known = (checkpointed, _replacement(checkpointed))
-    return RestoredRecord(checkpointed=known[0], replacement=known[1], record=record)
+        if type(rollout_id) is str and type(attempt) is int and (rollout_id, attempt) in pairs:
+            return RestoredRecord(checkpointed=construct_episode(rollout_id, attempt),
+                                  replacement=construct_episode(rollout_id, attempt + 1), record=record)
+    checkpointed = episode_from_wire(wire)
+    return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)
