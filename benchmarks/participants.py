@@ -164,7 +164,8 @@ async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None
                 activation=1, request_sha256=_sha(f"turn-{session_id}"),
                 cookies_before={"session": f"cookie-{episode.rollout_id}"}, observations_before=None,
                 calls=[
-                    {"call": "model", "sha256": _sha(f"model-{session_id}"), "response": _model_answer(len(ids)),
+                    {"call": "model", "sha256": _sha(f"model-{session_id}"),
+                     "body": base64.b64encode(json.dumps(_model_answer(len(ids))).encode()).decode(),
                      "cookies": {}},
                     {"call": "tool", "sha256": _sha(f"tool-{session_id}"), "status": 200,
                      "body": base64.b64encode(tool_body).decode(), "cookies": {"session": "next"}},

@@ -11,7 +11,11 @@ variable set by ``SimpleAgentTurns._create_episode``, ``simple_agent_turns.py``)
   answers exactly as before outside a session's turn.
 
 Each completed call is appended to the session's ``Turn`` (its **boundary**): the model's
-answer (the JSON body and its cookies), or the tool's status, body and cookies. A turn sent
+answer (its exact body bytes and its cookies), or the tool's status, body and cookies. Bodies are
+kept as base64 text (``"body"``): replayed byte for byte, and a record holds one string per call
+instead of the answer's nested JSON, which every checkpoint would otherwise walk, encode, decode
+and check again (a turn's model answers are most of an agent record). Records written before
+kept a model answer as its parsed JSON (``"response"``); those still restore. A turn sent
 again after a restore (attempt N+1, same request) runs the same loop; its calls are answered
 from the journal in order, each checked against the digest of the request it answers (a
 request that differs drops the rest of the journal and goes live: nothing is spliced), and
@@ -99,17 +103,19 @@ class Turn:
         if not isinstance(calls, list):
             raise ValueError("turn.calls must be a list")
         for index, call in enumerate(calls):
-            kind = call.get("call") if isinstance(call, Mapping) else None
-            if kind == "model":
-                if isinstance(call.get("sha256"), str) and isinstance(call.get("response"), Mapping):
-                    continue
-            elif kind == "tool":
-                if isinstance(call.get("sha256"), str) and isinstance(call.get("status"), int) \
-                        and isinstance(call.get("body"), str):
-                    continue
+            # Decoded records are plain dicts: the exact type test first (an ABC check costs more).
+            kind = call.get("call") if type(call) is dict or isinstance(call, Mapping) else None
+            if kind is not None and type(call.get("sha256")) is str:
+                if kind == "model":
+                    if type(call.get("body")) is str or isinstance(call.get("response"), Mapping):
+                        continue
+                elif kind == "tool":
+                    if type(call.get("status")) is int and type(call.get("body")) is str:
+                        continue
             _refuse_call(index, call)
+        # The decoded calls themselves: a restore's records are read once, by this install.
         return cls(activation, digest, {str(k): str(v) for k, v in cookies.items()},
-                   raw.get("observations_before"), [dict(c) for c in calls], restored=True)
+                   raw.get("observations_before"), list(calls), restored=True)
 
 
 def _refuse_call(index: int, call: Any) -> None:
@@ -120,7 +126,7 @@ def _refuse_call(index: int, call: Any) -> None:
     if not isinstance(call.get("sha256"), str):
         raise ValueError(f"{where}: sha256 must be a string")
     if call["call"] == "model":
-        raise ValueError(f"{where}: a model call needs its response object")
+        raise ValueError(f"{where}: a model call needs its body (base64) or response object")
     raise ValueError(f"{where}: a tool call needs its status and body")
 
 
@@ -153,7 +159,9 @@ class Recorded:
     @classmethod
     def of(cls, entry: Mapping[str, Any]) -> Recorded:
         if entry["call"] == "model":
-            return cls(200, json.dumps(entry["response"]).encode(), entry.get("cookies") or {})
+            body = entry.get("body")
+            raw = base64.b64decode(body) if body is not None else json.dumps(entry["response"]).encode()
+            return cls(200, raw, entry.get("cookies") or {})
         return cls(entry["status"], base64.b64decode(entry["body"]), entry.get("cookies") or {})
 
 
@@ -292,7 +300,7 @@ class TurnRun:
         with self.book.busy(self.key):
             body = await response.read()  # cached by aiohttp: the agent's own read gets the same bytes
             self._record(
-                {"call": "model", "sha256": digest, "response": json.loads(body),
+                {"call": "model", "sha256": digest, "body": base64.b64encode(body).decode(),
                  "cookies": _cookie_values(response.cookies)}
             )
         await self.book.park()
