@@ -52,7 +52,7 @@ import secrets
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -279,10 +279,13 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 failed = [r for r in replies if isinstance(r, BaseException) or r.get("failure") is not None]
                 result["replacement_failures"] = len(failed)
                 result["finished"] = sum(
-                    1 for r in replies if not isinstance(r, BaseException) and r.get("result", {}).get("reward") == 1.0
+                    1 for r in replies
+                    if not isinstance(r, BaseException) and (r.get("result") or {}).get("reward") == 1.0
                 )
                 if failed:
                     result["first_failure"] = repr(failed[0])[:300]
+                    # Gym answers a failed episode with 200 and its failure (stage, reason): counted by reason.
+                    result["failure_reasons"] = dict(Counter(_reason(r) for r in failed).most_common(10))
                 result["peak_rss_mb_replacements"] = peak_rss_mb(_pids(deployment))
             finally:
                 await control.close()
@@ -307,6 +310,14 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
 
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+def _reason(reply: Any) -> str:
+    if isinstance(reply, BaseException):
+        return f"{type(reply).__name__}: {reply}"[:120]
+    failure = reply.get("failure") or {}
+    where, why = failure.get("stage") or failure.get("status"), failure.get("failure_reason") or failure.get("body")
+    return f"{where}: {why}"[:120]
 
 
 @contextlib.asynccontextmanager
