@@ -1,0 +1,135 @@
+"""CPU of one participant process's commit and restore at the scale benchmark's shape, through its real control routes.
+
+``benchmarks/scale.py`` at 16,000 rollouts over two replica chains gives each environment, agent and
+model server 8,000 episodes of a 16,000-id scope, and the one resources server all 16,000. This
+script builds that one server in process (the wheel's real Gym server, wrapped and attached, as
+``benchmarks/participants.py`` does), holds ``--episodes`` episodes shaped as a held second model
+call leaves them, and sends the real ``prepare``, ``commit`` (scope: its own episodes plus
+``--others`` it never saw) and, on a fresh server (a restarted process), ``restore`` of that scope
+over the app's ASGI interface: body parsing, marks, export or read, encode or decode, hashing,
+install, reply. No sockets, so the figures are the route's own CPU (``time.process_time``, every
+thread), without the contention of seven servers on two cores.
+
+    .venv/bin/python benchmarks/control_routes.py [--kinds agent,environment,model,resources]
+        [--episodes 8000] [--others 8000] [--profile [--top 30]]
+
+``--profile`` prints a cProfile top-N (event loop thread only) of each route. Last line: one JSON
+object ``{kind: {"commit_s", "restore_s", "exported", "restored"}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import inspect
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+sys.path.insert(0, str(Path(__file__).parent))
+import participants  # noqa: E402  (a sibling script, not a package)
+
+from nemo_gym_checkpoint_plugin._wire import CONTROL_PREFIX  # noqa: E402
+
+# The resources server holds every episode at the scale benchmark's 16,000 (one for all chains).
+SHAPES = {"agent": (8000, 8000), "environment": (8000, 8000), "model": (8000, 8000), "resources": (16000, 0)}
+
+
+async def _post(app: Any, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {participants._TOKEN}", "content-type": "application/json"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://participant",
+                                 timeout=600) as client:
+        reply = await client.post(f"{CONTROL_PREFIX}/{route}", content=orjson.dumps(body), headers=headers)
+    if reply.status_code != 200:
+        raise RuntimeError(f"{route}: {reply.status_code} {reply.text[:300]}")
+    return reply.json()
+
+
+async def _timed(app: Any, route: str, body: dict[str, Any], profile: cProfile.Profile | None) -> tuple[float, Any]:
+    gc.collect()
+    if profile is not None:
+        profile.enable()
+    started = time.process_time()
+    reply = await _post(app, route, body)
+    elapsed = time.process_time() - started
+    if profile is not None:
+        profile.disable()
+    return elapsed, reply
+
+
+async def run_kind(kind: str, episodes: int, others: int, top: int | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as directory:
+        servers = participants.Servers(Path(directory))
+        try:
+            server, plugin = servers.build(kind)
+            app = servers.last_app
+            ids = participants.episodes(episodes)
+            populate = {"agent": participants.populate_agent, "resources": participants.populate_resources,
+                        "environment": participants.populate_environment, "model": participants.populate_model}[kind]
+            done = populate(server, plugin, ids)
+            if inspect.isawaitable(done):
+                await done
+            scope = [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in ids]
+            scope += [{"rollout_id": f"elsewhere-{i:06d}", "attempt": 0} for i in range(others)]
+            checkpoint_dir = str(Path(directory) / "checkpoint")
+
+            def deadline() -> float:
+                return time.time() + 600
+
+            await _post(app, "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()})
+            profiles = {route: cProfile.Profile() if top else None for route in ("commit", "restore")}
+            commit_s, committed = await _timed(app, "commit", {
+                "checkpoint_id": "c1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
+                "episode_ids": scope}, profiles["commit"])
+            await _post(app, "resume", {"checkpoint_id": "c1", "deadline_ts": deadline()})
+            servers.build(kind)  # a restarted process
+            restore_s, restored = await _timed(servers.last_app, "restore", {
+                "checkpoint_id": "r1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
+                "episode_ids": scope}, profiles["restore"])
+            for route, profile in profiles.items():
+                if profile is not None:
+                    out = io.StringIO()
+                    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+                    print(f"--- cProfile {kind} {route} (event loop thread, by own time) ---\n{out.getvalue()}",
+                          file=sys.stderr, flush=True)
+            return {"episodes": episodes, "scope": len(scope), "commit_s": round(commit_s, 3),
+                    "restore_s": round(restore_s, 3), "exported": len(committed["episode_ids"]),
+                    "restored": len(restored["restored"])}
+        finally:
+            await servers.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default=",".join(SHAPES))
+    parser.add_argument("--episodes", type=int, default=None,
+                        help="episodes held (default: the kind's share at 16,000)")
+    parser.add_argument("--others", type=int, default=None,
+                        help="scope ids held elsewhere (default: the other replica's 8,000; 0 for resources)")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile top-N of each route")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    figures: dict[str, Any] = {}
+    print(f"{'kind':<12}{'episodes':>9}{'scope':>7}{'commit (CPU s)':>16}{'restore (CPU s)':>17}")
+    for kind in args.kinds.split(","):
+        if kind not in SHAPES:
+            parser.error(f"unknown kind {kind!r}: one of {', '.join(SHAPES)}")
+        episodes = args.episodes if args.episodes is not None else SHAPES[kind][0]
+        others = args.others if args.others is not None else SHAPES[kind][1]
+        figures[kind] = run = asyncio.run(run_kind(kind, episodes, others, args.top if args.profile else None))
+        print(f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}", flush=True)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
