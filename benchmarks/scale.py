@@ -94,6 +94,10 @@ GYM_SETTINGS = {
     "global_aiohttp_tcp_keepalive_interval_seconds": 30,
     "global_aiohttp_tcp_keepalive_probes": 10,
 }
+# The environment's cleanup timeout (a session close within an episode, and the final unwind): Gym ships
+# 180 s; the testing kit's 30 s (tests that fail fast) was crossed by a few agent-session closes while
+# 1,000 replacements queued on 2 cores (a "cleanup" failure with an empty reason: its TimeoutError).
+ENVIRONMENT_SETTINGS = {"cleanup_timeout_seconds": 180}
 _POLL = 0.1
 # Rollouts on their way to the held call at once (and replacement calls open at once): well under the
 # servers' listen backlog (uvicorn's 2,048) however the rollouts split over the replicas.
@@ -178,7 +182,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
         free_port_base(port_span(replicas)), work, entrypoints=wrapped_entrypoints(), own_process_groups=True,
         log_dir=work / "logs", extra_env={TOKEN_ENV: token},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}, gym_settings=GYM_SETTINGS,
-        replicas=replicas,
+        replicas=replicas, environment=ENVIRONMENT_SETTINGS,
     )
     ids = [f"scale-{i}" for i in range(rollouts)]
     checkpoint_dir = work / "checkpoint"

@@ -113,3 +113,12 @@ def test_the_harness_finds_free_ports_for_every_replica(tmp_path: Path, monkeypa
     monkeypatch.setattr(harness, "free_port_base", base_for)
     deployment = harness.new_deployment(tmp_path, replicas=3)
     assert spans == [port_span(3)] and deployment.replicas == 3
+
+
+def test_environment_keys_reach_every_environment_replica(tmp_path: Path) -> None:
+    default = Deployment(BASE, tmp_path, replicas=2)
+    raised = Deployment(BASE, tmp_path, replicas=2, environment={"cleanup_timeout_seconds": 180})
+    for i in (1, 2):
+        name = replica_name(ENVIRONMENT, i)
+        assert server_location(default.config, name)[2]["cleanup_timeout_seconds"] == 30
+        assert server_location(raised.config, name)[2]["cleanup_timeout_seconds"] == 180

@@ -197,7 +197,8 @@ class Deployment:
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
     ``extra_env`` is added to every child's environment (e.g. the control token).
-    ``model`` adds keys to the policy model's config block (``build_gym_config``).
+    ``model`` adds keys to the policy model's config block, ``environment`` to the environment
+    server's (``build_gym_config``).
     ``resources`` changes the resources server's implementation and block (``build_gym_config``);
     ``server_dirs`` (``{name: directory}``) runs a server from a directory of your own instead of
     the one Gym finds for its implementation (a server outside the nemo-gym wheel); ``python``
@@ -224,6 +225,7 @@ class Deployment:
         python: str | None = None,
         gym_settings: Mapping[str, Any] | None = None,
         replicas: int = 1,
+        environment: Mapping[str, Any] | None = None,
     ) -> None:
         from omegaconf import OmegaConf
 
@@ -234,7 +236,7 @@ class Deployment:
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(
             port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model,
-            resources=resources, gym_settings=gym_settings, replicas=replicas,
+            resources=resources, gym_settings=gym_settings, replicas=replicas, environment=environment,
         )
         self.replicas = replicas
         self.config_yaml: str = OmegaConf.to_yaml(self.config)

@@ -155,6 +155,7 @@ def build_gym_config(
     resources: Mapping[str, Any] | None = None,
     gym_settings: Mapping[str, Any] | None = None,
     replicas: int = 1,
+    environment: Mapping[str, Any] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
@@ -165,8 +166,10 @@ def build_gym_config(
     ``implementation`` (default ``example_single_tool_call``), every other key merged into its
     block (e.g. ``checkpoint_session_state``).
     ``gym_settings`` adds top-level Gym settings (e.g. ``global_aiohttp_connector_limit_per_host``).
+    ``environment`` adds keys to the environment server's block (e.g. ``cleanup_timeout_seconds``: 30
+    here, for tests that fail fast; Gym ships 180).
     ``replicas`` runs that many model -> agent -> environment chains (see the module docstring);
-    ``entrypoints`` and ``model`` apply to every replica of the server they name.
+    ``entrypoints``, ``model`` and ``environment`` apply to every replica of the server they name.
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
@@ -216,6 +219,7 @@ def build_gym_config(
                     "resources_tool_transports": ["direct_http"],
                     "default_episode_timeout_seconds": 3600,
                     "cleanup_timeout_seconds": 30,
+                    **(environment or {}),
                 }
             }
         },
