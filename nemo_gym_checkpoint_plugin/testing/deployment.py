@@ -197,8 +197,7 @@ class Deployment:
     ``log_dir``: each child appends stdout and stderr to ``<log_dir>/<name>.log``; None sends
     both to this process's stderr (so this process's stdout stays its own).
     ``extra_env`` is added to every child's environment (e.g. the control token).
-    ``model`` adds keys to the policy model's config block, ``environment`` to the environment
-    server's (``build_gym_config``).
+    ``model`` / ``environment`` add keys to the policy model's / environment server's block (``build_gym_config``).
     ``resources`` changes the resources server's implementation and block (``build_gym_config``);
     ``server_dirs`` (``{name: directory}``) runs a server from a directory of your own instead of
     the one Gym finds for its implementation (a server outside the nemo-gym wheel); ``python``
