@@ -8,13 +8,9 @@ model -> agent -> environment chains (``policy_model_2``, ``simple_agent_2``,
 ``single_agent_turn_2``, ...: ``gym_config.gym_servers``), each its own processes,
 ports and log files, sharing the resources server and the fake backend: one process
 holds at most ~9,500 rollouts in its agent turn under a 20,000 file-descriptor limit,
-so a chain per ~9,000 rollouts keeps every process under it. Each Gym server starts as Gym's
-``RunHelper`` starts it, minus the per-server venv: cwd = its directory, ``python
-<entrypoint>`` with ``NEMO_GYM_CONFIG_DICT`` (the YAML) and ``NEMO_GYM_CONFIG_PATH``
-(its top-level name) in the environment, the server directory on ``PYTHONPATH``. An
-entrypoint ending in ``.py`` is a path (relative to the server directory, or
-absolute); anything else is a module run with ``python -m`` (cwd first on
-``sys.path``, as for ``python app.py``). Override any with ``entrypoints={name: ...}``;
+so a chain per ~9,000 rollouts keeps every process under it. How each process starts (argv,
+cwd, environment, readiness probe) is ``process_specs.py``'s; this module starts them, waits
+for them and stops them. Override a server's entrypoint with ``entrypoints={name: ...}``;
 the override is written into the config's ``entrypoint:`` so the YAML tells the truth.
 
 Process groups: with ``own_process_groups=True`` (tests) each child leads its own
@@ -25,7 +21,6 @@ that group takes every server down with it.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -35,7 +30,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +38,6 @@ from .gym_config import (
     BACKEND,
     DEFAULT_CHECKPOINT_BLOCK,
     ENVIRONMENT,
-    FAKE_MODEL_NAME,
     GYM_SERVERS,
     HOST,
     MODEL,
@@ -58,9 +51,9 @@ from .gym_config import (
     port_span,
     replica_name,
     rollout_body,
-    server_location,
 )
 from .ports import free_port_base, parse_port_base, port_is_free
+from .process_specs import FAKE_BACKEND_MODULE, ProcessSpec, backend_spec, fake_backend_script, gym_specs
 
 __all__ = [
     # Re-exported from gym_config so callers need one import.
@@ -80,13 +73,14 @@ __all__ = [
     "port_span",
     "replica_name",
     "rollout_body",
+    # Re-exported from process_specs.
+    "FAKE_BACKEND_MODULE",
+    "ProcessSpec",
+    "fake_backend_script",
     # Process management.
     "Deployment",
     "DeploymentAborted",
     "DeploymentError",
-    "FAKE_BACKEND_MODULE",
-    "ProcessSpec",
-    "fake_backend_script",
     "free_port_base",
     "parse_port_base",
     "port_is_free",
@@ -102,81 +96,6 @@ class DeploymentError(RuntimeError):
 
 class DeploymentAborted(DeploymentError):
     """``start`` was asked to give up (the caller's abort event was set) before every server was ready."""
-
-
-# The fake backend is a module of this package, so an installed wheel runs it as well as a source checkout.
-FAKE_BACKEND_MODULE = "nemo_gym_checkpoint_plugin.testing.fake_backend"
-
-
-def fake_backend_script() -> Path:
-    """The fake backend's module file, inside the installed package (``python <it> --port N`` runs it too)."""
-    # Found, not imported: the path alone needs neither FastAPI nor uvicorn loaded here.
-    spec = importlib.util.find_spec(FAKE_BACKEND_MODULE)
-    assert spec is not None and spec.origin is not None
-    return Path(spec.origin).resolve()
-
-
-@dataclass(frozen=True)
-class ProcessSpec:
-    """How to start one server process and how to tell it is ready."""
-
-    name: str
-    argv: tuple[str, ...]
-    cwd: Path
-    env: Mapping[str, str]
-    url: str
-    ready_path: str
-
-
-def _gym_specs(
-    config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None, python: str = sys.executable,
-    names: tuple[str, ...] = GYM_SERVERS,
-) -> list[ProcessSpec]:
-    from nemo_gym import _resolve_under_cwd_or_install
-
-    specs = []
-    for name in names:
-        server_type, implementation, inner = server_location(config, name)
-        # Gym's own lookup for a server dir (extra roots, cwd, then the install), with its own marker files.
-        server_dir = (server_dirs or {}).get(name) or _resolve_under_cwd_or_install(
-            Path(server_type, implementation),
-            validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
-        )
-        entrypoint = str(inner["entrypoint"])
-        # A path (``app.py``), the ``-m<module>`` form Gym's own launcher also runs, or a bare module name.
-        if entrypoint.endswith(".py"):
-            run: tuple[str, ...] = (entrypoint,)
-        else:
-            run = ("-m", entrypoint.removeprefix("-m"))
-        specs.append(
-            ProcessSpec(
-                name=name,
-                argv=(python, *run),
-                cwd=server_dir,
-                env={
-                    "NEMO_GYM_CONFIG_DICT": config_yaml,
-                    "NEMO_GYM_CONFIG_PATH": name,
-                    # As Gym's run_command does: `import app` and sibling modules resolve from the server dir.
-                    "PYTHONPATH": os.pathsep.join(p for p in (str(server_dir), os.environ.get("PYTHONPATH")) if p),
-                },
-                url=f"http://{inner['host']}:{inner['port']}",
-                ready_path="/readyz",
-            )
-        )
-    return specs
-
-
-def _backend_spec(port: int, work_dir: Path, python: str = sys.executable) -> ProcessSpec:
-    return ProcessSpec(
-        name=BACKEND,
-        # -m, cwd the work dir: this package's directory never lands first on the backend's sys.path.
-        argv=(python, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port),
-              "--model", FAKE_MODEL_NAME),
-        cwd=work_dir,
-        env={},
-        url=f"http://{HOST}:{port}",
-        ready_path="/v1/models",
-    )
 
 
 # Readiness probes go straight to 127.0.0.1, never through a proxy from the environment.
@@ -240,12 +159,12 @@ class Deployment:
         self.replicas = replicas
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
         python = python or sys.executable
-        backend = _backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir, python)
+        backend = backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir, python)
         names = gym_servers(replicas)
         # A replica runs from its first replica's directory unless given its own.
         dirs = {replica_name(name, i): path for name, path in (server_dirs or {}).items()
                 for i in range(1, (replicas if name in REPLICATED else 1) + 1)}
-        self.specs = [backend, *_gym_specs(self.config, self.config_yaml, dirs, python, names)]
+        self.specs = [backend, *gym_specs(self.config, self.config_yaml, dirs, python, names)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property
