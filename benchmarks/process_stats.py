@@ -1,4 +1,4 @@
-"""What the servers of a running deployment use, read from ``/proc``: memory, descriptors, CPU, listen overflows.
+"""What the servers of a running deployment use, read from ``/proc``: memory, descriptors, CPU, the network's losses.
 
 A sibling of ``scale.py`` (not a package): each reader takes ``{server name: pid}`` and skips a
 process that is gone.
@@ -71,6 +71,42 @@ def listen_overflows() -> int | None:
         return int(dict(zip(lines[0], lines[1], strict=True))["ListenOverflows"])
     except (OSError, IndexError, KeyError, ValueError):
         return None
+
+
+def _snmp(path: str, section: str) -> dict[str, int]:
+    """One section (``Tcp:``, ``TcpExt:``) of ``/proc/net/snmp`` or ``/proc/net/netstat``: name -> value."""
+    lines = [line.split() for line in Path(path).read_text().splitlines() if line.startswith(section)]
+    return {name: int(value) for name, value in zip(lines[0][1:], lines[1][1:], strict=True)}
+
+
+def net_counters() -> dict[str, int] | None:
+    """The kernel's packet-loss counters, since boot (this network namespace; softnet: the whole host).
+
+    ``softnet_dropped``: packets dropped because a CPU's input queue (``net.core.netdev_max_backlog``)
+    was full; loopback traffic goes through it too. ``retransmitted_segments``, ``retransmit_timeouts``
+    and ``syn_retransmits``: TCP sending again what was lost (a lost segment waits for a timeout
+    that doubles on each loss: 0.2 s, 0.4 s, ... minutes).
+    """
+    try:
+        # One line per CPU; the second column (hex) counts drops.
+        dropped = sum(int(line.split()[1], 16) for line in Path("/proc/net/softnet_stat").read_text().splitlines())
+        tcp, ext = _snmp("/proc/net/snmp", "Tcp:"), _snmp("/proc/net/netstat", "TcpExt:")
+        return {
+            "softnet_dropped": dropped,
+            "retransmitted_segments": tcp["RetransSegs"],
+            "retransmit_timeouts": ext["TCPTimeouts"],
+            "syn_retransmits": ext["TCPSynRetrans"],
+        }
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
+def counters_since(before: dict[str, int] | None) -> dict[str, int] | None:
+    """``net_counters()`` now minus ``before`` (None where either could not be read)."""
+    after = net_counters()
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in after}
 
 
 def bytes_under(path: Path) -> int:

@@ -24,7 +24,9 @@ environment replicas), prepare, commit and restore seconds (total, per participa
 slowest reply of that kind across replicas, and per server), the CPU seconds each server used
 during the commit and the restore call (``cpu_s``), bytes written, the peak RSS and
 the open file descriptors at the checkpoint of each server, the kernel's listen-queue overflows
-during the run, replacement failures. The last line is one JSON object ``{"runs": [...]}`` with
+during the run, its packet losses during dispatch and during the replacements (``net_losses``:
+input-queue drops, TCP retransmissions), replacement failures, and the episodes whose final
+cleanup Gym's environments logged as timed out (``cleanup_timeouts``). The last line is one JSON object ``{"runs": [...]}`` with
 those figures, one entry per N.
 
 File descriptors: each rollout held inside its agent turn keeps two sockets open in its
@@ -71,7 +73,15 @@ from nemo_gym_checkpoint_plugin.testing.deployment import (
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 
 sys.path.insert(0, str(Path(__file__).parent))
-from process_stats import bytes_under, cpu_used, listen_overflows, open_fds, peak_rss_mb  # noqa: E402
+from process_stats import (  # noqa: E402
+    bytes_under,
+    counters_since,
+    cpu_used,
+    listen_overflows,
+    net_counters,
+    open_fds,
+    peak_rss_mb,
+)
 from sampling import sampled, write_summaries  # noqa: E402  (sibling scripts, not a package)
 
 # Each rollout held in its agent turn keeps two sockets open in the environment, agent and model
@@ -171,6 +181,15 @@ def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int) 
     return sampled(_pids(deployment), profile, phase, rate)
 
 
+def cleanup_timeouts(log_dir: Path, env_names: list[str]) -> int:
+    """How many episodes' final cleanup Gym's environments logged as timed out (their rollout may have finished)."""
+    count = 0
+    for name in env_names:
+        with contextlib.suppress(OSError):
+            count += (log_dir / f"{name}.log").read_text(errors="replace").count("Episode cleanup timed out")
+    return count
+
+
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
                    profile: Path | None = None, replicas: int = 1,
                    window: int = DEFAULT_DISPATCH_WINDOW, profile_rate: int = PROFILE_RATE) -> dict[str, Any]:
@@ -192,6 +211,9 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                               "max_in_flight": max_in_flight, "dispatch_window": window}
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
     overflows_before = listen_overflows()
+    net_before = net_counters()
+    net: dict[str, Any] = {}
+    result["net_losses"] = net
     await asyncio.to_thread(deployment.start, 300.0)
     try:
         envs, backend = deployment.replica_urls(ENVIRONMENT), deployment.urls[BACKEND]
@@ -227,6 +249,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 early = [t.result() for t in first if t.done() and not t.cancelled() and t.exception() is None]
                 result["dispatch_failures"] = sum(1 for body in early if body.get("failure") is not None)
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
+                net["dispatch"] = counters_since(net_before)
                 result["in_flight"] = (await counts())["held"]
                 result["open_fds"] = open_fds(_pids(deployment))
                 _say(f"[{rollouts}] {result['in_flight']} rollouts in flight (held) after {result['dispatch_s']}s")
@@ -270,6 +293,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                         await retire(coordinator, "scale-retire", others, timeout=timeout)
                 _say(f"[{rollouts}] restore {result['restore_s']}s ({len(back)} continued); running every rollout")
                 t0 = time.monotonic()
+                net_replacing = net_counters()
                 # A bounded number of replacement /run calls open at once: a controller's concurrency, and
                 # no burst of thousands of connects at one listen queue.
                 gate = asyncio.Semaphore(window)
@@ -280,6 +304,8 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
 
                 replies = await asyncio.gather(*(replacement(r) for r in ids), return_exceptions=True)
                 result["replacement_s"] = round(time.monotonic() - t0, 3)
+                net["replacements"] = counters_since(net_replacing)
+                result["cleanup_timeouts"] = cleanup_timeouts(work / "logs", env_names)
                 failed = [r for r in replies if isinstance(r, BaseException) or r.get("failure") is not None]
                 result["replacement_failures"] = len(failed)
                 result["finished"] = sum(
@@ -291,6 +317,8 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     # Gym answers a failed episode with 200 and its failure (stage, reason): counted by reason.
                     result["failure_reasons"] = dict(Counter(_reason(r) for r in failed).most_common(10))
                 result["peak_rss_mb_replacements"] = peak_rss_mb(_pids(deployment))
+                _say(f"[{rollouts}] replacements: {result['finished']} finished, {len(failed)} failed, "
+                     f"{result['cleanup_timeouts']} cleanup timeouts, network losses {net['replacements']}")
             finally:
                 await control.close()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -45,3 +46,23 @@ def test_too_few_replicas_for_the_rollouts_asked_in_flight_is_refused() -> None:
 def test_more_in_flight_than_one_controller_holds_is_refused() -> None:
     with pytest.raises(ValueError, match="this controller"):
         scale.plan(24_000, 3, 24_000, PER_PROCESS, LIMIT)
+
+
+def test_cleanup_timeouts_are_counted_from_each_environments_log(tmp_path: Path) -> None:
+    line = "ERROR Episode cleanup timed out: episode_id=rollout_id='scale-7' attempt=1\n"
+    (tmp_path / "single_agent_turn.log").write_text(line * 2 + "INFO other\n")
+    (tmp_path / "single_agent_turn_2.log").write_text(line)
+    (tmp_path / "simple_agent.log").write_text(line)  # not an environment: not counted
+    assert scale.cleanup_timeouts(tmp_path, ["single_agent_turn", "single_agent_turn_2", "single_agent_turn_3"]) == 3
+
+
+def test_network_losses_are_read_from_the_kernel_as_differences() -> None:
+    stats = importlib.import_module("process_stats")  # scale.py put benchmarks/ on sys.path
+    before = stats.net_counters()
+    if before is None:
+        pytest.skip("no /proc/net counters here")
+    assert set(before) == {"softnet_dropped", "retransmitted_segments", "retransmit_timeouts", "syn_retransmits"}
+    assert all(isinstance(v, int) and v >= 0 for v in before.values())
+    since = stats.counters_since(before)
+    assert since is not None and set(since) == set(before) and all(v >= 0 for v in since.values())
+    assert stats.counters_since(None) is None
