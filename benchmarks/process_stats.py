@@ -66,9 +66,7 @@ def cpu_used(pids: dict[str, int], into: dict[str, float]) -> Iterator[None]:
 def listen_overflows() -> int | None:
     """The kernel's count of connections dropped because a listen queue was full (this network namespace)."""
     try:
-        text = Path("/proc/net/netstat").read_text()
-        lines = [line.split() for line in text.splitlines() if line.startswith("TcpExt:")]
-        return int(dict(zip(lines[0], lines[1], strict=True))["ListenOverflows"])
+        return _snmp("/proc/net/netstat", "TcpExt:")["ListenOverflows"]
     except (OSError, IndexError, KeyError, ValueError):
         return None
 

@@ -26,8 +26,8 @@ during the commit and the restore call (``cpu_s``), bytes written, the peak RSS 
 the open file descriptors at the checkpoint of each server, the kernel's listen-queue overflows
 during the run, its packet losses during dispatch and during the replacements (``net_losses``:
 input-queue drops, TCP retransmissions), replacement failures, and the episodes whose final
-cleanup Gym's environments logged as timed out (``cleanup_timeouts``). The last line is one JSON object ``{"runs": [...]}`` with
-those figures, one entry per N.
+cleanup Gym's environments logged as timed out (``cleanup_timeouts``). The last line is one JSON
+object ``{"runs": [...]}`` with those figures, one entry per N.
 
 File descriptors: each rollout held inside its agent turn keeps two sockets open in its
 environment, agent and model servers (caller and callee side), one in the fake backend and one
