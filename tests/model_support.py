@@ -62,6 +62,8 @@ class ModelServers:
     def __init__(
         self, tmp_path: Path, monkeypatch: Any, extra_config: Mapping[str, Any] | None = None, replicas: int = 1
     ) -> None:
+        # Where the fake backend stages calls admitted for external token staging (the framework's storage).
+        self.staging_dir = tmp_path / "staged"
         monkeypatch.setenv(TOKEN_ENV, TOKEN)
         # Gym's data client is a process global bound to the loop that made it: one per test here.
         monkeypatch.setattr(server_utils, "_GLOBAL_AIOHTTP_CLIENT", None)
@@ -79,7 +81,8 @@ class ModelServers:
 
     async def start(self) -> None:
         server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
-        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port, log_level="warning")
+        app = create_app(self.state, staging_dir=self.staging_dir)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._backend = uvicorn.Server(config)
         self._serving = asyncio.ensure_future(self._backend.serve())
         backend = self._backend
