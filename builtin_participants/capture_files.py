@@ -17,7 +17,8 @@ Two files are this plugin's own:
 - ``.ng-checkpoint-restore-<restore id>``: created, under the directory's own lock
   (``.ng-checkpoint.lock``), once what dead executions left for a restore's replacement attempts
   was cleared. Every other model server of the same restore then writes its rows without
-  clearing again, which would delete rows a sibling already wrote.
+  clearing again, which would delete rows a sibling already wrote. The server that created it
+  removes it when the restore is resumed.
 
 Locks are taken in one order only (the directory's, then a key's), and never twice in one thread.
 """
@@ -100,6 +101,11 @@ class CaptureDir:
 
     def mark_cleared(self, restore_id: str) -> None:
         self._create(self.root / f"{_CLEARED}{restore_id}", restore_id.encode())
+
+    def forget_cleared(self, restore_id: str) -> None:
+        """The restore ended (resumed): its marker goes, so a later restore reusing the id clears again."""
+        with self.restore_locked():
+            (self.root / f"{_CLEARED}{restore_id}").unlink(missing_ok=True)
 
     # -- listing -----------------------------------------------------------------------------------
 

@@ -167,6 +167,8 @@ class ModelCalls:
     @hookimpl
     def open_admission(self, checkpoint_id: str) -> None:
         self._open.set()
+        if self.book is not None:
+            self.book.ended(checkpoint_id)
 
     @hookimpl
     def ready(self, checkpoint_id: str | None) -> Readiness:

@@ -35,7 +35,7 @@ matching lengths); their content is the records file's, whose digest the restore
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,32 +43,48 @@ from typing import Any
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import split_key
 from nemo_gym_checkpoint_plugin.builtin_participants.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
+from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
+    LEDGER,
+    RESTORED_FROM,
+    TOKENS,
+    ledger_line,
+    ledger_row_id,
+    token_row_id,
+)
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 
-__all__ = ["RESTORED_FROM", "StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
+__all__ = ["StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
 
-# A ledger row installed by a restore names the capture key it was first recorded under (ledger rows
-# carry no rollout id of their own; a token row's rollout_id says the same).
-RESTORED_FROM = "ng_checkpoint_restored_from"
-# Gym's TokenEntry schema versions this plugin knows (0.7.0 writes 1).
-_SCHEMA_VERSIONS = (1,)
+logger = logging.getLogger(__name__)
+
 
 
 def token_captures_for(server: Any) -> TokenCaptures | None:
-    """The capture store of a model server's config, when token capture writes Gym's file store; else None."""
+    """The capture store of a model server's config, when token capture writes Gym's file store; else None.
+
+    A custom ``sink`` (or, with external staging, a custom ``lineage_store``) keeps its rows where this
+    plugin cannot carry them: said once, as a warning, when the server starts.
+    """
     global_config = getattr(getattr(server, "server_client", None), "global_config_dict", None)
     if global_config is None:
         return None
     from nemo_gym.token_id_capture.config import TokenIdCaptureConfig
     from nemo_gym.token_id_capture.store import make_token_store
 
+    settings = TokenIdCaptureConfig.model_validate(global_config).token_id_capture
+    custom_ledger = settings.external_staging and settings.lineage_store
+    custom = "sink" if settings.sink else "lineage_store" if custom_ledger else None
+    if settings.enabled and custom is not None:
+        logger.warning(
+            "token_id_capture.%s is a custom store: checkpoints do not carry its rows, so after a restore a "
+            "continued rollout's capture lacks the calls made before the crash (Gym's rebuild masks it)", custom,
+        )
     store = make_token_store(global_config)
     if store is None:
         return None
-    external = TokenIdCaptureConfig.model_validate(global_config).token_id_capture.external_staging
-    return TokenCaptures(store, ledger=external)
+    return TokenCaptures(store, ledger=settings.external_staging and not settings.lineage_store)
 
 
 @dataclass
@@ -165,8 +181,8 @@ class TokenCaptures:
                 f"episode {checkpointed}: the checkpoint holds ledger rows of external staging, which is off here",
                 episode=checkpointed,
             )
-        token_lines = [(_token_row(checkpointed, row), row) for row in tokens]
-        ledger_lines = [(_ledger_row(checkpointed, row), row) for row in ledger]
+        token_lines = [(token_row_id(checkpointed, row), row) for row in tokens]
+        ledger_lines = [(ledger_row_id(checkpointed, row), row) for row in ledger]
         for family in (token_lines, ledger_lines):
             ids = [call_id for call_id, _row in family]
             if len(set(ids)) != len(ids):
@@ -175,7 +191,7 @@ class TokenCaptures:
         return StagedRows(
             key=replacement,
             tokens=[(call_id, orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n") for call_id, row in token_lines],
-            ledger=[(call_id, _ledger_line({RESTORED_FROM: checkpointed, **row})) for call_id, row in ledger_lines],
+            ledger=[(call_id, ledger_line({RESTORED_FROM: checkpointed, **row})) for call_id, row in ledger_lines],
         )
 
     def install(self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows]) -> bool:
@@ -250,7 +266,7 @@ class TokenCaptures:
             return True  # attempt 0 is never restored
         settled = True
         with self.files.locked(key):
-            families = [(TOKEN_ROWS, _TOKENS)] + ([(LEDGER_ROWS, _LEDGER)] if self.ledger else [])
+            families = [(TOKEN_ROWS, TOKENS)] + ([(LEDGER_ROWS, LEDGER)] if self.ledger else [])
             for suffix, family in families:
                 rows = self.files.read_rows(key, suffix)
                 victims, unconfirmed = family.superseded(key, call_id, [row for _line, row in rows])
@@ -261,115 +277,6 @@ class TokenCaptures:
                         _reindex(self.store, key)
                 settled = settled and not unconfirmed
         return settled
-
-
-class _Family:
-    """How one kind of capture row says which rows a restore installed, their parents and their request."""
-
-    def __init__(self, context_len: str, context_digest: str) -> None:
-        self._len, self._digest = context_len, context_digest
-
-    def restored(self, key: str, row: Mapping[str, Any]) -> bool:
-        raise NotImplementedError
-
-    def context(self, row: Mapping[str, Any]) -> tuple[Any, Any] | None:
-        digest = row.get(self._digest)
-        return (row.get(self._len), digest) if isinstance(digest, str) and digest else None
-
-    def superseded(
-        self, key: str, call_id: str | None, rows: list[dict[str, Any]]
-    ) -> tuple[set[str], bool]:
-        """``(model call ids to drop, whether restored rows are left unconfirmed)``."""
-        restored = {row.get("model_call_id"): row for row in rows if self.restored(key, row)}
-        if not restored:
-            return set(), False
-        live = [row for row in rows if not self.restored(key, row)]
-        confirmed: set[Any] = set()
-        for row in live:  # a restored row a live row builds on reached the agent
-            parent = row.get("parent_call_id")
-            while parent in restored and parent not in confirmed:
-                confirmed.add(parent)
-                parent = restored[parent].get("parent_call_id")
-        answered = next((row for row in live if row.get("model_call_id") == call_id), None)
-        context = self.context(answered) if answered is not None else None
-        victims = {
-            row_id for row_id, row in restored.items()
-            if context is not None and row_id not in confirmed and self.context(row) == context
-        }
-        if victims:
-            victims |= _descendants(restored, victims)
-        return victims, bool(set(restored) - confirmed - victims)
-
-
-class _TokenRows(_Family):
-    def restored(self, key: str, row: Mapping[str, Any]) -> bool:
-        return row.get("rollout_id") != key
-
-
-class _LedgerRows(_Family):
-    def restored(self, key: str, row: Mapping[str, Any]) -> bool:
-        return row.get(RESTORED_FROM) is not None
-
-
-_TOKENS = _TokenRows("continuation_context_len", "continuation_context_digest")
-_LEDGER = _LedgerRows("context_len", "context_digest")
-
-
-def _descendants(rows: Mapping[Any, Mapping[str, Any]], roots: set[Any]) -> set[Any]:
-    found: set[Any] = set()
-    for row_id, row in rows.items():
-        seen: set[Any] = set()
-        parent = row.get("parent_call_id")
-        while parent in rows and parent not in seen:
-            if parent in roots:
-                found.add(row_id)
-                break
-            seen.add(parent)
-            parent = rows[parent].get("parent_call_id")
-    return found
-
-
-def _refuse(key: str, what: str) -> InvalidCheckpointState:
-    return InvalidCheckpointState(f"episode {key}: {what}", episode=key)
-
-
-def _token_row(key: str, row: Any) -> str:
-    """The model call id of a token row after its shape checks (what Gym's ``TokenEntry`` requires of it)."""
-    if not isinstance(row, dict):
-        raise _refuse(key, "a token entry is not an object")
-    call_id, rollout_id = row.get("model_call_id"), row.get("rollout_id")
-    if not isinstance(call_id, str) or not call_id:
-        raise _refuse(key, "a token entry has no model_call_id")
-    if not isinstance(rollout_id, str) or not _gym_key(rollout_id):
-        raise _refuse(key, f"token entry {call_id}: rollout_id {rollout_id!r} is not a capture key")
-    if row.get("schema_version", 1) not in _SCHEMA_VERSIONS:
-        raise _refuse(key, f"token entry {call_id}: schema_version {row.get('schema_version')!r} is not known here")
-    arrays = [row.get(name) for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")]
-    if not all(isinstance(array, list) for array in arrays) or len(arrays[1]) != len(arrays[2]):
-        raise _refuse(key, f"token entry {call_id}: token arrays are missing or of different lengths")
-    return call_id
-
-
-def _ledger_row(key: str, row: Any) -> str:
-    if not isinstance(row, dict):
-        raise _refuse(key, "a ledger entry is not an object")
-    call_id = row.get("model_call_id")
-    if not isinstance(call_id, str) or not call_id:
-        raise _refuse(key, "a ledger entry has no model_call_id")
-    restored_from = row.get(RESTORED_FROM)
-    if restored_from is not None and not (isinstance(restored_from, str) and _gym_key(restored_from)):
-        raise _refuse(key, f"ledger entry {call_id}: {RESTORED_FROM} is not a capture key")
-    return call_id
-
-
-def _ledger_line(row: Mapping[str, Any]) -> bytes:
-    # FileLineageStore's own encoding of a ledger row (sorted keys, compact, ASCII).
-    return json.dumps(row, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-
-
-def _gym_key(key: str) -> bool:
-    # Gym's validate_rollout_id: a file name in the capture directory.
-    return bool(key) and all(char.isascii() and (char.isalnum() or char in "._-") for char in key)
 
 
 def _frozen(store: Any, key: str) -> bool:

@@ -235,3 +235,24 @@ async def test_the_checkpointed_attempt_s_files_go_once_the_restore_installed_th
         timeout=20, what="attempt 0's capture files removed",
     )
     assert len(_ids(store, f"{ROLLOUT}-a1")) == 1
+
+
+async def test_a_restore_id_used_again_after_its_resume_clears_again(servers: ModelServers, tmp_path: Path) -> None:
+    """The marker that one server cleared a restore's dead executions lasts until that restore is resumed."""
+    store = TokenCaptureStore(tmp_path / "captures")
+    _a, http_a = servers.build(MODEL, return_token_id_information=True)
+    first = await http_a.post(capture_path(ROLLOUT), json=first_request(ROLLOUT))
+    ck = tmp_path / "ck"
+    await _checkpoint([http_a], ck, _scope(ROLLOUT))
+    checkpointed = _ids(store, ROLLOUT)
+    _a2, http_a2 = servers.build(MODEL, return_token_id_information=True)
+    await _restore([http_a2], ck, _scope(ROLLOUT))
+    await wait_until(lambda: not list((tmp_path / "captures").glob(".ng-checkpoint-restore-*")), timeout=20,
+                     what="the restore's marker removed at its resume")
+    # The continued attempt runs a call, then everything dies again; the same checkpoint is restored
+    # under the same restore id: what the dead continuation wrote must go.
+    again = await http_a2.post(capture_path(f"{ROLLOUT}-a1"), json=second_request(ROLLOUT, first.json()["output"]))
+    assert again.status_code == 200 and len(_ids(store, f"{ROLLOUT}-a1")) == 2
+    _a3, http_a3 = servers.build(MODEL, return_token_id_information=True)
+    await _restore([http_a3], ck, _scope(ROLLOUT))
+    assert _ids(store, f"{ROLLOUT}-a1") == checkpointed
