@@ -65,7 +65,8 @@ class CaptureBook:
         self._settled = _Recent()  # attempt keys with no restored row left that a call could answer again
         self._marked = _Recent()  # attempt keys whose started marker this process made (or found)
         self._background: set[asyncio.Task[Any]] = set()
-        self._cleared: set[str] = set()  # restores whose dead executions this server cleared
+        # Restores whose dead executions this server cleared, and their scopes.
+        self._cleared: dict[str, list[EpisodeId]] = {}
 
     # -- the calls ---------------------------------------------------------------------------------
 
@@ -141,16 +142,22 @@ class CaptureBook:
             self.restored.add(rows.key)
             self.owned.setdefault(rows.key, set()).update(rows.call_ids)
         if cleared:
-            self._cleared.add(restore_id)
-            # The attempts before each replacement are dead (the restore marked them retired): nothing reads them.
-            self._spawn(asyncio.to_thread(captures.remove_continued, list(scope)), "removing continued attempts")
+            self._cleared[restore_id] = list(scope)
 
     def ended(self, operation_id: str) -> None:
-        """A checkpoint or restore ended (admission reopened): a restore this server cleared for drops its marker."""
-        if operation_id in self._cleared:
-            self._cleared.discard(operation_id)
-            files = self.captures.files
-            self._spawn(asyncio.to_thread(files.forget_cleared, operation_id), "removing a restore's marker")
+        """A checkpoint or restore ended (admission reopened). After a restore this server cleared for, its
+        marker goes and so do the attempts before each replacement: they are dead (the restore marked them
+        retired), nothing reads them again. In the background, once every participant replied (the resume).
+        """
+        scope = self._cleared.pop(operation_id, None)
+        if scope is not None:
+            captures = self.captures
+
+            def tidy() -> None:
+                captures.files.forget_cleared(operation_id)
+                captures.remove_continued(scope)
+
+            self._spawn(asyncio.to_thread(tidy), "removing a restore's marker and the continued attempts")
 
     def pending(self) -> list[str]:
         return sorted(self.restored)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -58,28 +59,29 @@ _DIRECTORY_LOCK = ".ng-checkpoint.lock"
 _CLEARED = ".ng-checkpoint-restore-"
 
 
-def _suffix_of(name: str) -> str | None:
-    for suffix in ATTEMPT_FILES:
-        if name.endswith(suffix):
-            return suffix
-    return None
+# ``<key><suffix>`` of an attempt file; the key may hold dots itself (Gym allows ``._-``), so the suffix is
+# matched at the end.
+_ATTEMPT_NAME = re.compile(
+    "(?P<key>.+)(?:" + "|".join(re.escape(suffix) for suffix in ATTEMPT_FILES) + r")\Z"
+).match
 
 
 class CaptureDir:
     """One capture directory: its per-key locks, its listing, and the writes the model participant makes."""
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+        # A string, not a Path: the paths of thousands of keys are made per checkpoint and restore.
+        self.root = os.fspath(root)
 
-    def path(self, key: str, suffix: str) -> Path:
-        return self.root / f"{key}{suffix}"
+    def path(self, key: str, suffix: str) -> str:
+        return f"{self.root}/{key}{suffix}"
 
     # -- locks -------------------------------------------------------------------------------------
 
     @contextmanager
     def locked(self, key: str, *, shared: bool = False) -> Iterator[None]:
         """Gym's own per-key lock (``TokenCaptureStore._locked``: the same file, the same ``flock``)."""
-        with self.path(key, _LOCK).open("a+b") as handle:
+        with open(self.path(key, _LOCK), "a+b") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             try:
                 yield
@@ -89,7 +91,7 @@ class CaptureDir:
     @contextmanager
     def restore_locked(self) -> Iterator[None]:
         """The directory's lock: one model server at a time clears a restore's dead executions."""
-        with (self.root / _DIRECTORY_LOCK).open("a+b") as handle:
+        with open(self.path("", _DIRECTORY_LOCK), "a+b") as handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -97,15 +99,15 @@ class CaptureDir:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
     def cleared(self, restore_id: str) -> bool:
-        return (self.root / f"{_CLEARED}{restore_id}").exists()
+        return os.path.exists(self.path(_CLEARED, restore_id))
 
     def mark_cleared(self, restore_id: str) -> None:
-        self._create(self.root / f"{_CLEARED}{restore_id}", restore_id.encode())
+        self._create(self.path(_CLEARED, restore_id), restore_id.encode())
 
     def forget_cleared(self, restore_id: str) -> None:
         """The restore ended (resumed): its marker goes, so a later restore reusing the id clears again."""
         with self.restore_locked():
-            (self.root / f"{_CLEARED}{restore_id}").unlink(missing_ok=True)
+            self.remove([f"{_CLEARED}{restore_id}"])
 
     # -- listing -----------------------------------------------------------------------------------
 
@@ -115,15 +117,13 @@ class CaptureDir:
         found: dict[str, dict[int, list[str]]] = {}
         if not wanted:
             return found
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                name = entry.name
-                suffix = _suffix_of(name)
-                if suffix is None:
-                    continue
-                rollout, attempt = split_key(name[: -len(suffix)])
-                if rollout in wanted:
-                    found.setdefault(rollout, {}).setdefault(attempt, []).append(name)
+        for name in os.listdir(self.root):
+            match = _ATTEMPT_NAME(name)
+            if match is None:
+                continue
+            rollout, attempt = split_key(match["key"])
+            if rollout in wanted:
+                found.setdefault(rollout, {}).setdefault(attempt, []).append(name)
         return found
 
     def remove(self, names: Iterable[str]) -> int:
@@ -131,7 +131,7 @@ class CaptureDir:
         removed = 0
         for name in names:
             try:
-                os.unlink(self.root / name)
+                os.unlink(f"{self.root}/{name}")
                 removed += 1
             except FileNotFoundError:
                 pass
@@ -152,7 +152,8 @@ class CaptureDir:
     def read_rows(self, key: str, suffix: str) -> list[tuple[bytes, dict[str, Any]]]:
         """``(line, row)`` of every JSON row of ``<key><suffix>`` (none when absent); a torn last line is skipped."""
         try:
-            data = self.path(key, suffix).read_bytes()
+            with open(self.path(key, suffix), "rb") as handle:
+                data = handle.read()
         except FileNotFoundError:
             return []
         return rows_of(data)
@@ -166,10 +167,12 @@ class CaptureDir:
         """
         if not rows:
             return
-        descriptor = os.open(self.path(key, suffix), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        path = self.path(key, suffix)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         try:
             if os.fstat(descriptor).st_size:
-                data = self.path(key, suffix).read_bytes()
+                with open(path, "rb") as handle:
+                    data = handle.read()
                 if not data.endswith(b"\n"):
                     os.ftruncate(descriptor, data.rfind(b"\n") + 1)
                 present = {row.get("model_call_id") for _line, row in rows_of(data)}
@@ -203,7 +206,7 @@ class CaptureDir:
     def mark_started(self, key: str) -> bool:
         """Under the key's lock: when ``key`` has capture rows, create its started marker. True when it exists now."""
         with self.locked(key):
-            if not (self.path(key, TOKEN_ROWS).exists() or self.path(key, LEDGER_ROWS).exists()):
+            if not (os.path.exists(self.path(key, TOKEN_ROWS)) or os.path.exists(self.path(key, LEDGER_ROWS))):
                 return False
             try:
                 self._create(self.path(key, STARTED), b"")
@@ -212,9 +215,9 @@ class CaptureDir:
             return True
 
     def started(self, key: str) -> bool:
-        return self.path(key, STARTED).exists()
+        return os.path.exists(self.path(key, STARTED))
 
-    def _create(self, path: Path, content: bytes) -> None:
+    def _create(self, path: str, content: bytes) -> None:
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             _write_all(descriptor, content)

@@ -16,6 +16,7 @@ reached the agent. The shape checks here are what Gym's readers need of a row to
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -134,6 +135,5 @@ def ledger_line(row: Mapping[str, Any]) -> bytes:
     return json.dumps(row, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
-def _gym_key(key: str) -> bool:
-    # Gym's validate_rollout_id: a file name in the capture directory.
-    return bool(key) and all(char.isascii() and (char.isalnum() or char in "._-") for char in key)
+# Gym's validate_rollout_id (ASCII letters, digits and ._-): a file name in the capture directory.
+_gym_key = re.compile(r"[A-Za-z0-9._-]+").fullmatch

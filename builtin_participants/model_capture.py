@@ -146,9 +146,10 @@ class TokenCaptures:
                 episode = from_capture_key(key)
             except ValueError:
                 continue  # not an episode attempt's key
-            with self.files.locked(key, shared=True):
-                tokens = self._owned_rows(key, TOKEN_ROWS, ids)
-                ledger = self._owned_rows(key, LEDGER_ROWS, ids) if self.ledger else []
+            # No lock: an owned row was complete before its answer started, and a row Gym appends now (a call
+            # finishing generation while admission is closed) is owned by no one; a torn last line is skipped.
+            tokens = self._owned_rows(key, TOKEN_ROWS, ids)
+            ledger = self._owned_rows(key, LEDGER_ROWS, ids) if self.ledger else []
             if not tokens and not ledger:
                 continue
             record: dict[str, Any] = {
