@@ -22,7 +22,7 @@ from typing import Any
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import StagingKeys, TokenCaptures
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_id
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
 
 __all__ = ["CaptureBook"]
@@ -173,11 +173,15 @@ class CaptureBook:
             self.owned.pop(key, None)
 
     def retired(self, episode_ids: list[EpisodeId]) -> list[EpisodeId]:
-        """Forget what the retired attempts owned; the restored ones among them, for the caller to delete."""
-        named = RetiredBy(episode_ids)
-        for key in [key for key in self.owned if named.key(key)]:
-            del self.owned[key]
-        return [from_capture_key(key) for key in self.restored if named.key(key)]
+        """Forget what the retired attempts owned; the restored ones among them, for the caller to delete.
+
+        Proportional to the retire (each named rollout's attempts up to the one named), not to the book.
+        """
+        named = [episode_id(rollout, attempt)
+                 for rollout, last in RetiredBy(episode_ids).limits.items() for attempt in range(last + 1)]
+        for episode in named:
+            self.owned.pop(episode.capture_key, None)
+        return [episode for episode in named if episode.capture_key in self.restored]
 
     def _spawn(self, work: Any, what: str) -> None:
         task = asyncio.ensure_future(work)

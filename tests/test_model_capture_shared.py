@@ -256,3 +256,23 @@ async def test_a_restore_id_used_again_after_its_resume_clears_again(servers: Mo
     _a3, http_a3 = servers.build(MODEL, return_token_id_information=True)
     await _restore([http_a3], ck, _scope(ROLLOUT))
     assert _ids(store, f"{ROLLOUT}-a1") == checkpointed
+
+
+async def test_a_retire_of_restored_attempts_deletes_theirs_and_forgets_what_they_owned(
+    servers: ModelServers, tmp_path: Path
+) -> None:
+    store = TokenCaptureStore(tmp_path / "captures")
+    _a, http_a = servers.build(MODEL, return_token_id_information=True)
+    for rollout in ("one", "two"):
+        assert (await http_a.post(capture_path(rollout), json=first_request(rollout))).status_code == 200
+    ck = tmp_path / "ck"
+    await _checkpoint([http_a], ck, _scope("one", "two"))
+    a2, http_a2 = servers.build(MODEL, return_token_id_information=True)
+    await _restore([http_a2], ck, _scope("one", "two"))
+    book = a2.participant.book
+    assert sorted(book.owned) == ["one-a1", "two-a1"]
+    # The controller gives "one" up: it retires the replacement (and everything before it).
+    reply = await control(http_a2, "retire", checkpoint_id="giving-up", episode_ids=_scope("one-a1"))
+    assert reply.status_code == 200, reply.text
+    assert a2.participant.restored_pending() == ["two-a1"] and sorted(book.owned) == ["two-a1"]
+    assert not store.path_for("one-a1").exists() and store.path_for("two-a1").exists()
