@@ -60,7 +60,6 @@ __all__ = ["StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
 logger = logging.getLogger(__name__)
 
 
-
 def token_captures_for(server: Any) -> TokenCaptures | None:
     """The capture store of a model server's config, when token capture writes Gym's file store; else None.
 
