@@ -236,6 +236,8 @@ def _enable(args: argparse.Namespace) -> int:
     if args.json:
         print_json(done)
         return 0
+    for warning in done["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     what = f"wrote {done['written']}" if done["written"] else f"{done['config']} is already checkpointed"
     print(f"{what}; {len(done['servers'])} server environment(s) import the plugin:")
     print(table(["NAME", "VENV", "DONE"], [[s["name"], s["venv"], s["action"]] for s in done["servers"]],
