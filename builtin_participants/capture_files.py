@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -59,11 +58,18 @@ _DIRECTORY_LOCK = ".ng-checkpoint.lock"
 _CLEARED = ".ng-checkpoint-restore-"
 
 
-# ``<key><suffix>`` of an attempt file; the key may hold dots itself (Gym allows ``._-``), so the suffix is
-# matched at the end.
-_ATTEMPT_NAME = re.compile(
-    "(?P<key>.+)(?:" + "|".join(re.escape(suffix) for suffix in ATTEMPT_FILES) + r")\Z"
-).match
+# The attempt file suffixes by their last dot-separated part (a key may hold dots itself: Gym allows ``._-``).
+_BY_LAST_PART: dict[str, list[str]] = {}
+for _suffix in ATTEMPT_FILES:
+    _BY_LAST_PART.setdefault(_suffix.rpartition(".")[2], []).append(_suffix)
+
+
+def _key_of(name: str) -> str | None:
+    """The capture key of an attempt file's name, None for any other file."""
+    for suffix in _BY_LAST_PART.get(name.rpartition(".")[2], ()):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return None
 
 
 class CaptureDir:
@@ -118,10 +124,10 @@ class CaptureDir:
         if not wanted:
             return found
         for name in os.listdir(self.root):
-            match = _ATTEMPT_NAME(name)
-            if match is None:
+            key = _key_of(name)
+            if key is None:
                 continue
-            rollout, attempt = split_key(match["key"])
+            rollout, attempt = split_key(key)
             if rollout in wanted:
                 found.setdefault(rollout, {}).setdefault(attempt, []).append(name)
         return found
@@ -168,15 +174,22 @@ class CaptureDir:
         if not rows:
             return
         path = self.path(key, suffix)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         try:
-            if os.fstat(descriptor).st_size:
+            # The usual case: the replacement attempt has no file yet.
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o666)
+        except FileExistsError:
+            descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
+            try:
                 with open(path, "rb") as handle:
                     data = handle.read()
                 if not data.endswith(b"\n"):
                     os.ftruncate(descriptor, data.rfind(b"\n") + 1)
                 present = {row.get("model_call_id") for _line, row in rows_of(data)}
                 rows = [(call_id, line) for call_id, line in rows if call_id not in present]
+            except BaseException:
+                os.close(descriptor)
+                raise
+        try:
             _write_all(descriptor, b"".join(line for _call_id, line in rows))
         finally:
             os.close(descriptor)
