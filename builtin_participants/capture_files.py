@@ -164,6 +164,20 @@ class CaptureDir:
             return []
         return rows_of(data)
 
+    def read_lines(self, key: str, suffix: str) -> list[bytes]:
+        """The complete lines of ``<key><suffix>`` (none when absent), newlines cut; an unfinished last line is not one.
+
+        Gym ends every row it appends with a newline: a last line without one is a write in progress or torn.
+        """
+        try:
+            with open(self.path(key, suffix), "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        lines = data.split(b"\n")
+        lines.pop()  # what follows the last newline: nothing, or an unfinished line
+        return [line for line in lines if line.strip()]
+
     def append(self, key: str, suffix: str, rows: list[tuple[str, bytes]]) -> None:
         """Append ``rows`` (``(model call id, line)``) to ``<key><suffix>`` in one write, creating it; no sync.
 
