@@ -117,13 +117,19 @@ class CaptureDir:
 
     # -- listing -----------------------------------------------------------------------------------
 
-    def attempts(self, rollouts: Iterable[str]) -> dict[str, dict[int, list[str]]]:
-        """``{rollout: {attempt: [file names]}}`` of the attempt files of ``rollouts``, from one listing."""
+    def attempts(self, rollouts: Iterable[str], *, retried_only: bool = False) -> dict[str, dict[int, list[str]]]:
+        """``{rollout: {attempt: [file names]}}`` of the attempt files of ``rollouts``, from one listing.
+
+        ``retried_only``: attempts 1 and later only (their names hold ``-a``: most files of a directory,
+        attempt 0's, are passed over without being parsed).
+        """
         wanted = set(rollouts)
         found: dict[str, dict[int, list[str]]] = {}
         if not wanted:
             return found
         for name in os.listdir(self.root):
+            if retried_only and "-a" not in name:
+                continue
             key = _key_of(name)
             if key is None:
                 continue

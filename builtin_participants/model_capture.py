@@ -236,7 +236,8 @@ class TokenCaptures:
 
     def _clear_dead_executions(self, scope: Sequence[EpisodeId]) -> None:
         first = {episode.rollout_id: episode.attempt for episode in scope}
-        found = self.files.attempts(first)
+        # A replacement is attempt 1 or later: so is every file of a dead execution it must not meet.
+        found = self.files.attempts(first, retried_only=True)
         dead = [name for rollout, attempts in found.items() for attempt, names in attempts.items()
                 if attempt >= first[rollout] for name in names]
         if dead:
