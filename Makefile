@@ -2,13 +2,17 @@
 PY := .venv/bin/python
 PORT_BASE ?= 18000
 
-.PHONY: setup test demo serve bench lint clean
+.PHONY: setup test test-fast demo serve bench lint clean
 
 setup:
 	@./scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest
+
+# The in-process tests only (no real server processes, marked `slow`): the quick lane while working.
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 demo: setup
