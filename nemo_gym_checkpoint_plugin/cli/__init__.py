@@ -31,12 +31,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._errors import InvalidCheckpointState
+from .._storage.location import Location, is_dir, location
+from .._storage.objstore import is_url
 from ..coordination import DEFAULT_TIMEOUT
 from ._collect import add_collect_parser, run_collect
 from ._live import run_live
 from ._offline import inspect_checkpoint, verify_checkpoint
 from ._output import print_error, print_json, table
-from ._scope import CheckpointUnreadable
+from ._scope import CheckpointUnreadable, dir_argument
 from ._where import CONFIG_ENV, TOKEN_ENV, UsageError
 
 __all__ = ["build_parser", "main"]
@@ -174,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _offline_dir(args: argparse.Namespace) -> Path:
+def _offline_dir(args: argparse.Namespace) -> Location:
+    if is_url(args.dir):
+        where = location(dir_argument(args.dir, "DIR"))
+        if not is_dir(where):
+            raise CheckpointUnreadable(f"{where} holds nothing (no object under that prefix)")
+        return where
     directory = Path(args.dir)
     if not directory.exists():
         raise CheckpointUnreadable(f"{args.dir} does not exist")
@@ -264,6 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except CheckpointUnreadable as exc:
         print_error(args.command, str(exc), as_json=args.json, code="checkpoint_unreadable", dir=args.dir)
+        return 1
+    except InvalidCheckpointState as exc:
+        # The store itself failed (its filesystem is not installed, a listing refused): named, never a traceback.
+        print_error(args.command, exc.detail, as_json=args.json, code="checkpoint_unreadable",
+                    dir=getattr(args, "dir", None))
         return 1
     except (FileNotFoundError, NotADirectoryError) as exc:
         # find_participants: a directory without gym/ is not a checkpoint directory.
