@@ -39,3 +39,20 @@ def s3_dir(s3_server: LocalS3Server, request: pytest.FixtureRequest) -> str:
     """A fresh ``s3://`` prefix for one test in the session's server."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:60].strip("-.")
     return s3_server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def lenient_store() -> Iterator[str]:
+    """``lenient://bucket/run``: a store that accepts a second exclusive create (``storage_support``)."""
+    import fsspec
+    from storage_support import LenientMemoryFileSystem
+
+    from nemo_gym_checkpoint_plugin._storage.objstore import reset_filesystems
+
+    fsspec.register_implementation("lenient", LenientMemoryFileSystem, clobber=True)
+    reset_filesystems()
+    try:
+        yield "lenient://bucket/run"
+    finally:
+        LenientMemoryFileSystem.store.clear()
+        reset_filesystems()

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
-from storage_support import record
+from storage_support import LenientMemoryFileSystem, record
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, WriteFailed
 from nemo_gym_checkpoint_plugin._plugins import get_storage_backend, make_plugin_manager
@@ -87,26 +86,6 @@ def test_two_writers_racing_to_publish_exactly_one_wins(s3_dir: str) -> None:
         second.write([record("b")])
     assert backend().read_manifest(s3_dir, KIND, INSTANCE) == winner
     assert keys(s3_dir) == [f"gym/{KIND}/{INSTANCE}/manifest.json", f"gym/{KIND}/{INSTANCE}/{winner['records_file']}"]
-
-
-class LenientMemoryFileSystem(MemoryFileSystem):
-    """A store that ignores exclusive creates (as some S3-compatible stores ignore If-None-Match)."""
-
-    protocol = ("lenient",)
-    store: dict = {}  # noqa: RUF012 - fsspec's own convention: the class holds the contents
-    pseudo_dirs = [""]  # noqa: RUF012
-
-    def pipe_file(self, path, value, mode="overwrite", **kwargs):  # noqa: ANN001, ANN003, ANN201
-        return super().pipe_file(path, value, mode="overwrite", **kwargs)
-
-
-@pytest.fixture
-def lenient_store():  # noqa: ANN201
-    fsspec.register_implementation("lenient", LenientMemoryFileSystem, clobber=True)
-    objstore.reset_filesystems()
-    yield "lenient://bucket/run"
-    LenientMemoryFileSystem.store.clear()
-    objstore.reset_filesystems()
 
 
 def test_a_store_that_accepts_a_second_exclusive_create_is_refused_before_anything_is_written(

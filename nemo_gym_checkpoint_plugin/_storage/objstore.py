@@ -31,10 +31,12 @@ fsspec is imported on first use, so a deployment writing local paths never loads
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
 import uuid
+from collections.abc import Iterable
 from typing import IO, Any
 
 from .._errors import InvalidCheckpointState, WriteFailed
@@ -47,6 +49,7 @@ __all__ = [
     "filesystem",
     "is_url",
     "normalize_url",
+    "put_records",
     "scrub",
 ]
 
@@ -315,6 +318,46 @@ def upload(local_path: str, path: ObjectPath) -> None:
         fs.put_file(local_path, path.native, **_upload_options(fs))
     except Exception as exc:
         raise write_failed(exc, path) from None
+
+
+def put_records(directory: ObjectPath, lines: Iterable[bytes], spool_dir: str | None = None) -> tuple[str, int]:
+    """Upload encoded lines as ``directory/records-<sha256>.jsonl``; returns ``(digest, count)``.
+
+    Spooled to a local ``0600`` file while hashed (the name needs the digest, and an object store
+    has no rename), then uploaded and its size checked; the spool is removed on every path.
+    ``WriteFailed`` for any failure.
+    """
+    import hashlib
+    import tempfile
+
+    from .files import create_private
+    from .files import write_failed as local_write_failed
+    from .layout import records_name
+
+    name = f".ng-checkpoint-spool-{os.getpid()}-{uuid.uuid4().hex}.jsonl"  # removed if left: remove_dead_spools
+    spool = os.path.join(spool_dir or tempfile.gettempdir(), name)
+    try:
+        sha, count, written = hashlib.sha256(), 0, 0
+        try:
+            with create_private(spool, buffering=1 << 20) as out:
+                for line in lines:
+                    sha.update(line)
+                    out.write(line)
+                    count += 1
+                    written += len(line)
+        except OSError as exc:
+            raise local_write_failed(exc, spool, "cannot spool the records before their upload") from None
+        digest = sha.hexdigest()
+        target = directory / records_name(digest)
+        upload(spool, target)
+        stored = size(target)
+        if stored != written:
+            raise WriteFailed(f"{target}: the store holds {stored} bytes after the upload of {written}",
+                              path=str(target), cause="upload not stored whole")
+        return digest, count
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(spool)
 
 
 def _upload_options(fs: Any) -> dict[str, int]:
