@@ -187,7 +187,7 @@ def _same_index(path: Location, index: dict[str, Any]) -> dict[str, Any]:
 
 def _create_object_index(path: ObjectPath, index: dict[str, Any]) -> dict[str, Any]:
     """The index on an object store: created exclusively (the commit point), never replaced."""
-    from .objstore import check_exclusive_create, create_exclusive
+    from .objstore_put import check_exclusive_create, create_exclusive
 
     check_exclusive_create(path.parent.parent)
     if create_exclusive(path, orjson.dumps(index) + b"\n"):

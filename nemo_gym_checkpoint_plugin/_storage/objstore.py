@@ -16,10 +16,10 @@ What an object store lacks, and what stands in for it:
   which is the commit point: of two writers exactly one creates it;
 - no directory fsync: an acknowledged PUT is durable.
 
-Stores differ in what they honour, so ``check_exclusive_create`` probes a store once per
-process (per protocol and bucket) before the first commit into it, and a store that accepts
-a second exclusive create of one object is refused (``StoreUnsafe``): there, two writers
-could both publish.
+Stores differ in what they honour, so ``objstore_put.check_exclusive_create`` probes a store
+once per process (per protocol and bucket) before the first commit into it, and a store that
+accepts a second exclusive create of one object is refused (``StoreUnsafe``): there, two
+writers could both publish. This module names places and reads them; ``objstore_put`` writes.
 
 Credentials come only from each filesystem's own environment and configuration (for S3:
 ``AWS_*`` variables, ``~/.aws``, instance roles; for any protocol, fsspec's configuration:
@@ -32,11 +32,10 @@ fsspec is imported on first use, so a deployment writing local paths never loads
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import threading
-import uuid
-from collections.abc import Iterable
 from typing import IO, Any
 
 from .._errors import InvalidCheckpointState, WriteFailed
@@ -44,13 +43,19 @@ from .._errors import InvalidCheckpointState, WriteFailed
 __all__ = [
     "ObjectPath",
     "StoreUnsafe",
-    "check_exclusive_create",
-    "create_exclusive",
+    "cause_of",
+    "entries",
+    "exists",
     "filesystem",
     "is_url",
     "normalize_url",
-    "put_records",
+    "open_stream",
+    "read_failed",
+    "read_small",
+    "reset_filesystems",
     "scrub",
+    "size",
+    "write_failed",
 ]
 
 # ``scheme://rest``: a scheme as RFC 3986 spells one, at least two letters so that a Windows
@@ -187,11 +192,12 @@ def filesystem(protocol: str) -> Any:
 
 
 def reset_filesystems() -> None:
-    """Forget the filesystems made so far (tests that change the environment between stores)."""
+    """Forget the filesystems made so far, and which stores were probed (tests that change the environment)."""
+    from .objstore_put import forget_probes
+
     with _fs_lock:
         _filesystems.clear()
-    with _probe_lock:
-        _probed.clear()
+    forget_probes()
 
 
 def scrub(text: str) -> str:
@@ -248,17 +254,51 @@ def read_small(path: ObjectPath, what: str, limit: int) -> bytes:
     return bytes(data)
 
 
-# Records are read in blocks of this size, the next one fetched while the current one is consumed:
-# a restore holds two blocks of the object at most, whatever its size.
+# Other filesystems than S3 read records in blocks of this size, the next one fetched while the
+# current one is consumed: a restore holds two blocks of the object at most, whatever its size.
 READ_BLOCK = 8 << 20
-# Uploads of records larger than two parts are multipart, UPLOAD_PARALLEL parts of UPLOAD_PART bytes
-# in flight at once: at most their product in memory, whatever the records' size.
-UPLOAD_PART = 16 << 20
-UPLOAD_PARALLEL = 4
+
+
+class _S3Stream(io.RawIOBase):
+    """One GET of a whole S3 object, its body read as it arrives (through s3fs's own client and loop).
+
+    A single request per records object: ranged GETs of fixed blocks would each be a request (and
+    some S3-compatible stores pay for the whole object on every ranged GET). The body is verified
+    against its length at its end by botocore; the digest is the reader's to check.
+    """
+
+    def __init__(self, fs: Any, path: ObjectPath) -> None:
+        from fsspec.asyn import sync
+
+        self._fs, self._sync = fs, sync
+        bucket, key, version = fs.split_path(path.native)
+        extra = {"VersionId": version} if version else {}
+        reply = sync(fs.loop, fs._call_s3, "get_object", Bucket=bucket, Key=key, **extra)
+        self._body = reply["Body"]
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._sync(self._fs.loop, self._body.read, len(buffer))
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+    def close(self) -> None:
+        if not self.closed:
+            with contextlib.suppress(Exception):
+                self._body.close()
+        super().close()
 
 
 def open_stream(path: ObjectPath, what: str) -> IO[bytes]:
-    """A binary stream over an object (records), fetched block by block, never held whole."""
+    """A binary stream over an object (records), read as it arrives, never held whole."""
+    fs = path.fs
+    if hasattr(fs, "_call_s3") and hasattr(fs, "split_path"):
+        try:
+            return io.BufferedReader(_S3Stream(fs, path), buffer_size=1 << 20)
+        except Exception as exc:
+            raise read_failed(path, what, exc) from None
     try:
         # Two blocks cached, not fsspec's default 32: the cache never grows with the object.
         return path.fs.open(path.native, "rb", block_size=READ_BLOCK, cache_type="background",
@@ -292,138 +332,3 @@ def entries(path: ObjectPath) -> list[tuple[str, bool]]:
     return sorted(found)
 
 
-# -- writing -------------------------------------------------------------------------------------
-
-def create_exclusive(path: ObjectPath, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` only if no object is there; False when one already is.
-
-    The commit point of a manifest or a participants index. ``WriteFailed`` for any other
-    failure (a store whose filesystem has no exclusive create included).
-    """
-    try:
-        path.fs.pipe_file(path.native, data, mode="create")
-    except FileExistsError:
-        return False
-    except TypeError as exc:  # a filesystem whose pipe_file takes no mode: no exclusive create at all
-        raise _unsafe(path, f"its filesystem offers no exclusive create ({cause_of(exc)})") from None
-    except Exception as exc:
-        raise write_failed(exc, path) from None
-    return True
-
-
-def upload(local_path: str, path: ObjectPath) -> None:
-    """Upload a local file to ``path`` (multipart, parts in parallel, for large ones); ``WriteFailed``."""
-    fs = path.fs
-    try:
-        fs.put_file(local_path, path.native, **_upload_options(fs))
-    except Exception as exc:
-        raise write_failed(exc, path) from None
-
-
-def put_records(directory: ObjectPath, lines: Iterable[bytes], spool_dir: str | None = None) -> tuple[str, int]:
-    """Upload encoded lines as ``directory/records-<sha256>.jsonl``; returns ``(digest, count)``.
-
-    Spooled to a local ``0600`` file while hashed (the name needs the digest, and an object store
-    has no rename), then uploaded and its size checked; the spool is removed on every path.
-    ``WriteFailed`` for any failure.
-    """
-    import hashlib
-    import tempfile
-
-    from .files import create_private
-    from .files import write_failed as local_write_failed
-    from .layout import records_name
-
-    name = f".ng-checkpoint-spool-{os.getpid()}-{uuid.uuid4().hex}.jsonl"  # removed if left: remove_dead_spools
-    spool = os.path.join(spool_dir or tempfile.gettempdir(), name)
-    try:
-        sha, count, written = hashlib.sha256(), 0, 0
-        try:
-            with create_private(spool, buffering=1 << 20) as out:
-                for line in lines:
-                    sha.update(line)
-                    out.write(line)
-                    count += 1
-                    written += len(line)
-        except OSError as exc:
-            raise local_write_failed(exc, spool, "cannot spool the records before their upload") from None
-        digest = sha.hexdigest()
-        target = directory / records_name(digest)
-        upload(spool, target)
-        stored = size(target)
-        if stored != written:
-            raise WriteFailed(f"{target}: the store holds {stored} bytes after the upload of {written}",
-                              path=str(target), cause="upload not stored whole")
-        return digest, count
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(spool)
-
-
-def _upload_options(fs: Any) -> dict[str, int]:
-    """Part size and parallelism for filesystems whose upload takes them (s3fs does); none for others."""
-    import inspect
-
-    method = getattr(type(fs), "_put_file", None) or type(fs).put_file
-    try:
-        accepted = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return {}
-    options = {"chunksize": UPLOAD_PART, "max_concurrency": UPLOAD_PARALLEL}
-    return {name: value for name, value in options.items() if name in accepted}
-
-
-def remove(path: ObjectPath, *, recursive: bool = False) -> None:
-    try:
-        path.fs.rm(path.native, recursive=recursive)
-    except FileNotFoundError:
-        return
-    except Exception as exc:
-        raise write_failed(exc, path, "cannot remove") from None
-
-
-_probe_lock = threading.Lock()
-_probed: dict[tuple[str, str], StoreUnsafe | None] = {}
-
-
-def _unsafe(where: ObjectPath, why: str) -> StoreUnsafe:
-    return StoreUnsafe(
-        f"{where}: the store cannot hold a checkpoint: {why}; a second writer could replace a published "
-        "manifest. Use a store that honours exclusive creates (S3 If-None-Match: *, GCS ifGenerationMatch=0) "
-        "or a filesystem path", path=str(where), cause="no_exclusive_create",
-    )
-
-
-def check_exclusive_create(directory: ObjectPath) -> None:
-    """Refuse (``StoreUnsafe``) a store that accepts a second exclusive create of one object.
-
-    Probed once per process for each protocol and bucket: a probe object is created twice
-    under ``directory`` (the second must be refused), then removed. A failure to write the
-    probe at all is a ``WriteFailed`` (not remembered: the next commit probes again).
-    """
-    key = (directory.protocol, directory.bucket)
-    with _probe_lock:
-        if key in _probed:
-            verdict = _probed[key]
-            if verdict is not None:
-                raise verdict
-            return
-    probe = directory / f".ng-checkpoint-probe-{uuid.uuid4().hex}"
-    try:
-        if not create_exclusive(probe, b"probe\n"):
-            raise _unsafe(probe, "a probe object with a fresh random name already existed")
-        second = create_exclusive(probe, b"second\n")
-    except StoreUnsafe as exc:
-        with _probe_lock:
-            _probed[key] = exc
-        raise
-    finally:
-        try:
-            remove(probe)
-        except WriteFailed:
-            pass  # a leftover probe object is harmless (gc removes it with its checkpoint)
-    verdict = _unsafe(directory, "it accepted a second exclusive create of one object") if second else None
-    with _probe_lock:
-        _probed[key] = verdict
-    if verdict is not None:
-        raise verdict

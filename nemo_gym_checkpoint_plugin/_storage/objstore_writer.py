@@ -38,8 +38,9 @@ from .._errors import InvalidCheckpointState, WriteFailed
 from .files import write_failed
 from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, SCHEMA_VERSION, records_name
 from .location import lexists
-from .objstore import ObjectPath, check_exclusive_create, create_exclusive, remove, size, upload
+from .objstore import ObjectPath, size
 from .objstore import write_failed as object_write_failed
+from .objstore_put import check_exclusive_create, create_exclusive, remove, upload
 from .reader import load_manifest
 from .writer import CheckpointWriter
 

@@ -214,7 +214,7 @@ def remove_checkpoint(checkpoint: Checkpoint, *, now: float | None = None) -> bo
 
 def _remove(where: Location, *, tree: bool = False) -> None:
     if isinstance(where, ObjectPath):
-        from .objstore import remove
+        from .objstore_put import remove
 
         remove(where, recursive=tree)
         return

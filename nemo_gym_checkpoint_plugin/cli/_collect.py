@@ -29,7 +29,8 @@ from typing import Any
 import orjson
 
 from .._errors import InvalidCheckpointState
-from .._storage.objstore import ObjectPath, check_exclusive_create, is_url
+from .._storage.objstore import ObjectPath, is_url
+from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
 from ._collect_progress import CollectProgress, summary_table

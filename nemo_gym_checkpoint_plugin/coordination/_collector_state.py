@@ -140,7 +140,7 @@ class CheckpointStore:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
         directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
         if isinstance(directory, ObjectPath):
-            from .._storage.objstore import put_records
+            from .._storage.objstore_put import put_records
 
             return put_records(directory, (encode_line(row.record()) for row in state.rows))
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
@@ -212,7 +212,7 @@ class CheckpointStore:
         for seq, path in self.entries():
             if seq < oldest_kept:
                 if isinstance(path, ObjectPath):
-                    from .._storage.objstore import remove
+                    from .._storage.objstore_put import remove
 
                     try:
                         remove(path, recursive=True)
@@ -274,7 +274,7 @@ class CheckpointStore:
 def _publish_object(directory: ObjectPath, manifest: dict[str, Any]) -> ObjectPath:
     """The collector manifest on an object store: created exclusively (the commit point), never replaced."""
     from .._errors import WriteFailed
-    from .._storage.objstore import check_exclusive_create, create_exclusive
+    from .._storage.objstore_put import check_exclusive_create, create_exclusive
 
     check_exclusive_create(directory.parent.parent)
     if not create_exclusive(directory / MANIFEST_NAME, orjson.dumps(manifest) + b"\n"):
