@@ -25,6 +25,7 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/storage_s3.py
 	$(PY) benchmarks/mid_turn.py
 
 lint: setup
