@@ -144,3 +144,14 @@ def test_gc_refuses_a_checkpoint_itself_and_a_missing_directory(tmp_path: Path, 
     assert "is not a directory" in capsys.readouterr().err
     assert main(["gc", str(tmp_path), "--keep", "1"]) == 0
     assert "dry run: 0 checkpoint(s) would be removed" in capsys.readouterr().out
+
+
+def test_a_lease_never_makes_a_checkpoint_directory(tmp_path: Path) -> None:
+    # The servers make a commit's directory, as the user they run as; the controller only leases one that exists.
+    with hold_lease(tmp_path / "new", "commit", "step-1", time.time() + 60):
+        assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    with hold_lease(tmp_path / "old", "restore", "r-1", time.time() + 60):
+        (lease,) = (tmp_path / "old" / LEASE_DIR).iterdir()
+        assert lease.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == []  # the lease and its directory gone

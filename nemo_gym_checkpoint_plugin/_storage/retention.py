@@ -129,13 +129,24 @@ def _newest(where: Location) -> float:
             found = where.fs.find(where.native, detail=True)
         except Exception:
             return 0.0
-        return max((_modified(ObjectPath(f"{where.protocol}://{name}")) for name in found), default=0.0)
+        # The listing's own times (S3: LastModified), not one request per object.
+        return max((_stamp(info) for info in found.values()), default=0.0)
     newest = 0.0
     for directory, _dirs, files in os.walk(where):
         for name in files:
             with contextlib.suppress(OSError):
                 newest = max(newest, os.lstat(os.path.join(directory, name)).st_mtime)
     return newest
+
+
+def _stamp(info: dict[str, Any]) -> float:
+    for key in ("LastModified", "mtime", "updated", "created"):
+        value = info.get(key)
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        if isinstance(value, int | float):
+            return float(value)
+    return 0.0
 
 
 def read_leases(path: Location) -> list[Lease]:
@@ -237,8 +248,10 @@ def hold_lease(checkpoint_dir: str | Path | Location, operation: str, checkpoint
     """Hold a lease on ``checkpoint_dir`` while a commit into it or a restore from it runs.
 
     Expires at ``deadline_ts`` plus a margin, so a controller that dies leaves no lease that
-    outlives its operation. A lease that cannot be written is not a failure of the operation
-    (retention then sees the checkpoint as any other); a lease left behind is removed on exit.
+    outlives its operation. On a filesystem path the lease goes only into a directory that exists:
+    the controller never makes the checkpoint directory (the servers do, as the user they run as;
+    a commit's new directory is the newest, which retention keeps anyway). A lease that cannot be
+    written is not a failure of the operation; it is removed on exit.
     """
     where = location(checkpoint_dir)
     holder = uuid.uuid4().hex
@@ -263,9 +276,13 @@ def _write_lease(path: Location, body: bytes) -> bool:
         if isinstance(path, ObjectPath):
             path.fs.pipe_file(path.native, body)
             return True
-        from .files import create_private, make_private_dirs
+        from .files import DIRECTORY_MODE, create_private
 
-        make_private_dirs(path.parent)
+        if not path.parent.parent.is_dir():
+            # Never made by the controller: the servers make the directory (as the user they run as).
+            return False
+        with contextlib.suppress(FileExistsError):
+            path.parent.mkdir(mode=DIRECTORY_MODE)
         with create_private(path) as out:
             out.write(body)
         return True
