@@ -13,6 +13,7 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 from storage_support import LenientMemoryFileSystem, record
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, WriteFailed
@@ -211,3 +212,27 @@ def test_urls_that_cannot_name_a_checkpoint_directory_are_refused_without_repeat
 def test_messages_never_carry_the_secret_the_environment_holds(s3_server, s3_dir: str) -> None:  # noqa: ANN001
     failure = objstore.write_failed(RuntimeError(f"signature mismatch for {s3_server.secret}"), ObjectPath(s3_dir))
     assert s3_server.secret not in failure.detail and "***" in failure.detail
+
+
+class UnreachableMemoryFileSystem(MemoryFileSystem):
+    """A store that takes writes but cannot say whether a manifest is there (a HEAD that times out)."""
+
+    protocol = ("unreachable",)
+    store: dict = {}  # noqa: RUF012 - fsspec's own convention: the class holds the contents
+    pseudo_dirs = [""]  # noqa: RUF012
+
+    def exists(self, path, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if str(path).endswith("manifest.json"):
+            raise ConnectionError("read timeout on endpoint")
+        return super().exists(path, **kwargs)
+
+
+def test_a_store_that_does_not_answer_is_a_failed_write_and_the_export_is_kept() -> None:
+    fsspec.register_implementation("unreachable", UnreachableMemoryFileSystem, clobber=True)
+    objstore.reset_filesystems()
+    try:
+        with pytest.raises(WriteFailed, match="cannot look for a published manifest: .*ConnectionError"):
+            write("unreachable://bucket/run", [record("a")])
+    finally:
+        UnreachableMemoryFileSystem.store.clear()
+        objstore.reset_filesystems()

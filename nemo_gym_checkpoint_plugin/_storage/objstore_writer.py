@@ -131,7 +131,13 @@ class ObjectStoreWriter(CheckpointWriter):
                 spool.unlink(missing_ok=True)
 
     def _existing_manifest(self) -> dict | None:
-        if not lexists(self.directory / MANIFEST_NAME):
+        try:
+            present = lexists(self.directory / MANIFEST_NAME)
+        except InvalidCheckpointState as exc:
+            # The store did not answer (not a bad checkpoint): a failed write, the export kept for a retry.
+            raise WriteFailed(f"{self.directory}: cannot look for a published manifest: {exc.detail}",
+                              path=str(self.directory), cause="store unavailable") from None
+        if not present:
             return None
         return self._same_id(load_manifest(self.directory, kind=self.kind, instance=self.instance))
 
