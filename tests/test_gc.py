@@ -155,3 +155,13 @@ def test_a_lease_never_makes_a_checkpoint_directory(tmp_path: Path) -> None:
         (lease,) = (tmp_path / "old" / LEASE_DIR).iterdir()
         assert lease.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == []  # the lease and its directory gone
+
+
+def test_collect_keep_prunes_by_the_same_rule_and_respects_leases(root: str) -> None:
+    store = CheckpointStore(root)
+    ids = {seq: collect_checkpoint(store, seq, published=seq != 2) for seq in (1, 2, 3, 4, 5)}
+    with hold_lease(store.path(ids[1]), "restore", "restore-1", time.time() + 60):
+        removed = sorted(location(path).name for path in store.prune(keep=2))
+    # The same plan gc makes: the oldest kept because a restore reads it, the abandoned write (2) removed.
+    assert removed == sorted([ids[2], ids[3]])
+    assert names(root) == sorted([ids[1], ids[4], ids[5]])

@@ -164,11 +164,13 @@ def read_leases(path: Location) -> list[Lease]:
     return leases
 
 
-def checkpoints(root: str | Path | Location) -> list[Checkpoint]:
-    """Every checkpoint of ``root``, oldest first (the rule's order)."""
+def checkpoints(root: str | Path | Location, candidates: Callable[[str], bool] | None = None) -> list[Checkpoint]:
+    """Every checkpoint of ``root`` (whose name ``candidates`` accepts), oldest first (the rule's order)."""
     base = location(root)
     found = []
     for name in child_dirs(base):
+        if candidates is not None and not candidates(name):
+            continue
         path = base / name
         inside = set(child_dirs(path))
         if not inside & {"gym", "collector", LEASE_DIR} and not _COLLECT_NAME.fullmatch(name):
@@ -192,7 +194,7 @@ def plan_retention(root: str | Path | Location, keep: int, *, now: float | None 
     if keep < 1:
         raise ValueError("keep must be at least 1")
     now = time.time() if now is None else now
-    found = [c for c in checkpoints(root) if candidates is None or candidates(c.name)]
+    found = checkpoints(root, candidates)
     result = RetentionPlan(keep)
     published = [c for c in found if c.published]
     kept = published[-keep:]

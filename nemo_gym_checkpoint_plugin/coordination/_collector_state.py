@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from .._storage.layout import MANIFEST_NAME, SCHEMA_VERSION, records_name
 from .._storage.location import Location, child_dirs, lexists, location
 from .._storage.objstore import ObjectPath
 from .._storage.reader import capture_key_of, iter_verified_lines, load_manifest, read_checkpoint
+from .._storage.retention import plan_retention, remove_checkpoint
 
 __all__ = [
     "COLLECTOR_DIR",
@@ -196,31 +196,21 @@ class CheckpointStore:
         return directory / MANIFEST_NAME
 
     def prune(self, keep: int) -> list[Location]:
-        """Remove every checkpoint older than the ``keep`` newest published ones; returns what was removed.
+        """Remove what ``keep`` retires (``_storage.retention``, the rule ``ng-checkpoint gc`` applies to
+        this collection's checkpoints); returns what was removed.
 
-        Called only after a publish, so nothing is removed before a newer checkpoint exists; an
-        unpublished directory newer than the newest published one (a write in progress) stays.
+        Called only after a publish: the ``keep`` newest published checkpoints stay, so do an
+        unpublished one newer than the oldest kept (a write in progress) and any under a live lease
+        (a restore or commit using it); a removal that fails is left for the next prune.
         """
-        published = [seq for seq, _ in self.published()]
-        if len(published) <= keep:
-            oldest_kept = published[0] if published else None
-        else:
-            oldest_kept = published[-keep]
-        if oldest_kept is None:
-            return []
+        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None)
         removed = []
-        for seq, path in self.entries():
-            if seq < oldest_kept:
-                if isinstance(path, ObjectPath):
-                    from .._storage.objstore_put import remove
-
-                    try:
-                        remove(path, recursive=True)
-                    except InvalidCheckpointState:
-                        continue  # left for the next prune (or gc)
-                else:
-                    shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+        for checkpoint in plan.remove:
+            try:
+                if remove_checkpoint(checkpoint):
+                    removed.append(checkpoint.path)
+            except InvalidCheckpointState:
+                continue
         return removed
 
     # -- reading --------------------------------------------------------------------------------
