@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from nemo_gym_checkpoint_plugin.testing.s3_server import LocalS3Server
 
 from hypothesis import settings
 
@@ -17,3 +24,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The testing kit's fixtures (gym_deployment, gym_deployment_factory), as a participant's own tests load them.
 pytest_plugins = ["nemo_gym_checkpoint_plugin.testing.pytest_plugin"]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3Server]:
+    """One real S3-compatible server (moto's server mode) on 127.0.0.1 for the session, its bucket
+    created; the standard AWS variables point this process (and every child it starts) at it."""
+    from nemo_gym_checkpoint_plugin._storage.objstore import reset_filesystems
+
+    server = LocalS3Server(log=tmp_path_factory.mktemp("s3") / "moto.log").start()
+    saved = server.apply()
+    reset_filesystems()
+    try:
+        yield server
+    finally:
+        server.stop()
+        LocalS3Server.restore(saved)
+        reset_filesystems()
+
+
+@pytest.fixture
+def s3_dir(s3_server: LocalS3Server, request: pytest.FixtureRequest) -> str:
+    """A fresh ``s3://`` prefix for one test in the session's server."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:60].strip("-.")
+    return s3_server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def lenient_store() -> Iterator[str]:
+    """``lenient://bucket/run``: a store that accepts a second exclusive create (``storage_support``)."""
+    import fsspec
+    from storage_support import LenientMemoryFileSystem
+
+    from nemo_gym_checkpoint_plugin._storage.objstore import reset_filesystems
+
+    fsspec.register_implementation("lenient", LenientMemoryFileSystem, clobber=True)
+    reset_filesystems()
+    try:
+        yield "lenient://bucket/run"
+    finally:
+        LenientMemoryFileSystem.store.clear()
+        reset_filesystems()

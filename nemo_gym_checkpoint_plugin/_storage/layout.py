@@ -2,7 +2,8 @@
 
 ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
 ``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``, and the controller's
-``<checkpoint_dir>/gym/participants.json``.
+``<checkpoint_dir>/gym/participants.json``. ``checkpoint_dir`` is a filesystem path or an fsspec
+URL (``location``); the names are the same in both.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 
 from .._errors import InvalidCheckpointState
+from .location import Location, location
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -52,5 +54,6 @@ def records_name(sha256_hex: str) -> str:
     return f"records-{sha256_hex}.jsonl"
 
 
-def participant_dir(checkpoint_dir: str | Path, kind: str, instance: str) -> Path:
-    return Path(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)
+def participant_dir(checkpoint_dir: str | Path | Location, kind: str, instance: str) -> Location:
+    """``<checkpoint_dir>/gym/<kind>/<instance>``: a ``Path``, or an ``ObjectPath`` when ``checkpoint_dir`` is a URL."""
+    return location(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)

@@ -48,6 +48,7 @@ from .layout import (
     participant_dir,
     records_name,
 )
+from .location import location
 from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
 
@@ -78,13 +79,17 @@ def _episode_key(record: Any) -> str:
 class CheckpointWriter:
     """Writes one participant's records and publishes its manifest last. One use per instance."""
 
+    # Whether the records file is flushed to disk as it is written and fsynced (a spool that is
+    # uploaded and removed, ``ObjectStoreWriter``'s, is not).
+    _durable = True
+
     def __init__(
         self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str, *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
             raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
-        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir = location(checkpoint_dir)
         self.kind = kind
         self.instance = instance
         self.checkpoint_id = checkpoint_id
@@ -208,7 +213,7 @@ class CheckpointWriter:
         limit = self.max_record_bytes
         with create_private(tmp, buffering=_BUFFER) as out:
             # This thread encodes; the sink hashes, writes and syncs in its own thread.
-            sink = HashingWriter(out)
+            sink = HashingWriter(out, durable=self._durable)
             try:
                 for record in records:
                     self._check_stop()
