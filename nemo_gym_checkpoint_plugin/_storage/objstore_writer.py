@@ -36,7 +36,7 @@ from typing import Any
 
 from .._errors import InvalidCheckpointState, WriteFailed
 from .files import write_failed
-from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, SCHEMA_VERSION, records_name
+from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, build_manifest
 from .location import lexists
 from .objstore import ObjectPath, size
 from .objstore import write_failed as object_write_failed
@@ -104,19 +104,7 @@ class ObjectStoreWriter(CheckpointWriter):
                 spooled = os.path.getsize(spool)
             except OSError as exc:
                 raise write_failed(exc, spool, "cannot spool the checkpoint before its upload") from None
-            manifest = {
-                "schema_version": SCHEMA_VERSION,
-                "kind": self.kind,
-                "instance": self.instance,
-                "checkpoint_id": self.checkpoint_id,
-                "records_file": records_name(digest),
-                "records_sha256": digest,
-                "record_count": count,
-            }
-            for key, value in (extras or {}).items():
-                if key in manifest:
-                    raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
-                manifest[key] = value
+            manifest = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
             existing = self._existing_manifest()
             if existing is not None:
                 # This very export was published already (a retried commit): nothing to upload.

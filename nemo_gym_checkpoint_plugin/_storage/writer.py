@@ -44,9 +44,8 @@ from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_NAME,
     SAFE_COMPONENT,
-    SCHEMA_VERSION,
+    build_manifest,
     participant_dir,
-    records_name,
 )
 from .location import location
 from .pipeline import HashingWriter
@@ -135,19 +134,7 @@ class CheckpointWriter:
             manifest_tmp: Path | None = None
             try:
                 digest, count = self._write_records(tmp, records)
-                manifest = {
-                    "schema_version": SCHEMA_VERSION,
-                    "kind": self.kind,
-                    "instance": self.instance,
-                    "checkpoint_id": self.checkpoint_id,
-                    "records_file": records_name(digest),
-                    "records_sha256": digest,
-                    "record_count": count,
-                }
-                for key, value in (extras or {}).items():
-                    if key in manifest:
-                        raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
-                    manifest[key] = value
+                manifest = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
                 manifest_tmp = self._manifest_tmp(manifest)
                 self._fsync_parents(created_up_to, include_self=False)
                 return self._publish(manifest, tmp, manifest_tmp)
