@@ -15,7 +15,6 @@ reached the agent. The shape checks here are what Gym's readers need of a row to
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 from collections.abc import Mapping
@@ -160,14 +159,11 @@ def row_id_of(line: bytes) -> str | None:
 
 
 def unpack_line(key: str, packed: Any) -> tuple[str, bytes]:
-    """``(model call id, line with its newline)`` of a restored row stored as ``[id, base64 of its line]``."""
+    """``(model call id, line with its newline)`` of a restored row stored as ``[id, its line as text]``."""
     if not (isinstance(packed, list) and len(packed) == 2 and all(isinstance(part, str) for part in packed)):
-        raise _refuse(key, "a captured row must be [model call id, base64 of its line]")
-    call_id, encoded = packed
-    try:
-        line = base64.b64decode(encoded, validate=True)
-    except ValueError:
-        raise _refuse(key, f"captured row {call_id}: its line is not base64") from None
+        raise _refuse(key, "a captured row must be [model call id, its JSON line]")
+    call_id, text = packed
+    line = text.encode()
     if not (line.startswith(b"{") and line.endswith(b"}")) or b"\n" in line or row_id_of(line) != call_id:
         raise _refuse(key, f"captured row {call_id}: its line is not one JSON row of that model call")
     return call_id, line + b"\n"

@@ -13,7 +13,7 @@ the model servers sharing the directory wrote them (``capture_files.py`` has the
   reaching their caller from this process, and rows it installed. A call held, generating or
   parked is owned by no one, so nobody exports it; a sibling server never exports another's rows.
   One record per episode: ``{"episode_id", "token_rows": [[id, line], ...]}`` plus ``"ledger_rows"``
-  with external staging, each row its line on disk, base64 (never parsed or encoded again);
+  with external staging, each row its line on disk as JSON text (never parsed or encoded again);
 - **install**: the rows go under the replacement attempt's key, each keeping the capture key it
   was first recorded under (a token row's own ``rollout_id``; a ledger row's
   ``ng_checkpoint_restored_from``). First, once per restore for all servers sharing the
@@ -35,7 +35,6 @@ matching lengths); their content is the records file's, whose digest the restore
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,8 +137,8 @@ class TokenCaptures:
     ) -> Iterator[dict[str, Any]]:
         """One record per key with rows whose model call id ``owned[key]`` names.
 
-        A row goes into the record as it is on disk, ``[model call id, base64 of its line]``: never
-        parsed or encoded again (a row holds its prompt's and generation's token ids). Lazy: the
+        A row goes into the record as it is on disk, ``[model call id, its line]`` (the line as JSON
+        text): never parsed or encoded again (a row holds its prompt's and generation's token ids). Lazy: the
         storage writer advances it in its worker thread, one episode's rows in memory at a time.
         """
         for key in keys:
@@ -158,10 +157,10 @@ class TokenCaptures:
                 continue
             record: dict[str, Any] = {
                 "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-                "token_rows": [[call_id, base64.b64encode(line).decode()] for call_id, line in tokens],
+                "token_rows": [[call_id, line.decode()] for call_id, line in tokens],
             }
             if ledger:
-                record["ledger_rows"] = [[call_id, base64.b64encode(line).decode()] for call_id, line in ledger]
+                record["ledger_rows"] = [[call_id, line.decode()] for call_id, line in ledger]
                 if staging is not None:
                     staging.add(key, [orjson.loads(line) for _call_id, line in ledger])
             yield record
@@ -186,7 +185,7 @@ class TokenCaptures:
     def stage(self, checkpointed: str, replacement: str, record: Mapping[str, Any]) -> StagedRows:
         """The lines to write under ``replacement`` for a restored record; ``InvalidCheckpointState`` for a bad one.
 
-        Records hold rows as ``[id, base64 line]`` (``token_rows``, ``ledger_rows``); those of earlier
+        Records hold rows as ``[id, line]`` (``token_rows``, ``ledger_rows``); those of earlier
         releases held them as JSON objects (``token_entries``, ``ledger_entries``), and still restore.
         """
         tokens = _list(checkpointed, record, "token_rows") + _list(checkpointed, record, "token_entries")

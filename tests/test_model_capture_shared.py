@@ -279,12 +279,10 @@ async def test_a_retire_of_restored_attempts_deletes_theirs_and_forgets_what_the
 
 
 def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_restore(tmp_path: Path) -> None:
-    import base64
-
     import orjson
+    from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures
 
     from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
-    from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures
 
     store = TokenCaptureStore(tmp_path / "captures")
     from nemo_gym.token_id_capture.records import TokenEntry
@@ -295,12 +293,12 @@ def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_r
     (record,) = captures.export(["r"], {"r": {"c1"}})
     line = store.path_for("r").read_bytes()
     # The row exactly as Gym wrote it, never parsed or encoded again.
-    assert record["token_rows"] == [["c1", base64.b64encode(line.rstrip(b"\n")).decode()]]
+    assert record["token_rows"] == [["c1", line.rstrip(b"\n").decode()]]
     assert captures.stage("r", "r-a1", record).tokens == [("c1", line)]
     # An earlier release's record held the row as a JSON object: the same line is written.
     earlier = {"episode_id": record["episode_id"], "token_entries": [orjson.loads(line)]}
     assert captures.stage("r", "r-a1", earlier).tokens == [("c1", line)]
     forged = {"episode_id": record["episode_id"],
-              "token_rows": [["c2", base64.b64encode(line.rstrip(b"\n")).decode()]]}
+              "token_rows": [["c2", line.rstrip(b"\n").decode()]]}
     with pytest.raises(InvalidCheckpointState, match="not one JSON row of that model call"):
         captures.stage("r", "r-a1", forged)
