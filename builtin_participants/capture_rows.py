@@ -160,11 +160,11 @@ def row_id_of(line: bytes) -> str | None:
 
 def unpack_line(key: str, packed: Any) -> tuple[str, bytes]:
     """``(model call id, line with its newline)`` of a restored row stored as ``[id, its line as text]``."""
-    if not (isinstance(packed, list) and len(packed) == 2 and all(isinstance(part, str) for part in packed)):
+    if type(packed) is not list or len(packed) != 2 or type(packed[0]) is not str or type(packed[1]) is not str:
         raise _refuse(key, "a captured row must be [model call id, its JSON line]")
     call_id, text = packed
     line = text.encode()
-    if not (line.startswith(b"{") and line.endswith(b"}")) or b"\n" in line or row_id_of(line) != call_id:
+    if line[:1] != b"{" or line[-1:] != b"}" or b"\n" in line or row_id_of(line) != call_id:
         raise _refuse(key, f"captured row {call_id}: its line is not one JSON row of that model call")
     return call_id, line + b"\n"
 

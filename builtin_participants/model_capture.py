@@ -188,6 +188,25 @@ class TokenCaptures:
         Records hold rows as ``[id, line]`` (``token_rows``, ``ledger_rows``); those of earlier
         releases held them as JSON objects (``token_entries``, ``ledger_entries``), and still restore.
         """
+        rows = record.get("token_rows")
+        if type(rows) is list and len(record) == 2:
+            # This release's record of the local store, the usual one: {"episode_id", "token_rows"}.
+            token_lines, ledger_lines = [unpack_line(checkpointed, row) for row in rows], []
+        else:
+            token_lines, ledger_lines = self._stage_any(checkpointed, record)
+        for family in (token_lines, ledger_lines):
+            if len(family) > 1:
+                ids = [call_id for call_id, _line in family]
+                if len(set(ids)) != len(ids):
+                    twice = sorted({i for i in ids if ids.count(i) > 1})[0]
+                    raise InvalidCheckpointState(f"episode {checkpointed}: model call {twice} twice",
+                                                 episode=checkpointed)
+        return StagedRows(key=replacement, tokens=token_lines, ledger=ledger_lines)
+
+    def _stage_any(
+        self, checkpointed: str, record: Mapping[str, Any]
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
+        """Every other record: ledger rows (external staging), or an earlier release's rows as JSON objects."""
         tokens = _list(checkpointed, record, "token_rows") + _list(checkpointed, record, "token_entries")
         ledger = _list(checkpointed, record, "ledger_rows") + _list(checkpointed, record, "ledger_entries")
         if ledger and not self.ledger:
@@ -201,12 +220,7 @@ class TokenCaptures:
                        for row in ledger]
         ledger_lines = [(ledger_row_id(checkpointed, row),
                          ledger_line({RESTORED_FROM: checkpointed, **row})) for row in ledger_rows]
-        for family in (token_lines, ledger_lines):
-            ids = [call_id for call_id, _line in family]
-            if len(set(ids)) != len(ids):
-                twice = sorted({i for i in ids if ids.count(i) > 1})[0]
-                raise InvalidCheckpointState(f"episode {checkpointed}: model call {twice} twice", episode=checkpointed)
-        return StagedRows(key=replacement, tokens=token_lines, ledger=ledger_lines)
+        return token_lines, ledger_lines
 
     def install(self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows]) -> bool:
         """Clear what dead executions left for the scope (once per restore), write ``staged``, sync once.
