@@ -23,6 +23,7 @@ __all__ = [
     "ExportFailed",
     "CheckpointParked",
     "RolloutIdRequired",
+    "AttemptRunning",
     "InvalidCheckpointState",
     "WriteFailed",
     "ERRORS_BY_CODE",
@@ -109,6 +110,25 @@ class RolloutIdRequired(CheckpointError):
     status = 400
 
 
+class AttemptRunning(CheckpointError):
+    """The episode attempt is already running on this server (plugin code, docs/protocol.md "Errors").
+
+    Raised for a second ``/run`` of an attempt while the first runs, and for a restore whose
+    replacement attempt runs here. The attempt lives elsewhere (another controller, or a request
+    resent): a controller must not record it as a failure of the row. ``episodes`` (capture keys)
+    ride along in the body as ``episode_ids``, so a controller knows which attempts to leave alone.
+    """
+
+    code = "attempt_running"
+
+    def to_body(self) -> dict[str, Any]:
+        body = error_body(self.code, self.detail)
+        episodes = self.data.get("episodes")
+        if episodes:
+            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
+        return body
+
+
 class InvalidCheckpointState(CheckpointError):
     """A checkpoint on disk (or one being written) cannot be trusted or cannot be made.
 
@@ -145,6 +165,7 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         ExportFailed,
         CheckpointParked,
         RolloutIdRequired,
+        AttemptRunning,
         InvalidCheckpointState,
     )
 }

@@ -1,0 +1,85 @@
+"""Two controllers meet one deployment or one checkpoint directory: no row is lost, none is doubled.
+
+The probes of issue 23 on real processes (the testing kit's deployment, real ``ng-checkpoint
+collect`` processes, SIGKILL where a test is about a crash). In every case the output ends with
+every row exactly once, or the second controller is refused before it changed anything.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controllers_support import Collector, collect_deployment, fake, rows_of, run_row
+from nemo_gym.path_utils import failures_path_for
+
+from nemo_gym_checkpoint_plugin.testing.harness import wait_until
+
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    deployment = collect_deployment(tmp_path_factory.mktemp("controllers"), ROWS)
+    yield deployment
+    deployment.stop()
+
+
+@pytest.fixture
+def backend(deployment: Any) -> Any:
+    """The fake backend with no hold left over from another test, released again at teardown."""
+    fake(deployment, "reset", {})
+    yield deployment
+    fake(deployment, "reset", {})
+
+
+def _in_thread(call: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(reply=call()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _failure_rows(output: Path) -> list[dict[str, Any]]:
+    sidecar = failures_path_for(output)
+    return [json.loads(line) for line in sidecar.read_text().splitlines()] if sidecar.exists() else []
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_running_attempt_is_refused_attempt_running_and_the_first_is_unharmed(backend: Any) -> None:
+    fake(backend, "hold", {"match": "(rollout row0)", "count": 1, "step": 1})
+    first, box = _in_thread(lambda: run_row(backend, 0))
+    wait_until(lambda: fake(backend, "stats")["held"] == 1, 60, "the first /run's model call held")
+    status, reply = run_row(backend, 0)
+    # Not a 200 carrying a terminal failure (what Gym makes of a plain error): a typed refusal.
+    assert status == 409, reply
+    assert reply["error"]["code"] == "attempt_running" and reply["error"]["episode_ids"] == ["0-0"]
+    fake(backend, "release", {})
+    first.join(120)
+    status, result = box["reply"]
+    assert status == 200 and result["failure"] is None and result["result"]["reward"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_row_whose_attempt_lives_elsewhere_is_no_terminal_failure_and_a_resume_runs_it(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    # Row 0's attempt runs already (another controller's /run), held at the backend.
+    fake(backend, "hold", {"match": "(rollout row0)", "count": 1, "step": 1})
+    other, box = _in_thread(lambda: run_row(backend, 0))
+    wait_until(lambda: fake(backend, "stats")["held"] == 1, 60, "the other controller's row 0 held")
+    collector = Collector(backend, tmp_path, "first", ckpt=ckpt, output=output)
+    collector.wait()
+    assert sorted(rows_of(output)) == list(range(1, ROWS)), collector.text()[-3000:]
+    # Neither in the output nor a terminal failure in the sidecar: --resume dispatches it again.
+    assert [r for r in _failure_rows(output) if r.get("_ng_task_index") == 0] == []
+    fake(backend, "release", {})
+    other.join(120)
+    assert box["reply"][0] == 200
+    resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
+    assert resumed.wait() == 0, resumed.text()[-3000:]
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}
