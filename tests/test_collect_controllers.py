@@ -7,16 +7,18 @@ every row exactly once, or the second controller is refused before it changed an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from controllers_support import Collector, collect_deployment, fake, rows_of, run_row
+from controllers_support import TOKEN, Collector, collect_deployment, fake, rows_of, run_row
 from nemo_gym.path_utils import failures_path_for
 
-from nemo_gym_checkpoint_plugin.testing.harness import wait_until
+from nemo_gym_checkpoint_plugin.coordination import CoordinationError, discover
+from nemo_gym_checkpoint_plugin.testing.harness import wait_until, wait_until_async
 
 ROWS = 8
 
@@ -83,3 +85,39 @@ def test_a_row_whose_attempt_lives_elsewhere_is_no_terminal_failure_and_a_resume
     resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
     assert resumed.wait() == 0, resumed.text()[-3000:]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+@pytest.mark.slow
+async def test_a_stale_restore_never_retires_the_replacements_another_controller_runs(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "old-checkpoint"
+    # Row 6 in flight as attempt 0, checkpointed, then retired by its controller, which runs it again as
+    # attempt 1 (held at the backend): the old checkpoint's replacement of row 6 is the running attempt.
+    fake(backend, "hold", {"match": "(rollout row6)", "count": 1, "step": 1})
+    first, first_box = _in_thread(lambda: run_row(backend, 6, 0))
+    await wait_until_async(lambda: _held(backend, 1), 60, "row 6 attempt 0 held")
+    async with await discover(backend.config, TOKEN) as coordinator:
+        prepared = await coordinator.prepare("old-1", timeout=30)
+        assert prepared.ready, prepared.to_json()
+        await coordinator.commit("old-1", str(ckpt), prepared.continued(["6-0"]), timeout=30)
+        await coordinator.resume("old-1", timeout=30)
+        await coordinator.retire("old-retire", ["6-0"], timeout=30)
+    await asyncio.to_thread(first.join, 120)
+    assert first_box["reply"][1]["failure"]["failure_kind"] == "cancelled"
+    fake(backend, "hold", {"match": "(rollout row6)", "count": 1, "step": 1})
+    running, box = _in_thread(lambda: run_row(backend, 6, 1))
+    await wait_until_async(lambda: _held(backend, 1), 60, "row 6 attempt 1 held")
+    # A stale controller restores the old checkpoint: refused, and its clean-up leaves 6-0-a1 alone.
+    async with await discover(backend.config, TOKEN) as coordinator:
+        with pytest.raises(CoordinationError) as caught:
+            await coordinator.restore("stale-restore", str(ckpt), ["6-0"], timeout=30)
+    assert "6-0-a1" not in caught.value.result["retired"], caught.value
+    fake(backend, "release", {})
+    await asyncio.to_thread(running.join, 120)
+    status, reply = box["reply"]
+    assert status == 200 and reply["failure"] is None and reply["result"]["reward"] == 1.0, reply
+
+
+async def _held(deployment: Any, count: int) -> bool:
+    return (await asyncio.to_thread(fake, deployment, "stats"))["held"] >= count

@@ -25,7 +25,7 @@ from .._storage.index import check_participants_index, write_participants_index
 from ._discovery import Participant
 from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
 from ._order import stages_for
-from ._results import CommitResult, PrepareResult, RestoreResult, wire_episode_id
+from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, created_replacements, wire_episode_id
 from ._transport import CallFailed, ControlTransport, Endpoint, encode_body
 
 __all__ = ["Coordinator", "Progress", "DEFAULT_TIMEOUT"]
@@ -323,11 +323,16 @@ class Coordinator:
         checkpointed attempts. On success every participant is in phase ``restored``
         and the caller resumes it (``resume(checkpoint_id)``) to run the replacements.
         On any failure (a refusal, a server that does not answer, participants restoring
-        different checkpoints) the replacement attempts are retired everywhere, every
-        participant is resumed, and the restore's ``CoordinationError`` is raised (clean-up
-        failures ride along as ``cleanup_failures``, never replacing it). Its ``result``
-        maps each rollout to the attempt it must start over as (the checkpointed attempt
-        + 2, since the replacement + 1 is now refused). Before asking any participant, the
+        different checkpoints) the replacement attempts this restore created are retired
+        everywhere, every participant is resumed, and the restore's ``CoordinationError`` is
+        raised (clean-up failures ride along as ``cleanup_failures``, never replacing it).
+        Created means installed by a participant that replied (its ``restored``), or, when
+        some participant never replied (a timeout, a dropped connection), every replacement
+        of the scope; a participant that refused installed nothing. A replacement some
+        participant refused as ``attempt_running`` lives elsewhere (another controller runs
+        it) and is left alone. Its ``result`` maps each rollout to the attempt it must start
+        over as (``next_attempts``: the checkpointed attempt + 2, past the replacement), and
+        names what was retired (``retired``) and left alone (``left_alone``). Before asking any participant, the
         directory is checked against its participants index: a participant it lists that is
         missing (or replaced) fails the restore at once, naming it (no participant touched;
         ``next_attempts`` are then the checkpointed attempt + 1). Without an index: a warning.
@@ -362,12 +367,15 @@ class Coordinator:
                 for p in self.participants if p.name in sources
             ]
         if failures:
-            cleanup = await self._undo_restore(checkpoint_id, checkpointed)
+            retired, left_alone = created_replacements(checkpointed, replies, failures)
+            cleanup = await self._undo_restore(checkpoint_id, retired)
             next_attempts = {e["rollout_id"]: e["attempt"] + 2 for e in checkpointed}
             raise CoordinationError(
-                "restore", failures, cleanup_failures=cleanup, result={"next_attempts": next_attempts},
-                message=f"restore {checkpoint_id} failed on {len(failures)} server(s); its replacement attempts "
-                        "were retired and every participant resumed",
+                "restore", failures, cleanup_failures=cleanup,
+                result={"next_attempts": next_attempts, "retired": [capture_key(e) for e in retired],
+                        "left_alone": left_alone},
+                message=f"restore {checkpoint_id} failed on {len(failures)} server(s); the {len(retired)} replacement "
+                        "attempt(s) it created were retired and every participant resumed",
             )
         source = next(iter(sources.values()), None)
         if not isinstance(source, str):
@@ -375,10 +383,9 @@ class Coordinator:
                 "(deployment)", "", "restore", BAD_REPLY, "no participant named its source_checkpoint_id")])
         return RestoreResult(checkpoint_id, source, replies)
 
-    async def _undo_restore(self, checkpoint_id: str, checkpointed: list[dict[str, Any]]) -> list[ParticipantFailure]:
-        """Retire the replacement attempts everywhere, then resume everyone; return what failed."""
+    async def _undo_restore(self, checkpoint_id: str, replacements: list[dict[str, Any]]) -> list[ParticipantFailure]:
+        """Retire ``replacements`` everywhere, then resume everyone; return what failed."""
         cleanup: list[ParticipantFailure] = []
-        replacements = [{"rollout_id": e["rollout_id"], "attempt": e["attempt"] + 1} for e in checkpointed]
         if replacements:
             try:
                 await self.retire(checkpoint_id, replacements, timeout=self.cleanup_timeout)
@@ -391,3 +398,4 @@ class Coordinator:
             cleanup.extend(exc.failures)
             logger.warning("restore %s: resuming failed: %s", checkpoint_id, exc)
         return cleanup
+
