@@ -75,8 +75,12 @@ def test_a_row_whose_attempt_lives_elsewhere_is_no_terminal_failure_and_a_resume
     other, box = _in_thread(lambda: run_row(backend, 0))
     wait_until(lambda: fake(backend, "stats")["held"] == 1, 60, "the other controller's row 0 held")
     collector = Collector(backend, tmp_path, "first", ckpt=ckpt, output=output)
-    collector.wait()
-    assert sorted(rows_of(output)) == list(range(1, ROWS)), collector.text()[-3000:]
+    # The summary says what the output holds: row 0 is missing, an error naming it.
+    assert collector.wait() == 1, collector.text()[-3000:]
+    summary = collector.summary()
+    assert (summary["finished"], summary["missing"], summary["lives_elsewhere"]) == (ROWS - 1, ["0-0"], ["0-0"])
+    assert "1 of 8 rows are not in the output (0-0); --resume runs them" in collector.text()
+    assert sorted(rows_of(output)) == list(range(1, ROWS))
     # Neither in the output nor a terminal failure in the sidecar: --resume dispatches it again.
     assert [r for r in _failure_rows(output) if r.get("_ng_task_index") == 0] == []
     fake(backend, "release", {})
@@ -85,6 +89,7 @@ def test_a_row_whose_attempt_lives_elsewhere_is_no_terminal_failure_and_a_resume
     resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
     assert resumed.wait() == 0, resumed.text()[-3000:]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
+    assert resumed.summary()["finished"] == ROWS and resumed.summary()["missing"] == []
 
 
 @pytest.mark.slow

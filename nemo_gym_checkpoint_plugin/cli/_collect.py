@@ -10,7 +10,12 @@ checkpoint that verifies; a damaged one falls back to the one before, and says s
 Everything that can be refused is refused before any row or server is touched: a relative
 ``--checkpoint-dir``, one whose parent is missing or that cannot be written, one holding
 checkpoints of an earlier collection (without ``--resume``) or of another deployment.
-Exit status: 0 done, 1 the collection or the deployment failed, 2 usage.
+
+The summary is read from Gym's files at the end (``_collect_tally.py``): ``finished`` counts the
+rows in the output, terminal failures are listed as such, and a row missing from the output or
+in it twice is an error naming the rows.
+Exit status: 0 done (every row once in the output or failed for good), 1 the collection or the
+deployment failed, or a row is missing or duplicated at the end, 2 usage.
 """
 
 from __future__ import annotations
@@ -25,11 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
 from ._collect_progress import CollectProgress, summary_table
+from ._collect_tally import Tally, finished_rollouts, tally
 from ._output import print_json
 from ._where import UsageError, _token
 
@@ -48,7 +52,8 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                     "continues after a crash of the deployment and the collector.",
         epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
                "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
-               "exit status: 0 done, 1 the collection or the deployment failed, 2 usage",
+               "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
+               "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage",
     )
     parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
                         help="absolute directory holding the checkpoints (its parent must exist)")
@@ -115,24 +120,6 @@ def _gym_config(overrides: list[str], resume: bool) -> tuple[Any, Any]:
     return config, collection
 
 
-def _finished_rollouts(output: Path) -> set[str]:
-    """Rollout ids of the rows in Gym's output file (a torn last line, from a crash, is skipped)."""
-    from ..coordination._collection import row_rollout_id
-
-    finished: set[str] = set()
-    try:
-        handle = output.open("rb")
-    except FileNotFoundError:
-        return finished
-    with handle:
-        for line in handle:
-            try:
-                finished.add(row_rollout_id(orjson.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return finished
-
-
 def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]], Any] | None = None) -> int:
     """The ``collect`` command; ``observe`` also receives every checkpointer event (tests hook there)."""
     root = check_checkpoint_dir(args.checkpoint_dir)
@@ -185,7 +172,7 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         )
         plan = RestorePlan()
         if state is not None:
-            plan = await checkpointer.restore_from(state, _finished_rollouts(Path(collection.output_jsonl_fpath)))
+            plan = await checkpointer.restore_from(state, finished_rollouts(Path(collection.output_jsonl_fpath)))
             helper.set_attempts(plan.attempts)
             progress.say(f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
                          f"{len(plan.restarted)} start over" + (f" (restore failed: {plan.problem})"
@@ -213,21 +200,33 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
             checkpointer.stop()
             await loop_task
             progress.stop()
-        summary = _summary(root, helper, checkpointer, plan, time.monotonic() - started)
+        # What the files hold, not what this process saw: a second controller's rows, a row written
+        # twice, a row whose attempt lived elsewhere all show here (_collect_tally.py).
+        outcome = tally(collection)
+        summary = _summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started)
         print(summary_table(summary), file=sys.stderr)
+        if outcome.terminal:
+            progress.say(f"{len(outcome.terminal)} rows failed for good (Gym's failures sidecar, never retried): "
+                         f"{', '.join(outcome.terminal[:20])}{' ...' if len(outcome.terminal) > 20 else ''}")
+        problems = outcome.problems()
         if failed is not None:
-            print(f"ng-checkpoint collect: error: the collection failed: {failed}", file=sys.stderr)
+            problems.insert(0, f"the collection failed: {failed}")
+        for problem in problems:
+            print(f"ng-checkpoint collect: error: {problem}", file=sys.stderr)
         if getattr(args, "json", False):
             print_json(summary, compact=True)
-        return 0 if failed is None else 1
+        return 1 if problems else 0
 
 
-def _summary(root: Path, helper: Any, checkpointer: Any, plan: Any, elapsed: float) -> dict[str, Any]:
+def _summary(root: Path, helper: Any, checkpointer: Any, plan: Any, outcome: Tally,
+             elapsed: float) -> dict[str, Any]:
     published = [c for c in checkpointer.checkpoints if c.published]
     pauses = [c.paused_s for c in checkpointer.checkpoints]
     return {
-        "rollouts": helper.total,
-        "finished": helper.done_before + helper.tracker.returned,
+        "rollouts": outcome.rows,
+        "finished": outcome.finished,
+        **outcome.to_json(),
+        "lives_elsewhere": sorted(set(helper.tracker.elsewhere)),
         "finished_before": helper.done_before,
         "continued": len(plan.continued),
         "restarted": len(plan.restarted),
