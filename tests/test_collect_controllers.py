@@ -126,3 +126,48 @@ async def test_a_stale_restore_never_retires_the_replacements_another_controller
 
 async def _held(deployment: Any, count: int) -> bool:
     return (await asyncio.to_thread(fake, deployment, "stats"))["held"] >= count
+
+
+@pytest.mark.slow
+def test_the_same_collect_started_twice_refuses_the_second_at_once_naming_the_first(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": ROWS, "step": 1})  # the first stays busy
+    # No checkpoint published yet (every 60 s): nothing but the lock tells the second one the directory is taken.
+    first = Collector(backend, tmp_path, "first", ckpt=ckpt, output=output, every=60)
+    wait_until(lambda: fake(backend, "stats")["held"] or first.proc.poll() is not None, 120,
+               "the first collector's rows in flight")
+    second = Collector(backend, tmp_path, "second", ckpt=ckpt, output=output, every=60)
+    assert second.wait(120) == 2, second.text()[-3000:]
+    assert "is in use: collector collect-" in second.text() and f"(pid {first.proc.pid} on host " in second.text()
+    assert first.proc.poll() is None
+    fake(backend, "release", {})
+    assert first.wait() == 0, first.text()[-3000:]
+    assert rows_of(output) == {i: 1 for i in range(ROWS)} and first.summary()["finished"] == ROWS
+
+
+@pytest.mark.slow
+def test_two_resumes_at_once_after_a_crash_one_is_refused_and_every_row_is_once(backend: Any, tmp_path: Path) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
+    crashed = Collector(backend, tmp_path, "crashed", ckpt=ckpt, output=output, every=0.3, pause="published:1")
+    wait_until(lambda: crashed.events_named("paused") or crashed.proc.poll() is not None, 240,
+               "a published checkpoint holding rows in flight")
+    assert crashed.proc.poll() is None, crashed.text()[-3000:]
+    crashed.kill()
+    backend.kill()
+    backend.start(timeout=240)
+    # Both resumes run while a row's model call is held, so neither can finish before the other starts.
+    fake(backend, "hold", {"match": "(rollout row", "count": ROWS, "step": 1})
+    resumes = [Collector(backend, tmp_path, f"resume-{n}", ckpt=ckpt, output=output, resume=True) for n in (1, 2)]
+    wait_until(lambda: any(r.proc.poll() is not None for r in resumes), 120, "one of the resumes to end")
+    (loser,) = [r for r in resumes if r.proc.poll() is not None]
+    (winner,) = [r for r in resumes if r is not loser]
+    assert loser.proc.returncode == 2 and "is in use: collector collect-" in loser.text(), loser.text()[-3000:]
+    assert not loser.events_named("restored") and not loser.events_named("prepare")  # it changed nothing
+    fake(backend, "release", {})
+    assert winner.wait() == 0, winner.text()[-3000:]
+    # The SIGKILLed collector's lock was stale: taken over, and said so.
+    assert "which is gone" in winner.text() and winner.summary()["restored_from"] is not None
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}

@@ -8,8 +8,9 @@ Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subc
 checkpoint that verifies; a damaged one falls back to the one before, and says so).
 
 Everything that can be refused is refused before any row or server is touched: a relative
-``--checkpoint-dir``, one whose parent is missing or that cannot be written, one holding
-checkpoints of an earlier collection (without ``--resume``) or of another deployment.
+``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another collector
+holds (``collect.lock``, see ``coordination._collect_lock``), one holding checkpoints of an
+earlier collection (without ``--resume``) or of another deployment.
 
 The summary is read from Gym's files at the end (``_collect_tally.py``): ``finished`` counts the
 rows in the output, terminal failures are listed as such, and a row missing from the output or
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
 from ._collect_progress import CollectProgress, summary_table
@@ -61,7 +63,7 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                         help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
     parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
                         help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
-                             "after a newer one is published")
+                             "after a newer one is published, and only this collection's")
     parser.add_argument("--resume", action="store_true",
                         help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
                              "the last published checkpoint continue as their next attempt")
@@ -125,24 +127,55 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     root = check_checkpoint_dir(args.checkpoint_dir)
     overrides = [o for o in args.gym_overrides if o != "--"]
     config, collection = _gym_config(overrides, args.resume)
-    store = CheckpointStore(root)
-    if not args.resume and store.published():
-        raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume to "
-                         "continue it, or choose another directory")
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(config, resolve=False)
     token, _source, _argv = _token(args, plain)
-    return asyncio.run(_collect(args, root, store, plain, token, collection, observe))
+    output = str(Path(collection.output_jsonl_fpath).resolve())
+    store = CheckpointStore(root, collection=output)
+    lock = _lock(root, store, output)
+    notes = []
+    try:
+        previous = lock.acquire()
+    except DirectoryLocked as exc:
+        raise UsageError(f"--checkpoint-dir {root} is in use: {exc}; one collection per checkpoint directory "
+                         "(wait for it to end, or choose another directory)") from None
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {root}: cannot take its lock {lock.path} "
+                         f"({exc.strerror or exc})") from None
+    try:
+        if previous is not None:
+            # A dead collector's lock: its unpublished attempts are this collection's to remove too.
+            store.runs.add(previous.run)
+            notes.append(f"took over {lock.path} from a {previous.describe()}, which is gone")
+        if not args.resume and store.published():
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                             "to continue it, or choose another directory")
+        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes))
+    finally:
+        lock.release()
+
+
+def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
+    """The directory's lock for this collector (the directory made first, ``0700``, when it is missing)."""
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {root} cannot be created ({exc.strerror or exc})") from None
+    return CollectionLock(root, collector_owner(store.run), store.run, output)
 
 
 async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore, plain: dict[str, Any], token: str,
-                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None) -> int:
+                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None, notes: list[str]) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
 
     progress = CollectProgress()
+    for note in notes:
+        progress.say(note)
     try:
         coordinator = await discover(plain, token, probe_timeout=args.probe_timeout, tries=args.tries)
     except CoordinationError as exc:

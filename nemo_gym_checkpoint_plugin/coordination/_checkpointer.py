@@ -90,6 +90,9 @@ class CollectionCheckpointer:
         self.keep = keep
         self.deployment = deployment
         self.output_path = Path(output_path)
+        if store.collection is None:
+            # What names this collection in its checkpoints (deployment_identity's output): prune keeps to it.
+            store.collection = str(self.output_path.resolve())
         self.timeout = timeout
         self.observe = observe
         self.seq = store.next_seq()

@@ -37,6 +37,7 @@ from .._storage.files import create_private, make_private_dirs, write_failed
 from .._storage.index import check_participants_index
 from .._storage.layout import MANIFEST_NAME, SCHEMA_VERSION, records_name
 from .._storage.reader import capture_key_of, iter_verified_lines, load_manifest, read_checkpoint
+from ._retention import CheckpointEntry, checkpoints_to_remove
 
 __all__ = [
     "COLLECTOR_DIR",
@@ -50,7 +51,7 @@ COLLECTOR_DIR = "collector"
 COLLECTOR_KIND = "collector"
 COLLECTOR_INSTANCE = "ng-checkpoint-collect"
 CHECKPOINT_PREFIX = "collect-"
-_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})-[0-9a-f]{8}$")
+_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})-(?P<run>[0-9a-f]{8})$")
 ROW_STATES = ("continued", "restart", "uncaptured")
 
 
@@ -90,12 +91,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointStore:
-    """The checkpoints of one collection under ``root`` (absolute): naming, writing, reading, pruning."""
+    """The checkpoints of one collection under ``root`` (absolute): naming, writing, reading, pruning.
 
-    def __init__(self, root: str | Path, run: str | None = None) -> None:
+    ``collection`` is what names this collection in its checkpoints (the absolute output file, as
+    ``deployment_identity`` records it); ``runs`` the runs whose unpublished checkpoints are its own
+    (this collector's, and a dead predecessor's it took the directory over from). Both decide what
+    ``prune`` may remove (``_retention.py``).
+    """
+
+    def __init__(self, root: str | Path, run: str | None = None, *, collection: str | None = None) -> None:
         self.root = Path(root)
         # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
         self.run = run or uuid.uuid4().hex[:8]
+        self.collection = collection
+        self.runs: set[str] = {self.run}
 
     # -- names ----------------------------------------------------------------------------------
 
@@ -118,6 +127,27 @@ class CheckpointStore:
             return []
         found = [(seq, self.root / name) for name in names if (seq := self.seq_of(name)) is not None]
         return sorted(found)
+
+    def checkpoint_entries(self) -> list[CheckpointEntry]:
+        """Every checkpoint directory with its run, whether it is published, and the collection it names."""
+        found = []
+        for seq, path in self.entries():
+            match = _CHECKPOINT_NAME.match(path.name)
+            assert match is not None
+            published = os.path.lexists(path / COLLECTOR_DIR / MANIFEST_NAME)
+            found.append(CheckpointEntry(seq, match["run"], path, published,
+                                         self._collection_of(path) if published else None))
+        return found
+
+    @staticmethod
+    def _collection_of(path: Path) -> str | None:
+        try:
+            manifest = load_manifest(path / COLLECTOR_DIR, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
+        except InvalidCheckpointState:
+            return None
+        deployment = (manifest.get("collector") or {}).get("deployment")
+        output = deployment.get("output") if isinstance(deployment, dict) else None
+        return output if isinstance(output, str) else None
 
     def published(self) -> list[tuple[int, Path]]:
         """Checkpoints whose collector manifest exists, oldest first (not yet verified)."""
@@ -181,25 +211,19 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
         return directory / MANIFEST_NAME
 
-    def prune(self, keep: int) -> list[Path]:
-        """Remove every checkpoint older than the ``keep`` newest published ones; returns what was removed.
+    def prune(self, keep: int, in_use: Iterable[Path] = ()) -> list[Path]:
+        """Remove what ``checkpoints_to_remove`` says may go; returns what was removed.
 
-        Called only after a publish, so nothing is removed before a newer checkpoint exists; an
-        unpublished directory newer than the newest published one (a write in progress) stays.
+        Only this collection's checkpoints: its published ones older than the ``keep`` newest, and its
+        unpublished (failed) attempts; never another collection's, never one in ``in_use``.
         """
-        published = [seq for seq, _ in self.published()]
-        if len(published) <= keep:
-            oldest_kept = published[0] if published else None
-        else:
-            oldest_kept = published[-keep]
-        if oldest_kept is None:
-            return []
-        removed = []
-        for seq, path in self.entries():
-            if seq < oldest_kept:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-        return removed
+        if self.collection is None:
+            raise ValueError("prune needs the store's collection (its output file) to know its own checkpoints")
+        removable = checkpoints_to_remove(self.checkpoint_entries(), keep=keep, collection=self.collection,
+                                          runs=self.runs, in_use=set(in_use))
+        for path in removable:
+            shutil.rmtree(path, ignore_errors=True)
+        return removable
 
     # -- reading --------------------------------------------------------------------------------
 
