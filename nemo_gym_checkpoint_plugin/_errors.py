@@ -24,6 +24,8 @@ __all__ = [
     "CheckpointParked",
     "RolloutIdRequired",
     "AttemptRunning",
+    "OwnerConflict",
+    "OwnerFenced",
     "InvalidCheckpointState",
     "WriteFailed",
     "ERRORS_BY_CODE",
@@ -129,6 +131,26 @@ class AttemptRunning(CheckpointError):
         return body
 
 
+class OwnerConflict(CheckpointError):
+    """Another controller owns this deployment (plugin code, docs/protocol.md "One controller per deployment").
+
+    Raised for any control call but ``status`` from a controller that is not the owner (one that
+    sends no owner included) while the owner's lease runs; the detail names the owner and when its
+    lease ends, and says that taking over (``take_over``) fences it for good.
+    """
+
+    code = "owner_conflict"
+
+
+class OwnerFenced(CheckpointError):
+    """This controller's ownership was taken over: it is fenced for good (plugin code).
+
+    Every later call naming that owner is refused with this, whoever owns the deployment now.
+    """
+
+    code = "owner_fenced"
+
+
 class InvalidCheckpointState(CheckpointError):
     """A checkpoint on disk (or one being written) cannot be trusted or cannot be made.
 
@@ -166,6 +188,8 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         CheckpointParked,
         RolloutIdRequired,
         AttemptRunning,
+        OwnerConflict,
+        OwnerFenced,
         InvalidCheckpointState,
     )
 }

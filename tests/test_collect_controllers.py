@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ from controllers_support import TOKEN, Collector, collect_deployment, fake, rows
 from nemo_gym.path_utils import failures_path_for
 
 from nemo_gym_checkpoint_plugin.coordination import CoordinationError, discover
+from nemo_gym_checkpoint_plugin.testing.gym_config import TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until, wait_until_async
 
 ROWS = 8
@@ -97,27 +101,27 @@ async def test_a_stale_restore_never_retires_the_replacements_another_controller
     backend: Any, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "old-checkpoint"
-    # Row 6 in flight as attempt 0, checkpointed, then retired by its controller, which runs it again as
-    # attempt 1 (held at the backend): the old checkpoint's replacement of row 6 is the running attempt.
-    fake(backend, "hold", {"match": "(rollout row6)", "count": 1, "step": 1})
-    first, first_box = _in_thread(lambda: run_row(backend, 6, 0))
-    await wait_until_async(lambda: _held(backend, 1), 60, "row 6 attempt 0 held")
+    # Row 50 (no collection here has it) in flight as attempt 0, checkpointed, then retired by its controller,
+    # which runs it again as attempt 1 (held): the old checkpoint's replacement of row 50 is the running attempt.
+    fake(backend, "hold", {"match": "(rollout row50)", "count": 1, "step": 1})
+    first, first_box = _in_thread(lambda: run_row(backend, 50, 0))
+    await wait_until_async(lambda: _held(backend, 1), 60, "row 50 attempt 0 held")
     async with await discover(backend.config, TOKEN) as coordinator:
         prepared = await coordinator.prepare("old-1", timeout=30)
         assert prepared.ready, prepared.to_json()
-        await coordinator.commit("old-1", str(ckpt), prepared.continued(["6-0"]), timeout=30)
+        await coordinator.commit("old-1", str(ckpt), prepared.continued(["50-0"]), timeout=30)
         await coordinator.resume("old-1", timeout=30)
-        await coordinator.retire("old-retire", ["6-0"], timeout=30)
+        await coordinator.retire("old-retire", ["50-0"], timeout=30)
     await asyncio.to_thread(first.join, 120)
     assert first_box["reply"][1]["failure"]["failure_kind"] == "cancelled"
-    fake(backend, "hold", {"match": "(rollout row6)", "count": 1, "step": 1})
-    running, box = _in_thread(lambda: run_row(backend, 6, 1))
-    await wait_until_async(lambda: _held(backend, 1), 60, "row 6 attempt 1 held")
-    # A stale controller restores the old checkpoint: refused, and its clean-up leaves 6-0-a1 alone.
+    fake(backend, "hold", {"match": "(rollout row50)", "count": 1, "step": 1})
+    running, box = _in_thread(lambda: run_row(backend, 50, 1))
+    await wait_until_async(lambda: _held(backend, 1), 60, "row 50 attempt 1 held")
+    # A stale controller restores the old checkpoint: refused, and its clean-up leaves 50-0-a1 alone.
     async with await discover(backend.config, TOKEN) as coordinator:
         with pytest.raises(CoordinationError) as caught:
-            await coordinator.restore("stale-restore", str(ckpt), ["6-0"], timeout=30)
-    assert "6-0-a1" not in caught.value.result["retired"], caught.value
+            await coordinator.restore("stale-restore", str(ckpt), ["50-0"], timeout=30)
+    assert "50-0-a1" not in caught.value.result["retired"], caught.value
     fake(backend, "release", {})
     await asyncio.to_thread(running.join, 120)
     status, reply = box["reply"]
@@ -171,3 +175,36 @@ def test_two_resumes_at_once_after_a_crash_one_is_refused_and_every_row_is_once(
     # The SIGKILLed collector's lock was stale: taken over, and said so.
     assert "which is gone" in winner.text() and winner.summary()["restored_from"] is not None
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+def _cli(deployment: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *args,
+                           "--config", str(deployment.gym_yaml)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, TOKEN_ENV: TOKEN, "COLUMNS": "200"})
+
+
+@pytest.mark.slow
+def test_a_cli_prepare_during_a_collection_is_refused_naming_the_collector(backend: Any, tmp_path: Path) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 2, "step": 1})
+    collector = Collector(backend, tmp_path, "owner", ckpt=ckpt, output=output, every=0.5)
+    wait_until(lambda: collector.events_named("published") or collector.proc.poll() is not None, 120,
+               "a checkpoint of the running collection")
+    refused = _cli(backend, "prepare", "by-hand-1")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "owned by another controller (collect-" in refused.stderr and "--take-over" in refused.stderr
+    # So is a second collection into another directory and output, before it restores or dispatches a row.
+    other = Collector(backend, tmp_path, "other", ckpt=tmp_path / "other-ckpt", output=tmp_path / "other.jsonl")
+    assert other.wait(120) == 2, other.text()[-3000:]
+    assert "the deployment is owned by another controller: collect-" in other.text()
+    assert not (tmp_path / "other.jsonl").exists() or rows_of(tmp_path / "other.jsonl") == {}
+    # Nothing closed admission for the CLI: the collection goes on checkpointing and finishes.
+    published = len(collector.events_named("published"))
+    wait_until(lambda: len(collector.events_named("published")) > published or collector.proc.poll() is not None,
+               120, "another checkpoint after the refused prepare")
+    fake(backend, "release", {})
+    assert collector.wait() == 0, collector.text()[-3000:]
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}
+    # The collector gave the deployment back when it ended: the CLI may drive it now.
+    assert _cli(backend, "prepare", "by-hand-2").returncode == 0
+    assert _cli(backend, "resume", "by-hand-2").returncode == 0

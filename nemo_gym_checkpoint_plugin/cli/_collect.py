@@ -34,6 +34,7 @@ from typing import Any
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
+from ._collect_owner import OwnerKeeper, give_back, take_deployment
 from ._collect_progress import CollectProgress, summary_table
 from ._collect_tally import Tally, finished_rollouts, tally
 from ._output import print_json
@@ -67,6 +68,9 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
     parser.add_argument("--resume", action="store_true",
                         help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
                              "the last published checkpoint continue as their next attempt")
+    parser.add_argument("--take-over", action="store_true",
+                        help="take the deployment over from the controller that owns it (it is fenced for good); "
+                             "without it, a deployment another controller owns is refused, naming it")
     parser.add_argument("--checkpoint-timeout", type=positive, default=60.0, metavar="S",
                         help="seconds each prepare, commit and restore may take (default 60)")
     token = parser.add_mutually_exclusive_group()
@@ -134,7 +138,7 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     output = str(Path(collection.output_jsonl_fpath).resolve())
     store = CheckpointStore(root, collection=output)
     lock = _lock(root, store, output)
-    notes = []
+    notes: list[str] = []
     try:
         previous = lock.acquire()
     except DirectoryLocked as exc:
@@ -151,7 +155,8 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
         if not args.resume and store.published():
             raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
                              "to continue it, or choose another directory")
-        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes))
+        predecessor = previous.owner if previous is not None else None
+        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, predecessor))
     finally:
         lock.release()
 
@@ -168,7 +173,8 @@ def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
 
 
 async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore, plain: dict[str, Any], token: str,
-                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None, notes: list[str]) -> int:
+                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None, notes: list[str],
+                   predecessor: str | None) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
@@ -182,6 +188,14 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
         return 1
     async with coordinator:
+        owner = collector_owner(store.run)
+        try:
+            # One controller per deployment, before anything is restored or dispatched (_collect_owner.py).
+            await take_deployment(coordinator, owner, take_over=args.take_over, predecessor=predecessor,
+                                  say=progress.say, timeout=args.checkpoint_timeout)
+        except CoordinationError as exc:
+            print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+            return 1
         identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath)
         state, fallbacks = (store.latest() if args.resume else (None, []))
         for checkpoint_id, why in fallbacks:
@@ -223,16 +237,29 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
             os.environ.setdefault("TQDM_DISABLE", "1")  # one progress display on the terminal, not two
         progress.start()
         loop_task = asyncio.create_task(checkpointer.run())
+        run_task = asyncio.create_task(helper.run_from_config(collection))
+        # Taken over by another controller: this one stops at once, it never fights for the deployment.
+        keeper = OwnerKeeper(coordinator, owner, args.checkpoint_every, args.checkpoint_timeout,
+                             on_fenced=lambda _detail: run_task.cancel())
+        keeper_task = asyncio.create_task(keeper.run())
         started = time.monotonic()
-        failed: BaseException | None = None
+        failed: BaseException | str | None = None
         try:
-            await helper.run_from_config(collection)
+            await run_task
+        except asyncio.CancelledError:
+            if keeper.fenced is None:
+                raise
+            failed = f"another controller took the deployment over ({keeper.fenced}); this collector stopped"
         except Exception as exc:  # Gym's own failure of the run: reported, exit 1
             failed = exc
         finally:
+            keeper.stop()
             checkpointer.stop()
             await loop_task
+            await keeper_task
             progress.stop()
+        if keeper.fenced is None:
+            await give_back(coordinator, args.checkpoint_timeout)
         # What the files hold, not what this process saw: a second controller's rows, a row written
         # twice, a row whose attempt lived elsewhere all show here (_collect_tally.py).
         outcome = tally(collection)

@@ -25,6 +25,7 @@ from .._storage.index import check_participants_index, write_participants_index
 from ._discovery import Participant
 from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
 from ._order import stages_for
+from ._ownership import OwnershipMixin
 from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, created_replacements, wire_episode_id
 from ._transport import CallFailed, ControlTransport, Endpoint, encode_body
 
@@ -51,11 +52,12 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
-class Coordinator:
+class Coordinator(OwnershipMixin):
     """Participants of one deployment, and the operations of docs/protocol.md's coordination order.
 
     Use it as an async context manager (or call ``close``) to release the control pool.
     ``failures`` and ``non_participants`` are what discovery reported besides participants.
+    ``owner`` (None: none) is sent in every call but ``status`` (``_ownership.py``: ``claim``, ``release``).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Coordinator:
         self.failures = list(failures)
         self.non_participants = list(non_participants)
         self.progress: ProgressCallback | None = None
+        self.owner: str | None = None
 
     async def close(self) -> None:
         await self.transport.close()
@@ -162,6 +165,8 @@ class Coordinator:
         self, operation: str, payload: dict[str, Any] | None, deadline_ts: float,
         stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None, keep_going: bool,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
+        if payload is not None and self.owner is not None:
+            payload = {**payload, "owner": self.owner}
         body = None if payload is None else encode_body(payload)
         budget = max(deadline_ts - time.time(), 0.0)
         stages = self._stages(operation)
@@ -196,7 +201,8 @@ class Coordinator:
         return await self._call_stage("status", self.participants, None, timeout, [0], len(self.participants))
 
     async def prepare(
-        self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None
+        self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None,
+        take_over: bool = False,
     ) -> PrepareResult:
         """Prepare stage by stage (environment, model, agent, resources by default).
 
@@ -214,9 +220,10 @@ class Coordinator:
                 for reply in stage.values()
             )
 
-        replies, failures, not_reached, stopped_at = await self._run(
-            "prepare", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline, stop=not_ready
-        )
+        payload: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}
+        if take_over:
+            payload["take_over"] = True  # fences the deployment's current owner for good
+        replies, failures, not_reached, stopped_at = await self._run("prepare", payload, deadline, stop=not_ready)
         result = PrepareResult(checkpoint_id, stopped_at=stopped_at, not_reached=not_reached)
         for name, reply in replies.items():
             result.phases[name] = str(reply.get("phase"))
@@ -315,7 +322,7 @@ class Coordinator:
 
     async def restore(
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None,
+        deadline_ts: float | None = None, timeout: float | None = None, take_over: bool = False,
     ) -> RestoreResult:
         """Restore on every participant at once, all or nothing.
 
@@ -351,10 +358,12 @@ class Coordinator:
         if index is None:
             logger.warning("restore %s: %s has no participants index (gym/participants.json); restoring without "
                            "checking that every participant is there", checkpoint_id, checkpoint_dir)
-        payload = {
+        payload: dict[str, Any] = {
             "checkpoint_id": checkpoint_id, "deadline_ts": deadline, "checkpoint_dir": str(checkpoint_dir),
             "episode_ids": checkpointed,
         }
+        if take_over:
+            payload["take_over"] = True
         replies, failures, _, _ = await self._run("restore", payload, deadline)
         sources = {name: reply.get("source_checkpoint_id") for name, reply in replies.items()}
         if not failures and len(set(sources.values())) > 1:
