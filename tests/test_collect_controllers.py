@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controllers_support import TOKEN, Collector, collect_deployment, fake, rows_of, run_row
+from controllers_support import TOKEN, Collector, collect_deployment, fake, request, rows_of, run_row
 from nemo_gym.path_utils import failures_path_for
 
+from nemo_gym_checkpoint_plugin._wire import CONTROL_PREFIX
 from nemo_gym_checkpoint_plugin.coordination import CoordinationError, discover
-from nemo_gym_checkpoint_plugin.testing.gym_config import TOKEN_ENV
+from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until, wait_until_async
 
 ROWS = 8
@@ -208,3 +209,25 @@ def test_a_cli_prepare_during_a_collection_is_refused_naming_the_collector(backe
     # The collector gave the deployment back when it ended: the CLI may drive it now.
     assert _cli(backend, "prepare", "by-hand-2").returncode == 0
     assert _cli(backend, "resume", "by-hand-2").returncode == 0
+
+
+@pytest.mark.slow
+def test_a_collector_killed_right_after_a_publish_is_resumed_against_the_live_servers(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
+    dead = Collector(backend, tmp_path, "dead", ckpt=ckpt, output=output, every=0.3, pause="published:1")
+    wait_until(lambda: dead.events_named("paused") or dead.proc.poll() is not None, 240,
+               "a published checkpoint holding rows in flight")
+    dead.kill()  # the collector only: the servers live on, in phase committed, owned by the dead collector
+    statuses = [request(url + CONTROL_PREFIX + "/status")[1] for url in backend.urls.values()
+                if url != backend.urls[BACKEND]]
+    assert {s["phase"] for s in statuses} == {"committed"}
+    fake(backend, "release", {})
+    resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
+    assert resumed.wait(180) == 0, resumed.text()[-3000:]
+    text = resumed.text()
+    assert "which is gone" in text and "it is fenced for good" in text
+    assert "was left open (" in text and "resuming it before this run restores or dispatches" in text
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}

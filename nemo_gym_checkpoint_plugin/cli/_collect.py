@@ -34,7 +34,7 @@ from typing import Any
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
-from ._collect_owner import OwnerKeeper, give_back, take_deployment
+from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
 from ._collect_progress import CollectProgress, summary_table
 from ._collect_tally import Tally, finished_rollouts, tally
 from ._output import print_json
@@ -193,6 +193,8 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
             # One controller per deployment, before anything is restored or dispatched (_collect_owner.py).
             await take_deployment(coordinator, owner, take_over=args.take_over, predecessor=predecessor,
                                   say=progress.say, timeout=args.checkpoint_timeout)
+            # A dead collector's checkpoint still open on live servers would park every row until its lease ends.
+            await resume_left_open(coordinator, progress.say, args.checkpoint_timeout)
         except CoordinationError as exc:
             print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
             return 1

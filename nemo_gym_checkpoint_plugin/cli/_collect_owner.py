@@ -8,6 +8,10 @@
 - ``OwnerKeeper``: renews the claim while the collection runs (every checkpoint call renews it too);
   a renewal refused ``owner_fenced`` means another controller took the deployment over: the
   collection stops (``on_fenced``), it never fights for it;
+- ``resume_left_open``: once it owns the deployment, a checkpoint or restore a dead controller left
+  open (phase ``preparing``, ``prepared``, ``committed`` or ``restored``: its admission closed, every
+  row parked until its lease would expire) is resumed, under its own checkpoint id, before this run
+  restores or dispatches anything;
 - ``give_back``: releases the deployment at the end (what fails is only logged: the lease ends anyway).
 """
 
@@ -22,7 +26,7 @@ from ..coordination import CoordinationError, Coordinator
 from ..coordination._ownership import OWNER_CONFLICT, OWNER_FENCED, holders
 from ._where import UsageError
 
-__all__ = ["OwnerKeeper", "give_back", "take_deployment"]
+__all__ = ["OwnerKeeper", "give_back", "resume_left_open", "take_deployment"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,23 @@ async def take_deployment(coordinator: Coordinator, owner: str, *, take_over: bo
         + ("--take-over" if others else "the collector whose lock this one took over is gone")
         + "): it is fenced for good")
     await coordinator.claim(owner, take_over=True, timeout=timeout)
+
+
+async def resume_left_open(coordinator: Coordinator, say: Callable[[str], None], timeout: float) -> list[str]:
+    """Resume every checkpoint or restore left open on the deployment; returns their ids."""
+    statuses, failures = await coordinator.status(timeout=timeout)
+    if failures:
+        raise CoordinationError("status", failures)
+    left: dict[str, list[str]] = {}
+    for name, status in sorted(statuses.items()):
+        checkpoint_id = status.get("checkpoint_id")
+        if status.get("phase") != "idle" and isinstance(checkpoint_id, str):
+            left.setdefault(checkpoint_id, []).append(f"{name} {status.get('phase')}")
+    for checkpoint_id, where in left.items():
+        say(f"{checkpoint_id} was left open ({', '.join(where)}): resuming it before this run restores or "
+            "dispatches")
+        await coordinator.resume(checkpoint_id, timeout=timeout)
+    return list(left)
 
 
 class OwnerKeeper:
