@@ -8,6 +8,7 @@ every row exactly once, or the second controller is refused before it changed an
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import subprocess
@@ -230,4 +231,55 @@ def test_a_collector_killed_right_after_a_publish_is_resumed_against_the_live_se
     text = resumed.text()
     assert "which is gone" in text and "it is fenced for good" in text
     assert "was left open (" in text and "resuming it before this run restores or dispatches" in text
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A real 4 MB filesystem (tmpfs), so a checkpoint directory can really fill up."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a real full disk needs a tmpfs mount here: {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(path: Path) -> None:
+    with open(path, "wb") as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+@pytest.mark.slow
+def test_a_disk_that_filled_once_recovers_failed_attempts_go_before_the_next_writes(
+    backend: Any, tmp_path: Path, small_disk: Path
+) -> None:
+    ckpt, output = small_disk / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})  # rows stay in flight
+    collector = Collector(backend, tmp_path, "full", ckpt=ckpt, output=output, every=0.3)
+
+    def resumed(published: bool) -> int:
+        return sum(1 for e in collector.events_named("resumed") if e["published"] is published)
+
+    wait_until(lambda: resumed(True) or collector.proc.poll() is not None, 120, "a published checkpoint")
+    _fill(small_disk / "filler")
+    failed = resumed(False)
+    wait_until(lambda: resumed(False) >= failed + 3 or collector.proc.poll() is not None, 120,
+               "three checkpoints failing on the full disk")
+    (small_disk / "filler").unlink()  # the disk has room again
+    published = resumed(True)
+    wait_until(lambda: resumed(True) > published or collector.proc.poll() is not None, 120,
+               "a checkpoint published again")
+    # No attempt ever started beside a failed one: what they left was removed first.
+    for prepare in collector.events_named("prepare"):
+        assert all(is_published for _name, is_published in prepare["dir"]), prepare
+    fake(backend, "release", {})
+    assert collector.wait() == 0, collector.text()[-3000:]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}

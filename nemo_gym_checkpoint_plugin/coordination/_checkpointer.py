@@ -3,10 +3,11 @@
 ``CollectionCheckpointer`` runs beside Gym's collection on the same event loop:
 
 - every ``every`` seconds, while rows are in flight, it checkpoints the deployment
-  (``prepare``; when ready, ``commit`` of the rows in flight minus the restarts into
-  ``<root>/<checkpoint id>``; the collector's state written and published last), then
-  ``resume`` (always, whatever failed), then removes checkpoints older than the ``keep``
-  newest published ones;
+  (failed attempts removed first, so what a full disk left of them is free again; ``prepare``;
+  when ready, ``commit`` of the rows in flight minus the restarts into ``<root>/<checkpoint id>``;
+  the collector's state written and published last), then ``resume`` (always, whatever failed),
+  then removes this collection's checkpoints older than the ``keep`` newest published ones
+  (``_retention.py``);
 - between checkpoints it forgets, on every participant, the rollouts whose ``/run``
   returned (forget is refused while a checkpoint is open, so it never overlaps one);
 - ``restore_from`` puts a published checkpoint back into fresh servers before the
@@ -146,6 +147,8 @@ class CollectionCheckpointer:
         checkpoint_id = self.store.checkpoint_id(self.seq)
         self.seq += 1
         record = CheckpointRecord(checkpoint_id, published=False)
+        # Failed attempts go before this one writes: what a full disk left of them is space again.
+        await asyncio.to_thread(self._prune, [self.store.path(checkpoint_id)])
         started = time.monotonic()
         try:
             await self._checkpoint(checkpoint_id, record, started)
@@ -162,9 +165,13 @@ class CollectionCheckpointer:
             self.checkpoints.append(record)
         await self._emit("resumed", checkpoint=checkpoint_id, record=record)
         if record.published:
-            for path in self.store.prune(self.keep):
-                logger.info("removed checkpoint %s", path)
+            await asyncio.to_thread(self._prune, ())
         return record
+
+    def _prune(self, in_use: Iterable[Path]) -> None:
+        """The retention rule (``_retention.py``): older published checkpoints, failed attempts; never ``in_use``."""
+        for path in self.store.prune(self.keep, in_use=in_use):
+            logger.info("removed checkpoint %s", path)
 
     async def _checkpoint(self, checkpoint_id: str, record: CheckpointRecord, started: float) -> None:
         await self._emit("prepare", checkpoint=checkpoint_id)
