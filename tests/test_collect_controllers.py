@@ -283,3 +283,31 @@ def test_a_disk_that_filled_once_recovers_failed_attempts_go_before_the_next_wri
     fake(backend, "release", {})
     assert collector.wait() == 0, collector.text()[-3000:]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+@pytest.mark.slow
+async def test_a_restore_into_servers_that_served_episodes_is_refused_alike_before_anything_is_marked(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "sound-checkpoint"
+    # A sound checkpoint of row 60 (no collection here has it), taken on these very servers.
+    fake(backend, "hold", {"match": "(rollout row60)", "count": 1, "step": 1})
+    running, box = _in_thread(lambda: run_row(backend, 60, 0))
+    await wait_until_async(lambda: _held(backend, 1), 60, "row 60 held")
+    async with await discover(backend.config, TOKEN) as coordinator:
+        prepared = await coordinator.prepare("sound-1", timeout=30)
+        await coordinator.commit("sound-1", str(ckpt), prepared.continued(["60-0"]), timeout=30)
+        await coordinator.resume("sound-1", timeout=30)
+        fake(backend, "release", {})
+        await asyncio.to_thread(running.join, 120)
+        assert box["reply"][0] == 200
+        before, _ = await coordinator.status()
+        with pytest.raises(CoordinationError) as caught:
+            await coordinator.restore("into-live-1", str(ckpt), ["60-0"], timeout=30)
+        # Every kind refuses the same way, before anything is marked or installed: never half way.
+        assert set(caught.value.codes) == {p.name for p in coordinator.participants}
+        assert set(caught.value.codes.values()) == {"invalid_phase"}, caught.value
+        assert caught.value.result["retired"] == []
+        after, _ = await coordinator.status()
+    for name, status in after.items():
+        assert status["phase"] == "idle" and status["retired_rollouts"] == before[name]["retired_rollouts"], name
