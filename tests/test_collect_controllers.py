@@ -21,12 +21,15 @@ import pytest
 from controllers_support import TOKEN, Collector, collect_deployment, fake, request, rows_of, run_row
 from nemo_gym.path_utils import failures_path_for
 
+from nemo_gym_checkpoint_plugin._storage.index import write_participants_index
 from nemo_gym_checkpoint_plugin._wire import CONTROL_PREFIX
 from nemo_gym_checkpoint_plugin.coordination import CoordinationError, discover
+from nemo_gym_checkpoint_plugin.coordination._collector_state import CheckpointStore, CollectorState
 from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until, wait_until_async
 
 ROWS = 8
+NOBODY = 65534
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +314,60 @@ async def test_a_restore_into_servers_that_served_episodes_is_refused_alike_befo
         after, _ = await coordinator.status()
     for name, status in after.items():
         assert status["phase"] == "idle" and status["retired_rollouts"] == before[name]["retired_rollouts"], name
+
+
+def _give_away(path: Path) -> None:
+    """Make ``path`` (and all below it) another user's, as if that user had written it."""
+    for item in (path, *path.rglob("*")):
+        os.chown(item, NOBODY, NOBODY, follow_symlinks=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.getuid() != 0, reason="another user's files need root to make")
+def test_a_shared_root_is_refused_and_allowed_it_follows_no_planted_link_and_resumes_no_forged_checkpoint(
+    backend: Any, tmp_path: Path
+) -> None:
+    scratch, output = tmp_path / "scratch", tmp_path / "out.jsonl"
+    scratch.mkdir()
+    os.chmod(scratch, 0o777)
+    refused = Collector(backend, tmp_path, "refused", ckpt=scratch, output=output)
+    assert refused.wait(120) == 2 and "is not safe" in refused.text(), refused.text()[-3000:]
+    assert list(scratch.iterdir()) == []
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
+    shared = ("--allow-shared-root",)
+    first = Collector(backend, tmp_path, "first", ckpt=scratch, output=output, every=0.3, extra=shared)
+    wait_until(lambda: first.events_named("published") or first.proc.poll() is not None, 120, "a checkpoint")
+    assert "warning: --checkpoint-dir" in first.text() and "is shared" in first.text()
+    # Another user points the next checkpoints of this collector at a directory of their own.
+    run = first.events_named("published")[0]["checkpoint"].split("-")[2]
+    newest = max(int(path.name.split("-")[1]) for path in scratch.glob("collect-*"))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    planted = range(newest + 1, newest + 11)
+    for seq in planted:
+        (scratch / f"collect-{seq:06d}-{run}").symlink_to(theirs)
+    _give_away(theirs)
+
+    def published_past_the_links() -> bool:
+        return any(int(e["checkpoint"].split("-")[1]) > planted[-1] for e in first.events_named("published"))
+
+    wait_until(lambda: published_past_the_links() or first.proc.poll() is not None, 120, "a later checkpoint")
+    assert first.proc.poll() is None, first.text()[-3000:]
+    first.kill()
+    assert list(theirs.iterdir()) == []  # nothing was ever written through their links
+    real = first.events_named("published")[-1]["checkpoint"]
+    backend.kill()
+    backend.start(timeout=240)
+    # Another user plants a forged, self-consistent newest checkpoint that holds no row: all progress lost.
+    store = CheckpointStore(scratch, run=run)
+    forged = store.checkpoint_id(999999)
+    write_participants_index(store.path(forged), forged, [])
+    state = CollectorState(forged, store.read(store.path(real)).deployment, [])  # the very deployment
+    store.publish(state, *store.write_records(state))
+    _give_away(store.path(forged))
+    resumed = Collector(backend, tmp_path, "resumed", ckpt=scratch, output=output, resume=True, extra=shared)
+    assert resumed.wait() == 0, resumed.text()[-3000:]
+    assert f"checkpoint {forged} does not verify" in resumed.text() and "belongs to another user" in resumed.text()
+    summary = resumed.summary()
+    assert summary["restored_from"] == real and summary["continued"] > 0
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}

@@ -143,7 +143,7 @@ def write_participants_index(
              "participants": _entries(participants, path)}
     tmp = path.parent / f".participants.{uuid.uuid4().hex}.tmp"
     try:
-        make_private_dirs(path.parent)
+        make_private_dirs(path.parent, base=Path(checkpoint_dir))  # gym/ never reached through a symlink
         with create_private(tmp) as out:
             out.write(orjson.dumps(index) + b"\n")
             out.flush()

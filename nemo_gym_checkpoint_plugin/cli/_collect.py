@@ -8,7 +8,8 @@ Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subc
 checkpoint that verifies; a damaged one falls back to the one before, and says so).
 
 Everything that can be refused is refused before any row or server is touched: a relative
-``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another collector
+``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another user could
+change (``_collect_root.py``; ``--allow-shared-root`` to use it with a warning), one another collector
 holds (``collect.lock``, see ``coordination._collect_lock``), one holding checkpoints of an
 earlier collection (without ``--resume``) or of another deployment.
 
@@ -36,6 +37,7 @@ from ..coordination._collector_state import CheckpointStore, deployment_identity
 from ..coordination._errors import CoordinationError
 from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
 from ._collect_progress import CollectProgress, summary_table
+from ._collect_root import untrusted
 from ._collect_tally import Tally, finished_rollouts, tally
 from ._output import print_json
 from ._where import UsageError, _token
@@ -68,6 +70,9 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
     parser.add_argument("--resume", action="store_true",
                         help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
                              "the last published checkpoint continue as their next attempt")
+    parser.add_argument("--allow-shared-root", action="store_true",
+                        help="use a --checkpoint-dir other users can write (refused without it: they could "
+                             "redirect or forge checkpoints), with a warning")
     parser.add_argument("--take-over", action="store_true",
                         help="take the deployment over from the controller that owns it (it is fenced for good); "
                              "without it, a deployment another controller owns is refused, naming it")
@@ -129,6 +134,8 @@ def _gym_config(overrides: list[str], resume: bool) -> tuple[Any, Any]:
 def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]], Any] | None = None) -> int:
     """The ``collect`` command; ``observe`` also receives every checkpointer event (tests hook there)."""
     root = check_checkpoint_dir(args.checkpoint_dir)
+    notes: list[str] = []
+    _trusted(root, args.allow_shared_root, notes.append)
     overrides = [o for o in args.gym_overrides if o != "--"]
     config, collection = _gym_config(overrides, args.resume)
     from omegaconf import OmegaConf
@@ -138,7 +145,8 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     output = str(Path(collection.output_jsonl_fpath).resolve())
     store = CheckpointStore(root, collection=output)
     lock = _lock(root, store, output)
-    notes: list[str] = []
+    # Again once it exists: another user may have made it first, where the parent let them.
+    _trusted(root, args.allow_shared_root, lambda _warning: None)
     try:
         previous = lock.acquire()
     except DirectoryLocked as exc:
@@ -159,6 +167,20 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
         return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, predecessor))
     finally:
         lock.release()
+
+
+def _trusted(root: Path, allowed: bool, warn: Callable[[str], None]) -> None:
+    """Refuse (``UsageError``) a root another user could change, or ``warn`` with --allow-shared-root."""
+    problem = untrusted(root)
+    if problem is None:
+        return
+    if not allowed:
+        raise UsageError(f"--checkpoint-dir {root} is not safe: {problem}; another user could redirect the next "
+                         "checkpoint or plant a forged one there. Choose a directory only you can write, or pass "
+                         "--allow-shared-root to use it anyway")
+    warn(f"warning: --checkpoint-dir {root} is shared ({problem}); going on (--allow-shared-root): "
+         "checkpoint directories are created exclusively, never through a link, and only checkpoints this "
+         "user wrote are resumed")
 
 
 def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
@@ -198,7 +220,8 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         except CoordinationError as exc:
             print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
             return 1
-        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath)
+        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath,
+                                       getattr(collection, "input_jsonl_fpath", None))
         state, fallbacks = (store.latest() if args.resume else (None, []))
         for checkpoint_id, why in fallbacks:
             progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")

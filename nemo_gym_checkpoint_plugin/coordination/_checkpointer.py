@@ -186,7 +186,8 @@ class CollectionCheckpointer:
         in_flight = dict(self.tracker.in_flight)
         scope = prepared.continued(self.tracker.episodes())
         committed_at = time.monotonic()
-        target = self.store.path(checkpoint_id)
+        # Made here, exclusively, before any participant writes into it: never a directory someone planted.
+        target = await asyncio.to_thread(self.store.create, checkpoint_id)
         committed = await self.coordinator.commit(checkpoint_id, str(target), scope, timeout=self.timeout)
         written: set[str] = set()
         for keys in committed.episode_ids.values():

@@ -134,6 +134,10 @@ class CheckpointStore:
         for seq, path in self.entries():
             match = _CHECKPOINT_NAME.match(path.name)
             assert match is not None
+            if path.is_symlink():
+                # This collector only ever makes real directories: a link is someone else's, never pruned.
+                found.append(CheckpointEntry(seq, "", path, False))
+                continue
             published = os.path.lexists(path / COLLECTOR_DIR / MANIFEST_NAME)
             found.append(CheckpointEntry(seq, match["run"], path, published,
                                          self._collection_of(path) if published else None))
@@ -159,12 +163,25 @@ class CheckpointStore:
 
     # -- writing --------------------------------------------------------------------------------
 
+    def create(self, checkpoint_id: str) -> Path:
+        """Make the checkpoint's directory, exclusively (``0700``): whatever already is there (a link or a
+        directory another user planted in a shared root) fails the attempt instead of being written through."""
+        path = self.path(checkpoint_id)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            raise InvalidCheckpointState(f"{path} exists already, and this collector did not make it: refused, "
+                                         "never written through") from None
+        except OSError as exc:
+            raise write_failed(exc, path, "cannot make the checkpoint directory") from None
+        return path
+
     def write_records(self, state: CollectorState) -> tuple[str, int]:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
         directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
-            make_private_dirs(directory)
+            make_private_dirs(directory, base=self.root)  # never through a link planted in the root
             digest = hashlib.sha256()
             count = 0
             with create_private(tmp) as out:
@@ -231,6 +248,11 @@ class CheckpointStore:
         """Read and fully verify a checkpoint: the collector's records and manifest, the participants
         index, and every participant's records. ``InvalidCheckpointState`` naming what is wrong."""
         directory = path / COLLECTOR_DIR
+        owner = _owner_uid(directory / MANIFEST_NAME)
+        if owner is not None and owner != os.getuid():
+            # Only this user's collector writes it: another user's is a plant (a root others can write).
+            raise InvalidCheckpointState(f"{directory}: manifest.json belongs to another user (uid {owner}), not "
+                                         "to this collector's")
         manifest = load_manifest(directory, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
         extras = manifest.get("collector")
         if not isinstance(extras, dict) or not isinstance(extras.get("deployment"), dict):
@@ -273,19 +295,35 @@ class CheckpointStore:
         return None, skipped
 
 
-def deployment_identity(participants: Iterable[Any], output_path: str | Path) -> dict[str, Any]:
-    """What ties a checkpoint to one collection: the participants (kind/instance) and the output file."""
-    return {
+def _owner_uid(path: Path) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
+def deployment_identity(participants: Iterable[Any], output_path: str | Path,
+                        input_path: str | Path | None = None) -> dict[str, Any]:
+    """What ties a checkpoint to one collection: the participants (kind/instance), the output and input files."""
+    identity: dict[str, Any] = {
         "participants": sorted(f"{p.kind}/{p.instance}" for p in participants),
         "output": str(Path(output_path).resolve()),
     }
+    if input_path is not None:
+        identity["input"] = str(Path(input_path).resolve())
+    return identity
 
 
 def identity_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
-    """Why a checkpoint's deployment is not this one (in words), or None when it is."""
+    """Why a checkpoint's deployment is not this one (in words), or None when it is.
+
+    The input is compared when both name one (checkpoints written before it was recorded do not).
+    """
     problems = []
     if recorded.get("output") != current.get("output"):
         problems.append(f"it collected into {recorded.get('output')}, this run into {current.get('output')}")
+    if "input" in recorded and "input" in current and recorded["input"] != current["input"]:
+        problems.append(f"it collected {recorded['input']}, this run {current['input']}")
     if recorded.get("participants") != current.get("participants"):
         problems.append(f"its participants were {recorded.get('participants')}, this deployment has "
                         f"{current.get('participants')}")
