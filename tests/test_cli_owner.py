@@ -66,3 +66,26 @@ async def test_a_cli_prepare_during_a_collection_is_refused_naming_the_owner_unt
         assert all("owner" not in s for s in status.values()), status
         document = orjson.loads((await cli(four, "status", "--json")).stdout)
         assert all("owner" not in p for p in document["participants"])
+
+
+async def test_a_collector_refused_by_another_owner_gives_back_what_it_claimed(four):
+    from nemo_gym_checkpoint_plugin.cli._collect_owner import take_deployment
+    from nemo_gym_checkpoint_plugin.cli._where import UsageError
+
+    async with await discover([s.url for s in four[:2]], TOKEN) as other:
+        await other.claim(COLLECTOR)  # another controller owns two of the four servers
+        async with await discover([s.url for s in four], TOKEN) as collector:
+            said: list[str] = []
+            with pytest.raises(UsageError, match=f"owned by another controller: {COLLECTOR} \\(2 of 4 servers\\)"):
+                await take_deployment(collector, "collect-99999999@here", take_over=False, predecessor=None,
+                                      say=said.append, timeout=10)
+            status, _ = await collector.status()
+            # The two it could claim are given back: nothing is left owned by the refused collector.
+            assert {s.get("owner") for s in status.values()} == {COLLECTOR, None}
+            assert sum(1 for s in status.values() if s.get("owner") is None) == 2 and said == []
+            # A dead predecessor is fenced without asking; so is anyone with --take-over.
+            await take_deployment(collector, "collect-99999999@here", take_over=False, predecessor=COLLECTOR,
+                                  say=said.append, timeout=10)
+            status, _ = await collector.status()
+            assert {s.get("owner") for s in status.values()} == {"collect-99999999@here"}
+            assert said and "it is fenced for good" in said[0]

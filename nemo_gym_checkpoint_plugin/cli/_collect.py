@@ -210,6 +210,11 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
         return 1
     async with coordinator:
+        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath,
+                                       getattr(collection, "input_jsonl_fpath", None))
+        state, fallbacks = (store.latest() if args.resume else (None, []))
+        if state is not None and (why := identity_mismatch(state.deployment, identity)):
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of another deployment: {why}")
         owner = collector_owner(store.run)
         try:
             # One controller per deployment, before anything is restored or dispatched (_collect_owner.py).
@@ -219,14 +224,10 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
             await resume_left_open(coordinator, progress.say, args.checkpoint_timeout)
         except CoordinationError as exc:
             print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+            await give_back(coordinator, args.checkpoint_timeout)
             return 1
-        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath,
-                                       getattr(collection, "input_jsonl_fpath", None))
-        state, fallbacks = (store.latest() if args.resume else (None, []))
         for checkpoint_id, why in fallbacks:
             progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
-        if state is not None and (why := identity_mismatch(state.deployment, identity)):
-            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of another deployment: {why}")
         helper = CheckpointingCollectionHelper()
         tracker = helper.tracker
 

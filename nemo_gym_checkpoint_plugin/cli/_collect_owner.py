@@ -47,6 +47,9 @@ async def take_deployment(coordinator: Coordinator, owner: str, *, take_over: bo
     owners = holders(statuses)
     others = sorted(set(owners) - {owner, predecessor})
     if others and not take_over:
+        # The participants nobody owned accepted this claim: give them back before refusing.
+        coordinator.owner = owner
+        await give_back(coordinator, timeout)
         named = "; ".join(f"{who} ({len(owners[who])} of {len(statuses)} servers)" for who in others)
         raise UsageError(f"the deployment is owned by another controller: {named}; one controller per deployment. "
                          "Wait for it to end, or pass --take-over to fence it for good (only when it is gone or "
