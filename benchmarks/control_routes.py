@@ -11,7 +11,11 @@ install, reply. No sockets, so the figures are the route's own CPU (``time.proce
 thread), without the contention of seven servers on two cores.
 
     .venv/bin/python benchmarks/control_routes.py [--kinds agent,environment,model,resources]
-        [--episodes 8000] [--others 8000] [--profile [--top 30]]
+        [--episodes 8000] [--others 8000] [--token-capture] [--profile [--top 30]]
+
+``--token-capture`` turns Gym's token capture on (its file store in the run's directory): each model
+episode then holds one captured row (its first call, answered) that the commit exports and the restore
+installs under the replacement attempt; the figures add the wall seconds (file creation is I/O).
 
 ``--profile`` prints a cProfile top-N (event loop thread only) of each route. Last line: one JSON
 object ``{kind: {"commit_s", "restore_s", "exported", "restored"}}``.
@@ -23,13 +27,16 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import hashlib
 import inspect
 import io
 import json
 import pstats
+import random
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +62,41 @@ async def _post(app: Any, route: str, body: dict[str, Any]) -> dict[str, Any]:
     return reply.json()
 
 
-async def _timed(app: Any, route: str, body: dict[str, Any], profile: cProfile.Profile | None) -> tuple[float, Any]:
+async def _timed(
+    app: Any, route: str, body: dict[str, Any], profile: cProfile.Profile | None
+) -> tuple[float, float, Any]:
     gc.collect()
     if profile is not None:
         profile.enable()
-    started = time.process_time()
+    started, wall = time.process_time(), time.perf_counter()
     reply = await _post(app, route, body)
-    elapsed = time.process_time() - started
+    elapsed, wall = time.process_time() - started, time.perf_counter() - wall
     if profile is not None:
         profile.disable()
-    return elapsed, reply
+    return elapsed, wall, reply
 
 
-async def run_kind(kind: str, episodes: int, others: int, top: int | None) -> dict[str, Any]:
+def _capture_rows(server: Any, plugin: Any, ids: list[Any]) -> None:
+    """Each episode's first model call captured by Gym's store and answered (owned by this server)."""
+    from nemo_gym.token_id_capture.records import TokenEntry
+
+    store = plugin.captures.store
+    for episode in ids:
+        # Ids and digests as Gym makes them (uuid4 hex, sha256 hex), token ids of a real vocabulary's size.
+        call_id = uuid.uuid4().hex
+        store.append(TokenEntry(
+            rollout_id=episode.capture_key, model_call_id=call_id,
+            prompt_token_ids=[random.randrange(150_000) for _ in range(120)],
+            generation_token_ids=[random.randrange(150_000) for _ in range(24)],
+            generation_log_probs=[-random.random() for _ in range(24)],
+            output_items=[{"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c"}],
+            continuation_context_len=3, continuation_context_digest=hashlib.sha256(call_id.encode()).hexdigest()))
+        plugin.book.delivered(episode.capture_key, call_id)
+
+
+async def run_kind(kind: str, episodes: int, others: int, top: int | None, capture: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as directory:
-        servers = participants.Servers(Path(directory))
+        servers = participants.Servers(Path(directory), token_capture=capture)
         try:
             server, plugin = servers.build(kind)
             app = servers.last_app
@@ -79,6 +106,8 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None) -> di
             done = populate(server, plugin, ids)
             if inspect.isawaitable(done):
                 await done
+            if capture and kind == "model":
+                _capture_rows(server, plugin, ids)
             scope = [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in ids]
             scope += [{"rollout_id": f"elsewhere-{i:06d}", "attempt": 0} for i in range(others)]
             checkpoint_dir = str(Path(directory) / "checkpoint")
@@ -88,12 +117,12 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None) -> di
 
             await _post(app, "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()})
             profiles = {route: cProfile.Profile() if top else None for route in ("commit", "restore")}
-            commit_s, committed = await _timed(app, "commit", {
+            commit_s, commit_wall, committed = await _timed(app, "commit", {
                 "checkpoint_id": "c1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
                 "episode_ids": scope}, profiles["commit"])
             await _post(app, "resume", {"checkpoint_id": "c1", "deadline_ts": deadline()})
             servers.build(kind)  # a restarted process
-            restore_s, restored = await _timed(servers.last_app, "restore", {
+            restore_s, restore_wall, restored = await _timed(servers.last_app, "restore", {
                 "checkpoint_id": "r1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
                 "episode_ids": scope}, profiles["restore"])
             for route, profile in profiles.items():
@@ -103,8 +132,9 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None) -> di
                     print(f"--- cProfile {kind} {route} (event loop thread, by own time) ---\n{out.getvalue()}",
                           file=sys.stderr, flush=True)
             return {"episodes": episodes, "scope": len(scope), "commit_s": round(commit_s, 3),
-                    "restore_s": round(restore_s, 3), "exported": len(committed["episode_ids"]),
-                    "restored": len(restored["restored"])}
+                    "restore_s": round(restore_s, 3), "commit_wall_s": round(commit_wall, 3),
+                    "restore_wall_s": round(restore_wall, 3), "exported": len(committed["episode_ids"]),
+                    "restored": len(restored["restored"]), "token_capture": capture and kind == "model"}
         finally:
             await servers.aclose()
 
@@ -116,18 +146,23 @@ def main() -> None:
                         help="episodes held (default: the kind's share at 16,000)")
     parser.add_argument("--others", type=int, default=None,
                         help="scope ids held elsewhere (default: the other replica's 8,000; 0 for resources)")
+    parser.add_argument("--token-capture", action="store_true",
+                        help="Gym's token capture on: each model episode holds a captured row to export and install")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top-N of each route")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     figures: dict[str, Any] = {}
-    print(f"{'kind':<12}{'episodes':>9}{'scope':>7}{'commit (CPU s)':>16}{'restore (CPU s)':>17}")
+    print(f"{'kind':<12}{'episodes':>9}{'scope':>7}{'commit (CPU s)':>16}{'restore (CPU s)':>17}"
+          f"{'commit (wall s)':>17}{'restore (wall s)':>18}")
     for kind in args.kinds.split(","):
         if kind not in SHAPES:
             parser.error(f"unknown kind {kind!r}: one of {', '.join(SHAPES)}")
         episodes = args.episodes if args.episodes is not None else SHAPES[kind][0]
         others = args.others if args.others is not None else SHAPES[kind][1]
-        figures[kind] = run = asyncio.run(run_kind(kind, episodes, others, args.top if args.profile else None))
-        print(f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}", flush=True)
+        figures[kind] = run = asyncio.run(run_kind(kind, episodes, others, args.top if args.profile else None,
+                                                   args.token_capture))
+        print(f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}"
+              f"{run['commit_wall_s']:>17.3f}{run['restore_wall_s']:>18.3f}", flush=True)
     print(json.dumps(figures))
 
 

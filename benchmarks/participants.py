@@ -72,10 +72,12 @@ _TOKEN = "participants-benchmark"
 class Servers:
     """Builds the real Gym server of a kind, wrapped and attached, and returns its built-in participant."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, token_capture: bool = False) -> None:
         os.environ[TOKEN_ENV] = _TOKEN
         enabled = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
-        self.config = build_gym_config(21000, directory, checkpoint=enabled)
+        # With token capture: Gym's run-wide file store under the directory (the model participant carries it).
+        capture = {"token_id_capture": {"enabled": True, "dir": str(directory / "captures")}} if token_capture else None
+        self.config = build_gym_config(21000, directory, checkpoint=enabled, gym_settings=capture)
         self.controls: list[Any] = []
 
     def build(self, kind: str) -> tuple[Any, Any]:

@@ -192,23 +192,31 @@ def cleanup_timeouts(log_dir: Path, env_names: list[str]) -> int:
 
 async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
                    profile: Path | None = None, replicas: int = 1,
-                   window: int = DEFAULT_DISPATCH_WINDOW, profile_rate: int = PROFILE_RATE) -> dict[str, Any]:
+                   window: int = DEFAULT_DISPATCH_WINDOW, profile_rate: int = PROFILE_RATE,
+                   token_capture: bool = False) -> dict[str, Any]:
     if profile is not None:
-        profile = profile / str(rollouts)
+        profile = profile / (f"{rollouts}-capture" if token_capture else str(rollouts))
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
     token = secrets.token_urlsafe(24)
+    captures = work / "captures"
+    gym_settings: dict[str, Any] = dict(GYM_SETTINGS)
+    if token_capture:
+        # Gym's run-wide capture directory, written by every model replica; the trainer's rebuild reads it.
+        gym_settings["token_id_capture"] = {"enabled": True, "all_agents": True, "dir": str(captures)}
     deployment = Deployment(
         free_port_base(port_span(replicas)), work, entrypoints=wrapped_entrypoints(), own_process_groups=True,
         log_dir=work / "logs", extra_env={TOKEN_ENV: token},
-        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}, gym_settings=GYM_SETTINGS,
+        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}, gym_settings=gym_settings,
         replicas=replicas, environment=ENVIRONMENT_SETTINGS,
+        model={"return_token_id_information": True} if token_capture else None,
     )
     ids = [f"scale-{i}" for i in range(rollouts)]
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
     cpu: dict[str, dict[str, float]] = {"commit": {}, "restore": {}}
     result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "replicas": replicas,
-                              "max_in_flight": max_in_flight, "dispatch_window": window}
+                              "max_in_flight": max_in_flight, "dispatch_window": window,
+                              "token_capture": token_capture}
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
     overflows_before = listen_overflows()
     net_before = net_counters()
@@ -319,6 +327,9 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 result["peak_rss_mb_replacements"] = peak_rss_mb(_pids(deployment))
                 _say(f"[{rollouts}] replacements: {result['finished']} finished, {len(failed)} failed, "
                      f"{result['cleanup_timeouts']} cleanup timeouts, network losses {net['replacements']}")
+                if token_capture:
+                    result["capture"] = await asyncio.to_thread(rebuilt, captures, [f"{r}-a1" for r in ids])
+                    _say(f"[{rollouts}] Gym's rebuild of every continued rollout: {result['capture']}")
             finally:
                 await control.close()
     finally:
@@ -342,6 +353,26 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
 
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+# Each rollout's turn: one tool call, then the answer (two model calls); the first is restored, the second
+# (held at the crash) sent again.
+_CALLS_PER_TURN = 2
+
+
+def rebuilt(captures: Path, keys: list[str]) -> dict[str, Any]:
+    """Gym's own rebuild (``trajectories_for_rollout``) of every continued rollout: how many masked or miscounted."""
+    from nemo_gym.token_id_capture import trajectories_for_rollout
+
+    masked, wrong = [], []
+    for key in keys:
+        built = trajectories_for_rollout(key, [captures]) or {}
+        if built.get("mask_sample", True):
+            masked.append(key)
+        if (built.get("metrics") or {}).get("n_calls") != _CALLS_PER_TURN:
+            wrong.append(key)
+    return {"rebuilt": len(keys), "masked": len(masked), "n_calls_wrong": len(wrong),
+            "first_bad": (masked + wrong)[:3]}
 
 
 def _reason(reply: Any) -> str:
@@ -404,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help="sample every server with py-spy during dispatch, checkpoint and restore; "
                              "collapsed stacks and summaries under DIR/<N>/")
+    parser.add_argument("--token-capture", action="store_true",
+                        help="run each N twice, token capture off then on (Gym's token_id_capture, its run-wide "
+                             "directory shared by the model replicas): the restore figures side by side, and "
+                             "Gym's rebuild of every continued rollout checked")
     parser.add_argument("--profile-rate", type=int, default=PROFILE_RATE,
                         help=f"py-spy samples per second per server in checkpoint and restore (default {PROFILE_RATE}; "
                              "on 2 cores, a lower rate disturbs the timed figures less)")
@@ -422,14 +457,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for n in args.rollouts:
         replicas, max_in_flight = plans[n]
-        _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
-             f"(file descriptor limit {fd_limit} per process)")
-        run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
-                                   replicas, args.dispatch_window, args.profile_rate))
-        runs.append(run)
-        print(json.dumps(run), flush=True)
+        for capture in (False, True) if args.token_capture else (False,):
+            _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
+                 f"(file descriptor limit {fd_limit} per process), token capture {'on' if capture else 'off'}")
+            run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
+                                       replicas, args.dispatch_window, args.profile_rate, capture))
+            runs.append(run)
+            print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
-    return 0 if all(r["replacement_failures"] == 0 for r in runs) else 1
+    good = all(r["replacement_failures"] == 0 and not (r.get("capture") or {}).get("masked")
+               and not (r.get("capture") or {}).get("n_calls_wrong") for r in runs)
+    return 0 if good else 1
 
 
 def _raise_fd_limit() -> int:

@@ -13,7 +13,11 @@
 - agents' ``/run`` and environments without steps: ``UncapturedRuns`` (``uncaptured.py``),
   each such episode listed as a restart, work without a rollout id refused;
 - model: ``ModelCalls`` (``model.py``), the model calls in flight: responses held while a
-  checkpoint is open (``held_responses.py``), running generations stopped by retire.
+  checkpoint is open (``held_responses.py``), running generations stopped by retire; with Gym's
+  token capture, the rows each server owns (``capture_book.py``) carried across a restore
+  (``model_capture.py``, the rows in ``capture_rows.py``, the directory in ``capture_files.py``),
+  and the startup check that every model server a capturing agent calls is a participant
+  (``capture_config.py``).
 
 The Gym attachment asks ``participants_for`` which plugins a server gets, and
 ``install_reply_declarations`` to add the reply headers they declare on. A server kind or

@@ -102,7 +102,7 @@ class _Delivery:
             return
         kind = message["type"]
         if kind == "http.response.start":
-            self._calls.starting(self._call)
+            await self._calls.starting(self._call)
             self._kept.append(message)
             if _is_event_stream(message):
                 self._sse = SSEScan()
@@ -121,7 +121,8 @@ class _Delivery:
             return
         # The first answer data, or the end of the response: it waits while admission is closed.
         await self._calls.hold(self._call)
-        self.started = self._call.started = True
+        self.started = True
+        self._calls.delivered(self._call)
         await self._flush()
         await self._send(message)
 
@@ -147,8 +148,8 @@ class HeldResponses:
         call = self._calls.begin(attempt_from_path(scope["path"]))
         delivery = _Delivery(send, call, self._calls)
         # Registered before the first suspension: a retire marking this attempt after the gate let the
-        # request in finds it here.
-        task = asyncio.ensure_future(self._app(scope, receive, delivery.send))
+        # request in finds it here, and its task (which cancelling stops wherever it is).
+        task = asyncio.ensure_future(self._run(call, scope, receive, delivery.send))
         call.task = task
         try:
             await task
@@ -161,6 +162,11 @@ class HeldResponses:
             # Else the status line is out: the connection just ends, the stream cut short.
         finally:
             self._calls.end(call)
+
+
+    async def _run(self, call: ModelCall, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._calls.arrived(call)
+        await self._app(scope, receive, send)
 
 
 async def _refuse(send: Send, call: ModelCall) -> None:

@@ -15,12 +15,14 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   for them to end, then returns; a call stopped before its answer started is answered
   ``stale_attempt``. A retried retire waits for calls an earlier one stopped without
   cancelling them again. Later calls of a retired attempt are refused by the gate.
-- With Gym's token capture writing its file store, the captured rows of each episode are
-  exported and installed under the replacement attempt (``model_capture.py``), minus the
-  rows of calls whose response had not started when the export ran (each call's model call
-  id is read from Gym's capture context of its route's task). Such a server refuses to
-  restore once it has served a call (``invalid_phase``): its capture files may belong to
-  live episodes.
+- With Gym's token capture writing its file store (``model_capture.py``): this server owns the
+  calls whose answer started reaching their caller from it, and the rows it installed; a commit
+  exports only owned rows of the episodes in its scope, so neither a held call nor another model
+  server's rows are ever exported. A restore installs them under the replacement attempt. A call
+  of a restored attempt (>= 1) first marks the attempt started, and at its response start drops
+  the restored rows it answers again (a call whose answer had not reached the agent). Such a
+  server refuses to restore once it has served a call (``invalid_phase``): its capture files may
+  belong to live episodes.
 
 One registry per model server process; used from its event loop only.
 """
@@ -28,16 +30,16 @@ One registry per model server process; used from its event loop only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.capture_book import CaptureBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
 __all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
 
@@ -87,8 +89,9 @@ class ModelCalls:
 
     def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
         self.server = server
-        self.captures = captures if captures is not None or server is None else token_captures_for(server)
-        self._restored: set[str] = set()  # installed capture keys no call has used yet
+        captures = captures if captures is not None or server is None else token_captures_for(server)
+        self.captures = captures
+        self.book = CaptureBook(captures) if captures is not None else None
         self._open = asyncio.Event()
         self._open.set()
         self._by_rollout: dict[str | None, set[ModelCall]] = {}
@@ -103,11 +106,15 @@ class ModelCalls:
     def begin(self, attempt: tuple[str, int] | None) -> ModelCall:
         rollout_id, number = attempt if attempt is not None else (None, 0)
         call = ModelCall(rollout_id, number)
-        if self._restored:
-            self._restored.discard(call.key)  # type: ignore[arg-type]
         self._by_rollout.setdefault(rollout_id, set()).add(call)
         self.in_flight += 1
         return call
+
+    async def arrived(self, call: ModelCall) -> None:
+        """Before the call's route runs: a restored attempt's call marks it started (token capture)."""
+        key = call.key
+        if self.book is not None and key is not None:
+            await self.book.begin(key)
 
     def end(self, call: ModelCall) -> None:
         siblings = self._by_rollout.get(call.rollout_id)
@@ -119,10 +126,22 @@ class ModelCalls:
         self.served_total += 1
         call.finished.set()
 
-    def starting(self, call: ModelCall) -> None:
-        """The call's reply begins (its status line is about to be sent): note its capture id while it is set."""
-        if self.captures is not None:
-            call.capture_id()
+    async def starting(self, call: ModelCall) -> None:
+        """The call's reply begins (its status line is about to be sent): its row is written by now.
+
+        Notes its capture id while it is set and, for a restored attempt, drops the restored rows
+        this call answers again, before the answer can reach the agent.
+        """
+        key = call.key
+        if self.book is not None and key is not None:
+            await self.book.answering(key, call.capture_id())
+
+    def delivered(self, call: ModelCall) -> None:
+        """The call's first answer data goes out: from now on its row is this server's to export."""
+        call.started = True
+        key = call.key
+        if self.book is not None and key is not None:
+            self.book.delivered(key, call.capture_id())
 
     async def hold(self, call: ModelCall) -> None:
         """Return once admission is open (at once when it is): the call's response may start."""
@@ -148,6 +167,8 @@ class ModelCalls:
     @hookimpl
     def open_admission(self, checkpoint_id: str) -> None:
         self._open.set()
+        if self.book is not None:
+            self.book.ended(checkpoint_id)
 
     @hookimpl
     def ready(self, checkpoint_id: str | None) -> Readiness:
@@ -171,34 +192,27 @@ class ModelCalls:
             # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
             # finished call's wait returns at once (no task per call: a retire may name thousands).
             await call.finished.wait()
-        named = RetiredBy(episode_ids)
-        freed = [key for key in self._restored if named.key(key)]
-        if freed:
-            await self.delete_restored([_episode_of(key) for key in freed])
+        if self.book is not None:
+            freed = self.book.retired(episode_ids)
+            if freed:
+                await self.delete_restored(freed)
 
-    # -- token capture (model_capture.py) ---------------------------------------------------------
+    # -- token capture (capture_book.py, model_capture.py) -----------------------------------------
 
     @hookimpl
-    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> Iterator[dict[str, Any]] | None:
-        if self.captures is None:
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport | None:
+        if self.book is None:
             return None
-        # Calls whose answer has not started (held, or still generating) belong to no checkpoint. None can
-        # start or begin while the checkpoint is open, so these are all of them for the whole export; each
-        # one's id is read after its episode's rows were (an entry is written inside its capture context).
-        undelivered: dict[str, list[ModelCall]] = {}
-        for calls in self._by_rollout.values():
-            for call in calls:
-                if not call.started and call.key is not None:
-                    undelivered.setdefault(call.key, []).append(call)
-        keys = sorted(scope) if scope is not None else self.captures.keys()
-        return self.captures.export(keys, lambda key: {call.capture_id() for call in undelivered.get(key, ())})
+        # Calls held or still generating are owned by no one: their rows are never exported. None can
+        # start while the checkpoint is open, so ownership cannot change during the export.
+        running = {call.key for calls in self._by_rollout.values() for call in calls if call.key is not None}
+        return self.book.export(scope, running)
 
     @hookimpl
     async def install(
         self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
     ) -> None:
-        captures = self.captures
-        if captures is None:
+        if self.book is None:
             if records:
                 raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
             return
@@ -207,36 +221,17 @@ class ModelCalls:
                 f"this model server has served {self.served_total + self.in_flight} model calls: its token "
                 "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
             )
-        staged = [(r.replacement.capture_key, captures.validate(r.checkpointed.capture_key, r.record)) for r in records]
-
-        def apply() -> None:
-            for replacement in scope:
-                captures.clear_from(replacement)
-            written: list[str] = []
-            try:
-                for key, lines in staged:
-                    written.append(key)
-                    captures.write(key, lines)
-            except BaseException:
-                for key in written:  # a raising install leaves nothing installed
-                    captures.delete(key)
-                raise
-
-        await asyncio.to_thread(apply)
-        self._restored.update(key for key, _lines in staged)
+        await self.book.install(checkpoint_id, records, scope)
 
     @hookimpl
     def restored_pending(self) -> list[str]:
-        return sorted(self._restored)
+        return self.book.pending() if self.book is not None else []
 
     @hookimpl
     async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
         # Only attempts this server installed: a refused install must not touch a live attempt's files.
-        keys = [key for key in (episode.capture_key for episode in episode_ids) if key in self._restored]
-        self._restored.difference_update(keys)
-        if self.captures is not None and keys:
-            captures = self.captures
-            await asyncio.to_thread(lambda: [captures.delete(key) for key in keys])
+        if self.book is not None:
+            await self.book.delete(episode.capture_key for episode in episode_ids)
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
@@ -249,12 +244,6 @@ class ModelCalls:
                 "stopped_total": self.stopped_total,
             }
         }
-
-
-def _episode_of(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin._identity import from_capture_key
-
-    return from_capture_key(key)
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

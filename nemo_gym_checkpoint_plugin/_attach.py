@@ -100,24 +100,48 @@ def _server_name(server: Any) -> str | None:
     return str(name) if name else None
 
 
-def refuse_unsupported(server_config: Any, settings: CheckpointSettings) -> None:
-    """Raise ``SettingsError`` (naming both keys) for a server config checkpointing does not support yet.
+def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_config: Any = None) -> None:
+    """Raise ``SettingsError`` (naming the keys) for a server config checkpointing does not support.
 
-    Only with checkpointing enabled: a disabled block changes nothing. Today one combination
-    is refused: ``expose_tools_over_mcp: true``. Gym's MCP auto-exposure dispatches tool calls
-    straight to the route handlers, past every middleware, so MCP calls would bypass the
-    admission gate and the episode bookkeeping; Gym itself refuses any non-Gym middleware
-    with a ``ValueError`` once the app is built, which does not say why it is there.
+    Only with checkpointing enabled: a disabled block changes nothing. Two cases are refused:
+
+    - ``expose_tools_over_mcp: true``. Gym's MCP auto-exposure dispatches tool calls straight to
+      the route handlers, past every middleware, so MCP calls would bypass the admission gate and
+      the episode bookkeeping; Gym itself refuses any non-Gym middleware with a ``ValueError``
+      once the app is built, which does not say why it is there;
+    - on a model or agent server, a token-capturing agent naming a model server that is not a
+      participant (``builtin_participants/capture_config.py``): its capture rows would fall
+      outside every checkpoint. ``global_config`` is Gym's (default ``get_global_config_dict()``).
     """
-    if not settings.enabled or not getattr(server_config, "expose_tools_over_mcp", False):
+    if not settings.enabled:
         return
     name = getattr(server_config, "name", None)
-    raise SettingsError(
-        "expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
-        "yet (Gym's MCP dispatch calls tool handlers directly, past the checkpoint admission gate); set "
-        "expose_tools_over_mcp: false on this server or checkpoint.enabled: false",
-        server=str(name) if name else None,
-    )
+    if getattr(server_config, "expose_tools_over_mcp", False):
+        raise SettingsError(
+            "expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
+            "yet (Gym's MCP dispatch calls tool handlers directly, past the checkpoint admission gate); set "
+            "expose_tools_over_mcp: false on this server or checkpoint.enabled: false",
+            server=str(name) if name else None,
+        )
+    if global_config is None:
+        from nemo_gym.global_config import get_global_config_dict
+
+        global_config = get_global_config_dict()
+    block = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
+    if not hasattr(block, "keys") or not {"responses_api_models", "responses_api_agents"} & set(block.keys()):
+        return
+    from nemo_gym_checkpoint_plugin.builtin_participants.capture_config import PARTICIPANT_KEY, uncheckpointed_capture
+
+    outside = uncheckpointed_capture(global_config, str(name))
+    if outside:
+        pairs = ", ".join(f"agent {agent!r} calls model server {model!r}" for agent, model in outside)
+        raise SettingsError(
+            f"token capture with checkpointing needs every model server a capturing agent calls to be a checkpoint "
+            f"participant, but {pairs}, which is not one: its capture rows would fall outside every checkpoint. "
+            f"Run it through the plugin (entrypoint: -mnemo_gym_checkpoint_plugin.wrap; ng-checkpoint enable "
+            f"writes that) or, for a server class using CheckpointMixin, set {PARTICIPANT_KEY}: true on it",
+            server=str(name) if name else None,
+        )
 
 
 def install_client(server: Any) -> None:
@@ -234,7 +258,7 @@ def attach_checkpointing(
         settings, token = server_settings(server)
     if not settings.enabled:
         return None
-    refuse_unsupported(server.config, settings)
+    refuse_unsupported(server.config, settings, server.server_client.global_config_dict)
     if token is None:
         try:
             token = settings.resolve_token()

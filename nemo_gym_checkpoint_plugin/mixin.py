@@ -59,7 +59,7 @@ def exit_on_bad_settings(global_config: Any = None, server_config: Any = None) -
     try:
         settings, _ = load_settings(global_config)
         if server_config is not None:
-            refuse_unsupported(server_config, settings)
+            refuse_unsupported(server_config, settings, global_config)
         if settings.enabled:
             check_storage_backend(settings)
     except SettingsError as exc:
@@ -91,7 +91,7 @@ class CheckpointMixin:
     def setup_webserver(self) -> Any:
         settings, token = server_settings(self)
         # Before the client swap: a refused server is left exactly as it was built.
-        refuse_unsupported(self.config, settings)  # type: ignore[attr-defined]
+        refuse_unsupported(self.config, settings, self.server_client.global_config_dict)  # type: ignore[attr-defined]
         if settings.enabled:
             install_client(self)
         app = super().setup_webserver()  # type: ignore[misc]

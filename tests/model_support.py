@@ -19,10 +19,10 @@ from gym_inprocess import TOKEN, InProcessServer
 from nemo_gym import server_utils
 from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
 from omegaconf import OmegaConf
-from test_attach_inprocess import _app, _build, _config, _server_class
+from test_attach_inprocess import _app, _build, _server_class
 
 from nemo_gym_checkpoint_plugin.testing.fake_backend import FakeBackendState, create_app
-from nemo_gym_checkpoint_plugin.testing.gym_config import MODEL, TOKEN_ENV
+from nemo_gym_checkpoint_plugin.testing.gym_config import MODEL, TOKEN_ENV, build_gym_config
 from nemo_gym_checkpoint_plugin.testing.harness import free_port_base
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
@@ -59,13 +59,19 @@ def same_answer(a: Any, b: Any) -> bool:
 class ModelServers:
     """The fake backend (``state``) and every ``vllm_model`` built against it; ``aclose`` stops them all."""
 
-    def __init__(self, tmp_path: Path, monkeypatch: Any, extra_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, tmp_path: Path, monkeypatch: Any, extra_config: Mapping[str, Any] | None = None, replicas: int = 1
+    ) -> None:
+        # Where the fake backend stages calls admitted for external token staging (the framework's storage).
+        self.staging_dir = tmp_path / "staged"
         monkeypatch.setenv(TOKEN_ENV, TOKEN)
         # Gym's data client is a process global bound to the loop that made it: one per test here.
         monkeypatch.setattr(server_utils, "_GLOBAL_AIOHTTP_CLIENT", None)
         self.state = FakeBackendState()
         self.port = free_port_base(span=1)
-        self.config = _config(tmp_path, {"enabled": True, "control_auth_token_env": TOKEN_ENV})
+        checkpoint = {"enabled": True, "control_auth_token_env": TOKEN_ENV}
+        # Replicas: more model servers (policy_model_2, ...) in the same config, sharing its capture directory.
+        self.config = build_gym_config(20000, tmp_path, checkpoint=checkpoint, replicas=replicas)
         for key, value in (extra_config or {}).items():
             self.config[key] = OmegaConf.create(value) if isinstance(value, Mapping) else value
         self.server_class = derive_checkpointable(_server_class(self.config, MODEL))
@@ -75,16 +81,17 @@ class ModelServers:
 
     async def start(self) -> None:
         server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
-        config = uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port, log_level="warning")
+        app = create_app(self.state, staging_dir=self.staging_dir)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._backend = uvicorn.Server(config)
         self._serving = asyncio.ensure_future(self._backend.serve())
         backend = self._backend
         await wait_until(lambda: backend.started or self._serving.done(), timeout=20, what="the fake backend")
         assert backend.started
 
-    def build(self, **overrides: Any) -> tuple[InProcessServer, httpx.AsyncClient]:
-        """A fresh model server (a new process after a crash) and a client of its app."""
-        server = _build(self.server_class, self.config, MODEL, base_url=f"http://127.0.0.1:{self.port}/v1", **overrides)
+    def build(self, name: str = MODEL, **overrides: Any) -> tuple[InProcessServer, httpx.AsyncClient]:
+        """A fresh model server ``name`` (a new process after a crash) and a client of its app."""
+        server = _build(self.server_class, self.config, name, base_url=f"http://127.0.0.1:{self.port}/v1", **overrides)
         built = InProcessServer(server, _app(server), ModelCalls)
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=built.app), base_url="http://model", timeout=30)
         self.built.append((built, http))

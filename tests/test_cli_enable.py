@@ -116,3 +116,46 @@ def test_the_written_config_names_the_token_variable_asked_for(user_yaml, tmp_pa
                                str(tmp_path / "o.yaml"), "--json").stdout)
     assert done["token_env"] == "MY_TOKEN"
     assert yaml.safe_load((tmp_path / "o.yaml").read_text())["checkpoint"]["control_auth_token_env"] == "MY_TOKEN"
+
+
+def test_a_server_without_a_port_gets_a_free_one_and_enable_says_so(user_yaml, tmp_path):
+    # policy_model comes from the wheel's vllm_model.yaml, which gives no port (Gym's launcher would pick one).
+    done = enable(tmp_path, str(user_yaml), "--json")
+    assert done.returncode == 0, done.stderr
+    report = orjson.loads(done.stdout)
+    written = yaml.safe_load((tmp_path / "my.checkpointed.yaml").read_text())
+    port = written["policy_model"]["responses_api_models"]["vllm_model"]["port"]
+    assert isinstance(port, int) and 10001 <= port <= 20000, port
+    assert report["ports_chosen"] == {"policy_model": port}
+    assert any("policy_model" in w and str(port) in w for w in report["warnings"]), report["warnings"]
+    # The ports the config gives stay as they are.
+    assert written["simple_agent"]["responses_api_agents"]["simple_agent"]["port"] == 29002
+    human = enable(tmp_path, str(user_yaml), "-o", str(tmp_path / "again.yaml"))
+    assert human.returncode == 0 and "policy_model: no port in the config, pinned to" in human.stderr, human.stderr
+
+
+@pytest.mark.parametrize(
+    ("block", "says"),
+    [({"enabeld": True}, "enabeld"), ({"storage": {"backend": "nfs-magic"}}, "nfs-magic")],
+)
+def test_a_checkpoint_block_the_servers_would_refuse_is_refused_before_anything_is_written(
+    tmp_path, block, says
+):
+    config = {**USER_CONFIG, "checkpoint": block}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = enable(tmp_path, str(path))
+    assert done.returncode == 2 and says in done.stderr and "nothing was written" in done.stderr, done.stderr
+    assert not (tmp_path / "bad.checkpointed.yaml").exists()
+    assert not list(tmp_path.glob("*/*/.venv"))  # no server environment prepared either
+
+
+def test_a_config_holding_the_token_is_written_private_with_a_warning(tmp_path):
+    config = {**USER_CONFIG, "checkpoint": {"control_auth_token": "an-inline-token-0123456789"}}
+    path = tmp_path / "inline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = enable(tmp_path, str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "inline.checkpointed.yaml"
+    assert (out.stat().st_mode & 0o777) == 0o600
+    assert any("control_auth_token_env" in w for w in orjson.loads(done.stdout)["warnings"])

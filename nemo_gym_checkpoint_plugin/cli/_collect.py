@@ -3,7 +3,8 @@
 The configuration is exactly ``ng_collect_rollouts``' (Gym's ``+key=value`` overrides:
 ``+config_paths=[...]``, ``+input_jsonl_fpath=...``, ``+output_jsonl_fpath=...``, ...), read by
 Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subclassed, see
-``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute),
+``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute, or an
+object-store URL such as ``s3://bucket/run``: the deployment's ``checkpoint.storage.backend`` is then ``fsspec``),
 ``--keep``, ``--resume`` (Gym's ``resume_from_cache`` plus a restore of the last published
 checkpoint that verifies; a damaged one falls back to the one before, and says so).
 
@@ -32,6 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._errors import InvalidCheckpointState
+from .._storage.objstore import ObjectPath, is_url
+from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
@@ -61,7 +65,8 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage",
     )
     parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
-                        help="absolute directory holding the checkpoints (its parent must exist)")
+                        help="absolute directory holding the checkpoints (its parent must exist), or an "
+                             "object-store URL (s3://bucket/run; the servers need checkpoint.storage.backend: fsspec)")
     parser.add_argument("--checkpoint-every", type=positive, default=DEFAULT_EVERY, metavar="SECONDS",
                         help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
     parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
@@ -88,8 +93,21 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                         help="ng_collect_rollouts' configuration (Gym's overrides)")
 
 
-def check_checkpoint_dir(raw: str) -> Path:
-    """The checkpoint directory, or ``UsageError`` saying why it cannot be one (nothing is created)."""
+def check_checkpoint_dir(raw: str) -> Path | ObjectPath:
+    """The checkpoint directory, or ``UsageError`` saying why it cannot be one (nothing is created).
+
+    A URL must name a store that refuses a second exclusive create (probed now, before any row
+    or server is touched); its credentials come from the store's own environment and config.
+    """
+    if is_url(raw):
+        try:
+            where = ObjectPath(raw)
+            check_exclusive_create(where)
+        except ValueError as exc:
+            raise UsageError(f"--checkpoint-dir: {exc}") from None
+        except InvalidCheckpointState as exc:
+            raise UsageError(f"--checkpoint-dir {where}: {exc.detail}") from None
+        return where
     path = Path(raw)
     if not path.is_absolute():
         raise UsageError(f"--checkpoint-dir {raw} is relative; give an absolute path (every server writes "
@@ -135,7 +153,12 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     """The ``collect`` command; ``observe`` also receives every checkpointer event (tests hook there)."""
     root = check_checkpoint_dir(args.checkpoint_dir)
     notes: list[str] = []
-    _trusted(root, args.allow_shared_root, notes.append)
+    if isinstance(root, ObjectPath):
+        # No flock and no file owner on an object store: the owner lease alone keeps one controller per deployment.
+        notes.append(f"{root} is an object store: no directory lock there (one collection per checkpoint "
+                     "directory is not enforced); the deployment's owner lease still refuses a second controller")
+    else:
+        _trusted(root, args.allow_shared_root, notes.append)
     overrides = [o for o in args.gym_overrides if o != "--"]
     config, collection = _gym_config(overrides, args.resume)
     from omegaconf import OmegaConf
@@ -144,6 +167,11 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     token, _source, _argv = _token(args, plain)
     output = str(Path(collection.output_jsonl_fpath).resolve())
     store = CheckpointStore(root, collection=output)
+    if isinstance(root, ObjectPath):
+        if not args.resume and store.published():
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                             "to continue it, or choose another directory")
+        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, None))
     lock = _lock(root, store, output)
     # Again once it exists: another user may have made it first, where the parent let them.
     _trusted(root, args.allow_shared_root, lambda _warning: None)
@@ -194,9 +222,9 @@ def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
     return CollectionLock(root, collector_owner(store.run), store.run, output)
 
 
-async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore, plain: dict[str, Any], token: str,
-                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None, notes: list[str],
-                   predecessor: str | None) -> int:
+async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: CheckpointStore, plain: dict[str, Any],
+                   token: str, collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None,
+                   notes: list[str], predecessor: str | None) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
@@ -304,7 +332,7 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         return 1 if problems else 0
 
 
-def _summary(root: Path, helper: Any, checkpointer: Any, plan: Any, outcome: Tally,
+def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, outcome: Tally,
              elapsed: float) -> dict[str, Any]:
     published = [c for c in checkpointer.checkpoints if c.published]
     pauses = [c.paused_s for c in checkpointer.checkpoints]

@@ -114,10 +114,43 @@ def _environments(parsed: Any) -> list[ServerEnvironment]:
     return environments
 
 
-def checkpointed_config(original: dict[str, Any], parsed: Any, token_env: str) -> dict[str, Any]:
-    """``original`` with every server wrapped, addressed, the ``checkpoint:`` block on, and venvs reused."""
+def _port_range(parsed: Any) -> tuple[int, int]:
+    from nemo_gym.global_config import PORT_RANGE_HIGH_KEY_NAME, PORT_RANGE_LOW_KEY_NAME
+
+    return int(parsed.get(PORT_RANGE_LOW_KEY_NAME) or 10001), int(parsed.get(PORT_RANGE_HIGH_KEY_NAME) or 20000)
+
+
+def _free_port(taken: set[int], low: int, high: int) -> int:
+    """A port in Gym's range that no server of the config uses and that binds on 127.0.0.1 now."""
+    import random
+    import socket
+
+    candidates = [port for port in range(low, high + 1) if port not in taken]
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise UsageError(f"no free port found in Gym's range {low}-{high} for a server without one; give it a port")
+
+
+def checkpointed_config(
+    original: dict[str, Any], parsed: Any, token_env: str, chosen: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """``original`` with every server wrapped, addressed, the ``checkpoint:`` block on, and venvs reused.
+
+    A server whose config gives no port (Gym's offline parse says -1: its launcher would pick one at
+    start, which ``ng-checkpoint --config`` could not find) gets a free port of Gym's range, pinned
+    here; ``chosen`` (when given) receives ``{server: port}`` for those.
+    """
     out = dict(original)
-    for name, server_type, implementation, inner in _servers(parsed):
+    servers = _servers(parsed)
+    taken = {int(inner.get("port")) for *_rest, inner in servers if isinstance(inner.get("port"), int)}
+    low, high = _port_range(parsed)
+    for name, server_type, implementation, inner in servers:
         block = dict(out.get(name) or {})
         types = dict(block.get(server_type) or {})
         server = dict(types.get(implementation) or {})
@@ -125,6 +158,12 @@ def checkpointed_config(original: dict[str, Any], parsed: Any, token_env: str) -
         for key in ("host", "port"):
             if inner.get(key) is not None and key not in server:
                 server[key] = inner.get(key)
+        port = server.get("port")
+        if not isinstance(port, int) or isinstance(port, bool) or port <= 0:
+            server["port"] = _free_port(taken, low, high)
+            taken.add(server["port"])
+            if chosen is not None:
+                chosen[name] = server["port"]
         types[implementation] = server
         block[server_type] = types
         out[name] = block
@@ -135,6 +174,40 @@ def checkpointed_config(original: dict[str, Any], parsed: Any, token_env: str) -
     out["checkpoint"] = checkpoint
     out["skip_venv_if_present"] = True
     return out
+
+
+_BACKEND_PROBE = (
+    "import sys\n"
+    "from nemo_gym_checkpoint_plugin._settings import SettingsError, StorageSettings\n"
+    "from nemo_gym_checkpoint_plugin.mixin import check_storage_backend\n"
+    "class _Settings:\n"
+    "    storage = StorageSettings(backend=sys.argv[1])\n"
+    "try:\n"
+    "    check_storage_backend(_Settings)\n"
+    "except SettingsError as exc:\n"
+    "    print(exc, file=sys.stderr); sys.exit(2)\n"
+)
+
+
+def _check_block(config: dict[str, Any]) -> None:
+    """The ``checkpoint:`` block as the servers will validate it (keys, values, storage backend): UsageError if not.
+
+    The storage backend is looked up by a server's own check in a child interpreter: this program
+    never loads the server runtime.
+    """
+    from nemo_gym_checkpoint_plugin._settings import SettingsError, settings_from_global_config
+
+    try:
+        settings = settings_from_global_config(config)
+    except SettingsError as exc:
+        raise UsageError(f"the checkpoint: block would stop every server: {exc}; nothing was written") from None
+    backend = settings.storage.backend
+    if backend == type(settings.storage)().backend:
+        return  # the built-in default
+    done = subprocess.run([sys.executable, "-c", _BACKEND_PROBE, backend], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise UsageError(f"the checkpoint: block would stop every server: {why}; nothing was written")
 
 
 def _site_dirs() -> list[str]:
@@ -181,6 +254,17 @@ def prepare_environment(server: ServerEnvironment) -> ServerEnvironment:
     return ServerEnvironment(**{**server.__dict__, "action": action})
 
 
+def _write(path: Path, text: str, *, private: bool) -> None:
+    """Write the config; mode 0600 (whatever the umask) when it holds a token."""
+    if not private:
+        path.write_text(text, encoding="utf-8")
+        return
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # an existing file keeps its mode on open: set it
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
 def _default_out(path: Path) -> Path:
     return path.with_name(f"{path.stem}.checkpointed{path.suffix or '.yaml'}")
 
@@ -204,18 +288,26 @@ def run_enable(args: argparse.Namespace) -> dict[str, Any]:
     servers = _environments(parsed)
     if not servers:
         raise UsageError(f"{args.config} defines no server (no block with an entrypoint)")
-    wanted = checkpointed_config(original, parsed, args.token_env)
+    chosen: dict[str, int] = {}
+    wanted = checkpointed_config(original, parsed, args.token_env, chosen)
+    _check_block(wanted)
+    inline_token = bool(wanted["checkpoint"].get("control_auth_token"))
     config = source
     written = None
     if wanted != original or args.output:
         config = Path(args.output) if args.output else _default_out(source)
         if config.resolve() == source.resolve() and not args.output:
             raise UsageError(f"refusing to overwrite {args.config}; pass -o OUT")
-        config.write_text(yaml.safe_dump(wanted, sort_keys=False), encoding="utf-8")
+        _write(config, yaml.safe_dump(wanted, sort_keys=False), private=inline_token)
         written = str(config)
     prepared = [prepare_environment(server) for server in servers]
     token_env = wanted["checkpoint"].get("control_auth_token_env")
-    return {"config": str(config), "written": written, "token_env": token_env,
-            "servers": [s.to_json() for s in prepared],
+    warnings = [f"{name}: no port in the config, pinned to {port} (free now; ng_run needs it free at start)"
+                for name, port in sorted(chosen.items())]
+    if inline_token:
+        warnings.append(f"{config} holds checkpoint.control_auth_token: written mode 0600; Gym's head server "
+                        "serves the whole config unauthenticated, so prefer checkpoint.control_auth_token_env")
+    return {"config": str(config), "written": written, "token_env": token_env, "ports_chosen": chosen,
+            "warnings": warnings, "servers": [s.to_json() for s in prepared],
             "ng_run": f"ng_run '+config_paths=[{config.resolve()}]'",
             "cwd": os.getcwd(), "python": sys.executable}

@@ -7,7 +7,7 @@
   when ready, ``commit`` of the rows in flight minus the restarts into ``<root>/<checkpoint id>``;
   the collector's state written and published last), then ``resume`` (always, whatever failed),
   then removes this collection's checkpoints older than the ``keep`` newest published ones
-  (``_retention.py``);
+  (``_storage.retention``);
 - between checkpoints it forgets, on every participant, the rollouts whose ``/run``
   returned (forget is refused while a checkpoint is open, so it never overlaps one);
 - ``restore_from`` puts a published checkpoint back into fresh servers before the
@@ -165,11 +165,13 @@ class CollectionCheckpointer:
             self.checkpoints.append(record)
         await self._emit("resumed", checkpoint=checkpoint_id, record=record)
         if record.published:
+            # Off the loop (as before each attempt): on an object store, listing and removing are network calls.
             await asyncio.to_thread(self._prune, ())
         return record
 
-    def _prune(self, in_use: Iterable[Path]) -> None:
-        """The retention rule (``_retention.py``): older published checkpoints, failed attempts; never ``in_use``."""
+    def _prune(self, in_use: Iterable[Any]) -> None:
+        """The retention rule (``_storage.retention``): older published checkpoints and failed attempts of this
+        collection; never ``in_use``."""
         for path in self.store.prune(self.keep, in_use=in_use):
             logger.info("removed checkpoint %s", path)
 

@@ -15,6 +15,8 @@ deployment it belongs to, the rows finished and where (the output file and its l
 checkpoint's pause times. Records are streamed, fsynced and named by their digest, the
 manifest is hard-linked into place after every parent directory was fsynced, so a crash
 leaves a published checkpoint or one without a collector manifest, which is never used.
+``--checkpoint-dir`` may be an object-store URL (``s3://bucket/run``): the records are then
+uploaded under their digest name and the manifest created exclusively, as a participant's are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
+import stat
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,8 +38,10 @@ from .._storage.codec import decode_line, encode_line
 from .._storage.files import create_private, make_private_dirs, write_failed
 from .._storage.index import check_participants_index
 from .._storage.layout import MANIFEST_NAME, SCHEMA_VERSION, records_name
+from .._storage.location import Location, child_dirs, lexists, location
+from .._storage.objstore import ObjectPath
 from .._storage.reader import capture_key_of, iter_verified_lines, load_manifest, read_checkpoint
-from ._retention import CheckpointEntry, checkpoints_to_remove
+from .._storage.retention import Checkpoint, plan_retention, remove_checkpoint
 
 __all__ = [
     "COLLECTOR_DIR",
@@ -76,7 +80,7 @@ class CollectorState:
     rows: list[RowState] = field(default_factory=list)
     finished: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    path: Path | None = None
+    path: Location | None = None
 
     def by_state(self, state: str) -> list[RowState]:
         return [row for row in self.rows if row.state == state]
@@ -91,16 +95,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointStore:
-    """The checkpoints of one collection under ``root`` (absolute): naming, writing, reading, pruning.
+    """The checkpoints of one collection under ``root`` (absolute, or a URL): naming, writing, reading, pruning.
 
     ``collection`` is what names this collection in its checkpoints (the absolute output file, as
     ``deployment_identity`` records it); ``runs`` the runs whose unpublished checkpoints are its own
-    (this collector's, and a dead predecessor's it took the directory over from). Both decide what
-    ``prune`` may remove (``_retention.py``).
+    (this collector's, and a dead predecessor's it took the directory over from). With a
+    ``collection``, ``prune`` removes only this collection's checkpoints, failed attempts included
+    (``_storage.retention``: ``belongs`` and ``unpublished_failed``).
     """
 
-    def __init__(self, root: str | Path, run: str | None = None, *, collection: str | None = None) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | Path | ObjectPath, run: str | None = None, *,
+                 collection: str | None = None) -> None:
+        self.root = location(root)
         # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
         self.run = run or uuid.uuid4().hex[:8]
         self.collection = collection
@@ -116,35 +122,45 @@ class CheckpointStore:
         match = _CHECKPOINT_NAME.match(name)
         return None if match is None else int(match["seq"])
 
-    def path(self, checkpoint_id: str) -> Path:
+    def path(self, checkpoint_id: str) -> Location:
         return self.root / checkpoint_id
 
-    def entries(self) -> list[tuple[int, Path]]:
+    def entries(self) -> list[tuple[int, Location]]:
         """Every checkpoint directory (published or not), oldest first."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
+        if isinstance(self.root, ObjectPath):
+            names = child_dirs(self.root)
+        else:
+            try:
+                names = os.listdir(self.root)
+            except FileNotFoundError:
+                return []
         found = [(seq, self.root / name) for name in names if (seq := self.seq_of(name)) is not None]
         return sorted(found)
 
-    def checkpoint_entries(self) -> list[CheckpointEntry]:
-        """Every checkpoint directory with its run, whether it is published, and the collection it names."""
-        found = []
-        for seq, path in self.entries():
+    def belongs(self, checkpoint: Checkpoint) -> bool:
+        """Whether ``checkpoint`` is this collection's (what ``prune`` may ever remove).
+
+        Published: its collector manifest names this collection. Unpublished: its run is one of
+        this collection's. A link named like a checkpoint is never this collector's (it makes real
+        directories only): someone planted it, and it is left alone.
+        """
+        if isinstance(checkpoint.path, Path) and checkpoint.path.is_symlink():
+            return False
+        if checkpoint.published:
+            return self._collection_of(checkpoint.path) == self.collection
+        match = _CHECKPOINT_NAME.match(checkpoint.name)
+        return match is not None and (match["run"] in self.runs or match["run"] in self._published_runs())
+
+    def _published_runs(self) -> set[str]:
+        runs = set()
+        for _seq, path in self.published():
             match = _CHECKPOINT_NAME.match(path.name)
-            assert match is not None
-            if path.is_symlink():
-                # This collector only ever makes real directories: a link is someone else's, never pruned.
-                found.append(CheckpointEntry(seq, "", path, False))
-                continue
-            published = os.path.lexists(path / COLLECTOR_DIR / MANIFEST_NAME)
-            found.append(CheckpointEntry(seq, match["run"], path, published,
-                                         self._collection_of(path) if published else None))
-        return found
+            if match is not None and self._collection_of(path) == self.collection:
+                runs.add(match["run"])
+        return runs
 
     @staticmethod
-    def _collection_of(path: Path) -> str | None:
+    def _collection_of(path: Location) -> str | None:
         try:
             manifest = load_manifest(path / COLLECTOR_DIR, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
         except InvalidCheckpointState:
@@ -153,9 +169,9 @@ class CheckpointStore:
         output = deployment.get("output") if isinstance(deployment, dict) else None
         return output if isinstance(output, str) else None
 
-    def published(self) -> list[tuple[int, Path]]:
+    def published(self) -> list[tuple[int, Location]]:
         """Checkpoints whose collector manifest exists, oldest first (not yet verified)."""
-        return [(seq, p) for seq, p in self.entries() if os.path.lexists(p / COLLECTOR_DIR / MANIFEST_NAME)]
+        return [(seq, p) for seq, p in self.entries() if lexists(p / COLLECTOR_DIR / MANIFEST_NAME)]
 
     def next_seq(self) -> int:
         entries = self.entries()
@@ -163,12 +179,16 @@ class CheckpointStore:
 
     # -- writing --------------------------------------------------------------------------------
 
-    def create(self, checkpoint_id: str) -> Path:
-        """Make the checkpoint's directory, exclusively (``0700``): whatever already is there (a link or a
-        directory another user planted in a shared root) fails the attempt instead of being written through."""
+    def create(self, checkpoint_id: str) -> Location:
+        """Make the checkpoint's directory, exclusively, with the root's permissions (the servers write into
+        it as the user the root lets write): whatever already is there (a link or a directory another user
+        planted in a shared root) fails the attempt instead of being written through. An object store has
+        no directories: nothing to make there (its writes are exclusive creates of their own)."""
         path = self.path(checkpoint_id)
+        if isinstance(path, ObjectPath):
+            return path
         try:
-            os.mkdir(path, 0o700)
+            os.mkdir(path, stat.S_IMODE(os.stat(self.root).st_mode) & 0o777)
         except FileExistsError:
             raise InvalidCheckpointState(f"{path} exists already, and this collector did not make it: refused, "
                                          "never written through") from None
@@ -179,6 +199,10 @@ class CheckpointStore:
     def write_records(self, state: CollectorState) -> tuple[str, int]:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
         directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
+        if isinstance(directory, ObjectPath):
+            from .._storage.objstore_put import put_records
+
+            return put_records(directory, (encode_line(row.record()) for row in state.rows))
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
             make_private_dirs(directory, base=self.root)  # never through a link planted in the root
@@ -200,8 +224,9 @@ class CheckpointStore:
             raise write_failed(exc, directory, "cannot store the collector state") from None
         return hexdigest, count
 
-    def publish(self, state: CollectorState, digest: str, count: int) -> Path:
-        """Create the collector manifest last (hard link, never replacing one), after fsyncing every parent."""
+    def publish(self, state: CollectorState, digest: str, count: int) -> Location:
+        """Create the collector manifest last (hard link, never replacing one), after fsyncing every parent;
+        on an object store, created exclusively."""
         checkpoint = self.path(state.checkpoint_id)
         directory = checkpoint / COLLECTOR_DIR
         manifest = {
@@ -210,6 +235,8 @@ class CheckpointStore:
             "record_count": count,
             "collector": {"deployment": state.deployment, "finished": state.finished, "timings": state.timings},
         }
+        if isinstance(directory, ObjectPath):
+            return _publish_object(directory, manifest)
         tmp = directory / f".manifest.{uuid.uuid4().hex}.tmp"
         try:
             with create_private(tmp) as out:
@@ -228,23 +255,33 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
         return directory / MANIFEST_NAME
 
-    def prune(self, keep: int, in_use: Iterable[Path] = ()) -> list[Path]:
-        """Remove what ``checkpoints_to_remove`` says may go; returns what was removed.
+    def prune(self, keep: int, in_use: Iterable[Location] = ()) -> list[Location]:
+        """Remove what ``keep`` retires (``_storage.retention``, the rule ``ng-checkpoint gc`` applies);
+        returns what was removed.
 
-        Only this collection's checkpoints: its published ones older than the ``keep`` newest, and its
-        unpublished (failed) attempts; never another collection's, never one in ``in_use``.
+        The ``keep`` newest published checkpoints stay, so does any under a live lease (a restore or
+        commit using it) or in ``in_use``; a removal that fails is left for the next prune. With the
+        store's ``collection`` (``collect`` always gives it), only this collection's checkpoints are
+        considered (``belongs``: another run's are never touched) and its unpublished ones are failed
+        attempts, removed whatever their age (the directory lock says no other write is under way);
+        without it, an unpublished one newer than the oldest kept is a write in progress and stays.
         """
-        if self.collection is None:
-            raise ValueError("prune needs the store's collection (its output file) to know its own checkpoints")
-        removable = checkpoints_to_remove(self.checkpoint_entries(), keep=keep, collection=self.collection,
-                                          runs=self.runs, in_use=set(in_use))
-        for path in removable:
-            shutil.rmtree(path, ignore_errors=True)
-        return removable
+        mine = self.collection is not None
+        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None,
+                              belongs=self.belongs if mine else None, unpublished_failed=mine,
+                              in_use={str(location(path)) for path in in_use})
+        removed = []
+        for checkpoint in sorted(plan.remove, key=lambda c: c.order):  # oldest first: a cut-short prune keeps the newest
+            try:
+                if remove_checkpoint(checkpoint):
+                    removed.append(checkpoint.path)
+            except InvalidCheckpointState:
+                continue
+        return removed
 
     # -- reading --------------------------------------------------------------------------------
 
-    def read(self, path: Path) -> CollectorState:
+    def read(self, path: Location) -> CollectorState:
         """Read and fully verify a checkpoint: the collector's records and manifest, the participants
         index, and every participant's records. ``InvalidCheckpointState`` naming what is wrong."""
         directory = path / COLLECTOR_DIR
@@ -295,7 +332,22 @@ class CheckpointStore:
         return None, skipped
 
 
-def _owner_uid(path: Path) -> int | None:
+def _publish_object(directory: ObjectPath, manifest: dict[str, Any]) -> ObjectPath:
+    """The collector manifest on an object store: created exclusively (the commit point), never replaced."""
+    from .._errors import WriteFailed
+    from .._storage.objstore_put import check_exclusive_create, create_exclusive
+
+    check_exclusive_create(directory.parent.parent)
+    if not create_exclusive(directory / MANIFEST_NAME, orjson.dumps(manifest) + b"\n"):
+        raise WriteFailed(f"{directory / MANIFEST_NAME}: cannot publish the collector state: already exists",
+                          path=str(directory / MANIFEST_NAME), cause="already exists")
+    return directory / MANIFEST_NAME
+
+
+def _owner_uid(path: Location) -> int | None:
+    """The owner of a file (None on an object store, whose objects have none, or when it cannot be told)."""
+    if isinstance(path, ObjectPath):
+        return None
     try:
         return os.lstat(path).st_uid
     except OSError:

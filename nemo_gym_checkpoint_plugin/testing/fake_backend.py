@@ -12,12 +12,19 @@ messages, so a rollout replayed after a crash gets the same answers:
   JSON schema (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
   ``example_single_tool_call`` its reward 1.0. A turn has one tool round, or N when its
   conversation contains ``[tool_rounds=N]`` (a multi-call turn: tools called N times);
-- otherwise: a final text answer (``finish_reason: "stop"``).
+- otherwise: a final text answer (``finish_reason: "stop"``): one sentence, followed by N
+  more words when the conversation contains ``[answer_words=N]`` (a long answer: its stream
+  outlasts the socket buffers of a caller that stops reading).
 
 A request asking for ``logprobs`` or ``return_tokens_as_token_ids`` (both sent by Gym's
 ``vllm_model`` with ``return_token_id_information: true``) also gets token ids
 as vLLM returns them (``fake_tokens.py``: ``prompt_token_ids``, the choice's ``token_ids``
 and ``token_id:<n>`` logprobs), chained across the calls of a turn.
+
+A request carrying Gym's token-staging admission (``ng_capture``: ``token_id_capture`` with
+``external_staging: true``) is staged as a vLLM worker with Gym's capture installed stages it
+(``fake_staging.py``: the staged calls go to ``--staging-dir``, default ``$NG_FAKE_STAGING_DIR``
+or ``./fake-staging``) and acknowledged with ``ng_commit_coords``.
 
 A **conversation** is named by the text of its first ``user`` message (tests put the
 rollout id in it); its **step** is the number of ``assistant`` messages already in the
@@ -54,8 +61,10 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -63,9 +72,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from .fake_backend_state import FakeBackendState, HeldCall
+from .fake_staging import StagingDir, stage_completion
 
 DEFAULT_MODEL = "fake-model"
+# The directory the backend stages admitted calls into when --staging-dir is not given.
+STAGING_DIR_ENV = "NG_FAKE_STAGING_DIR"
 _ROUNDS = re.compile(r"\[tool_rounds=(\d+)\]")
+_ANSWER_WORDS = re.compile(r"\[answer_words=(\d+)\]")
 FINAL_ANSWER = "It is cold in San Francisco today."
 
 
@@ -133,7 +146,9 @@ def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[s
         }
         finish_reason = "tool_calls"
     else:
-        message = {"role": "assistant", "content": FINAL_ANSWER}
+        extra = _ANSWER_WORDS.search(conversation)
+        words = " ".join(f"word{i}" for i in range(int(extra.group(1)))) if extra else ""
+        message = {"role": "assistant", "content": f"{FINAL_ANSWER} {words}".rstrip()}
         finish_reason = "stop"
     prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
     completion_tokens = 8
@@ -204,11 +219,14 @@ async def _generate(request: Request, state: FakeBackendState) -> bool:
     return True
 
 
-def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL) -> FastAPI:
+def create_app(
+    state: FakeBackendState | None = None, model: str = DEFAULT_MODEL, staging_dir: str | Path | None = None
+) -> FastAPI:
     """The backend's ASGI app; ``state`` is exposed as ``app.state.fake`` for in-process tests."""
     state = state or FakeBackendState()
     app = FastAPI(title="fake inference backend")
     app.state.fake = state
+    staging = StagingDir(staging_dir or os.environ.get(STAGING_DIR_ENV) or "fake-staging")
 
     @app.get("/")
     @app.get("/health")
@@ -236,7 +254,9 @@ def create_app(state: FakeBackendState | None = None, model: str = DEFAULT_MODEL
         if not await _generate(request, state):
             return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
         state.answered(conversation, step)
-        return JSONResponse(completion_for(body, conversation, step))
+        completion = completion_for(body, conversation, step)
+        stage_completion(body, completion, staging)
+        return JSONResponse(completion)
 
     @app.post("/_fake/hold")
     async def hold(request: Request) -> JSONResponse:
@@ -303,8 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--staging-dir", default=None,
+                        help=f"where calls admitted for external token staging are staged (default ${STAGING_DIR_ENV} "
+                             "or ./fake-staging)")
     args = parser.parse_args(argv)
-    uvicorn.run(create_app(model=args.model), host=args.host, port=args.port, log_level="warning")
+    app = create_app(model=args.model, staging_dir=args.staging_dir)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
