@@ -8,10 +8,9 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from nemo_gym_checkpoint_plugin.testing.s3_server import LocalS3Server
-
-from hypothesis import settings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 

@@ -271,7 +271,7 @@ class CheckpointStore:
                               belongs=self.belongs if mine else None, unpublished_failed=mine,
                               in_use={str(location(path)) for path in in_use})
         removed = []
-        for checkpoint in sorted(plan.remove, key=lambda c: c.order):  # oldest first: a cut-short prune keeps the newest
+        for checkpoint in sorted(plan.remove, key=lambda c: c.order):  # oldest first: a cut short keeps the newest
             try:
                 if remove_checkpoint(checkpoint):
                     removed.append(checkpoint.path)
