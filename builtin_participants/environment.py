@@ -50,6 +50,11 @@ Rules kept here:
   (``bind_marks``), ``begin`` refuses an attempt that is marked retired with
   ``StaleAttempt``: the gate refuses it first, and this check holds even for a request
   that reached the run logic past the gate.
+- **An attempt runs once.** ``claim`` (the run logic calls it before Gym's lifecycle, which
+  would turn any error into a terminal failure reply) refuses a second ``/run`` of an attempt
+  claimed or running here with ``AttemptRunning`` (409 ``attempt_running``): that attempt lives
+  elsewhere, it is no failure of the row. The claim is taken without awaiting, so two requests
+  racing for one attempt cannot both pass.
 - **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
   before keeping any; a restored episode is handed to the ``/run`` of its replacement
   attempt by ``begin`` (``episode.restored``), and is pending until then.
@@ -69,7 +74,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, Res
 from nemo_gym_checkpoint_plugin.builtin_participants.episode_records import EpisodeRecords
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
-from nemo_gym_checkpoint_plugin._errors import StaleAttempt
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, StaleAttempt
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness
@@ -96,6 +101,8 @@ class EpisodeBook(EpisodeRecords):
         self._validate_state = validate_state
         self._marks: RetiredMarks | None = None
         self._episodes: dict[str, Episode] = {}
+        # Capture keys of the /run requests between claim() and their end (begin() runs inside).
+        self._claimed: set[str] = set()
         self._restored: dict[str, RestoredEpisode] = {}
         self._restarts: set[str] = set()
         # Tasks a retire cancelled, by capture key, until they are done (a retried retire awaits them).
@@ -125,6 +132,20 @@ class EpisodeBook(EpisodeRecords):
                 attempt=episode_id.attempt,
             )
 
+    def claim(self, episode_id: EpisodeId) -> str:
+        """Claim the attempt for this request; ``AttemptRunning`` when it is claimed or running here.
+
+        Returns the capture key to ``release`` when the request ends (whatever its outcome).
+        """
+        key = episode_id.capture_key
+        if key in self._claimed or key in self._episodes:
+            raise _running(episode_id)
+        self._claimed.add(key)
+        return key
+
+    def release(self, key: str) -> None:
+        self._claimed.discard(key)
+
     def begin(self, episode_id: EpisodeId) -> Episode:
         """Register the running attempt (the current task); hand it its restored boundary, if any.
 
@@ -135,7 +156,7 @@ class EpisodeBook(EpisodeRecords):
         self.refuse_retired(episode_id)
         key = episode_id.capture_key
         if key in self._episodes:
-            raise ValueError(f"episode {key} is already running on this server")
+            raise _running(episode_id)
         episode = Episode(episode_id, key, asyncio.current_task(), restored=self._restored.pop(key, None))
         if episode.restored is not None:
             episode.boundary = episode.restored.boundary
@@ -305,3 +326,11 @@ class EpisodeBook(EpisodeRecords):
         return {"step_mode": self.step_mode.value, "episodes": len(self._episodes),
                 "episode_keys": sorted({*self._episodes, *self._restored})}
 
+
+def _running(episode_id: EpisodeId) -> AttemptRunning:
+    key = episode_id.capture_key
+    return AttemptRunning(
+        f"episode {key} is already running on this server: that attempt lives elsewhere (another controller's "
+        "/run, or a request sent twice); this one does not run",
+        episodes=[key], rollout_id=episode_id.rollout_id, attempt=episode_id.attempt,
+    )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
 from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
 
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
@@ -76,7 +77,8 @@ class EpisodeRecords:
                 except ValueError as exc:
                     raise ValueError(f"episode {restored.checkpointed.capture_key}: {exc}") from None
             if key in self._episodes:
-                raise ValueError(f"episode {key} is already running here; it cannot be restored over")
+                raise AttemptRunning(f"episode {key} is already running here; it cannot be restored over",
+                                     episodes=[key])
             staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
         # Nothing is kept unless every record was accepted.
         self._restored.update(staged)

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import names_no_episode, rollout_id_required
 
-from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, CheckpointError, StaleAttempt
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError, StaleAttempt
 from nemo_gym_checkpoint_plugin._gate import episode_of_run_body
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
@@ -99,14 +99,9 @@ class LegacyAgentRelay:
             return _error(_stale(episode_id, marks.retired_up_to(episode_id.rollout_id)))
         try:
             episode = book.begin(episode_id)
-        except ValueError:
-            return _error(
-                CheckpointConflict(
-                    f"attempt {episode_id.attempt} of rollout {episode_id.rollout_id!r} is already being relayed",
-                    rollout_id=episode_id.rollout_id,
-                    attempt=episode_id.attempt,
-                )
-            )
+        except AttemptRunning as exc:
+            # A second relay of an attempt being relayed: it lives elsewhere, no failure of the row.
+            return _error(exc)
         try:
             # Entered while a checkpoint holds admission closed: wait unrelayed, then become a restart.
             await book.park(episode)

@@ -36,7 +36,8 @@ its session after a crash).
 
 A retired attempt (the control plane's marks) never begins: ``run_request`` refuses it
 with 409 ``stale_attempt`` before Gym's lifecycle starts, even when its ``/run`` got past
-the admission gate.
+the admission gate; an attempt already running here is refused there too, with 409
+``attempt_running`` (Gym would record the error as the row's terminal failure).
 
 The episode deadline (``default_episode_timeout_seconds``) moves from Gym's
 ``run_request`` into ``run`` (the bound book takes it over and Gym's is set to None), so
@@ -109,11 +110,17 @@ class SingleAgentTurnSteps(SingleAgentTurnCalls):
 
     async def run_request(self, request: Any) -> Any:
         book = self._ng_episode_book
-        if book is not None:
-            # Before Gym's run_request, which would turn the refusal into a failure reply: a retired
-            # attempt that got past the gate is answered 409 stale_attempt and never begins.
-            book.refuse_retired(request.episode_id)
-        return await super().run_request(request)  # type: ignore[misc]
+        if book is None:
+            return await super().run_request(request)  # type: ignore[misc]
+        # Before Gym's run_request, which would turn either refusal into a (terminal) failure reply: a
+        # retired attempt that got past the gate is answered 409 stale_attempt, an attempt already
+        # running here 409 attempt_running (it lives elsewhere), and neither begins.
+        book.refuse_retired(request.episode_id)
+        key = book.claim(request.episode_id)
+        try:
+            return await super().run_request(request)  # type: ignore[misc]
+        finally:
+            book.release(key)
 
     async def run(self, request: Any, cleanup: CleanupContext) -> Any:
         book = self._ng_episode_book

@@ -25,7 +25,7 @@ cost one string comparison), then:
 - registers the episode while its ``/run`` runs: ``ready`` lists it in ``restarts``
   (never blocking, never exported: this participant exports nothing);
 - refuses a retired attempt (marks bound by the attachment) with ``stale_attempt``, and
-  a second ``/run`` of an attempt already running with ``checkpoint_conflict``;
+  a second ``/run`` of an attempt already running with ``attempt_running`` (it lives elsewhere);
 - ``retire`` cancels the named attempts' requests (and earlier ones) once and waits for
   them; a request it stopped answers 409 ``stale_attempt`` if it had not started its
   reply. A retried retire waits for what an earlier one cancelled, never cancels again.
@@ -45,7 +45,7 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
 from nemo_gym_checkpoint_plugin._asgi import Message, Send, buffer_body
-from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, CheckpointError, RolloutIdRequired, StaleAttempt
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError, RolloutIdRequired, StaleAttempt
 from nemo_gym_checkpoint_plugin._gate import episode_of_run_body, json_as_gym_reads
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
@@ -78,8 +78,9 @@ class UncapturedRuns:
         if marks is not None and marks.is_retired(episode_id.rollout_id, episode_id.attempt):
             return _stale(episode_id)
         if episode_id.capture_key in self._running:
-            return CheckpointConflict(
+            return AttemptRunning(
                 f"attempt {episode_id.attempt} of rollout {episode_id.rollout_id!r} is already running here",
+                episodes=[episode_id.capture_key],
                 rollout_id=episode_id.rollout_id,
                 attempt=episode_id.attempt,
             )

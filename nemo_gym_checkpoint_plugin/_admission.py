@@ -33,6 +33,9 @@ class Admission:
     def __init__(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
+        # Set by the gate at the first data request: a server that served episodes refuses a restore
+        # (docs/protocol.md "Phases": what it holds may belong to live episodes).
+        self.served = False
 
     @property
     def is_open(self) -> bool:

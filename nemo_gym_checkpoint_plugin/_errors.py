@@ -23,6 +23,9 @@ __all__ = [
     "ExportFailed",
     "CheckpointParked",
     "RolloutIdRequired",
+    "AttemptRunning",
+    "OwnerConflict",
+    "OwnerFenced",
     "InvalidCheckpointState",
     "WriteFailed",
     "ERRORS_BY_CODE",
@@ -109,6 +112,45 @@ class RolloutIdRequired(CheckpointError):
     status = 400
 
 
+class AttemptRunning(CheckpointError):
+    """The episode attempt is already running on this server (plugin code, docs/protocol.md "Errors").
+
+    Raised for a second ``/run`` of an attempt while the first runs, and for a restore whose
+    replacement attempt runs here. The attempt lives elsewhere (another controller, or a request
+    resent): a controller must not record it as a failure of the row. ``episodes`` (capture keys)
+    ride along in the body as ``episode_ids``, so a controller knows which attempts to leave alone.
+    """
+
+    code = "attempt_running"
+
+    def to_body(self) -> dict[str, Any]:
+        body = error_body(self.code, self.detail)
+        episodes = self.data.get("episodes")
+        if episodes:
+            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
+        return body
+
+
+class OwnerConflict(CheckpointError):
+    """Another controller owns this deployment (plugin code, docs/protocol.md "One controller per deployment").
+
+    Raised for any control call but ``status`` from a controller that is not the owner (one that
+    sends no owner included) while the owner's lease runs; the detail names the owner and when its
+    lease ends, and says that taking over (``take_over``) fences it for good.
+    """
+
+    code = "owner_conflict"
+
+
+class OwnerFenced(CheckpointError):
+    """This controller's ownership was taken over: it is fenced for good (plugin code).
+
+    Every later call naming that owner is refused with this, whoever owns the deployment now.
+    """
+
+    code = "owner_fenced"
+
+
 class InvalidCheckpointState(CheckpointError):
     """A checkpoint on disk (or one being written) cannot be trusted or cannot be made.
 
@@ -145,6 +187,9 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         ExportFailed,
         CheckpointParked,
         RolloutIdRequired,
+        AttemptRunning,
+        OwnerConflict,
+        OwnerFenced,
         InvalidCheckpointState,
     )
 }

@@ -33,7 +33,9 @@ Attribution of a request to an episode attempt:
   the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
-property read and one ``len`` before it is handed on (the fast path in ``__call__``).
+property read and one ``len`` before it is handed on (the fast path in ``__call__``), and one
+attribute read for ``Admission.served``, which the first data request sets (a server that has
+served episodes refuses a restore).
 
 When checkpointing is disabled the gate is not installed at all; whether to call
 ``install_gate`` is the attachment's decision.
@@ -181,8 +183,12 @@ class AdmissionGate:
         self._run_path = run_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        admission = self._admission
+        if not admission.served and scope["type"] == "http" and not is_exempt(scope["path"]):
+            # Once per process: from the first data request on, this server refuses restores.
+            admission.served = True
         # Fast path, taken by every request outside checkpoints while nothing is retired.
-        if self._admission.is_open and not self._marks:
+        if admission.is_open and not self._marks:
             await self._app(scope, receive, send)
             return
         if scope["type"] != "http" or is_exempt(scope["path"]):

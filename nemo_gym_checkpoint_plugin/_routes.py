@@ -1,4 +1,7 @@
-"""The eight control routes under ``/ng-control/v1/checkpoint/`` (docs/protocol.md "Routes").
+"""The control routes under ``/ng-control/v1/checkpoint/`` (docs/protocol.md "Routes").
+
+The protocol's eight, plus the plugin's ``owner`` route; every POST but ``owner`` passes the owner
+lease first (``control/owner.py``: an optional ``owner`` field, ``take_over`` on prepare and restore).
 
 Every route checks ``Authorization: Bearer <token>`` before it reads the body, so without
 the token every answer is 401. The scheme is case-insensitive (RFC 7235: ``bearer``,
@@ -36,7 +39,7 @@ from ._control.bodies import BodyLimits, BodyRefused, ListField, parse_body, rea
 from ._errors import Unauthorized, install_error_handler
 from ._identity import EpisodeId
 from ._storage.objstore import is_url, normalize_url
-from ._wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX
+from ._wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX, OWNER_PATTERN
 
 __all__ = [
     "BodyLimits",
@@ -51,10 +54,12 @@ __all__ = [
     "RestoreBody",
     "RetireBody",
     "ForgetBody",
+    "OwnerBody",
 ]
 
 
 CheckpointId = Annotated[str, Field(min_length=1, max_length=128, pattern=CHECKPOINT_ID_PATTERN, strict=True)]
+OwnerId = Annotated[str, Field(min_length=1, max_length=200, pattern=OWNER_PATTERN, strict=True)]
 # strict: a string "1e9" or a bool is not a deadline; allow_inf_nan: docs/protocol.md says finite.
 DeadlineTs = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 RolloutId = Annotated[str, Field(min_length=1, strict=True)]
@@ -82,10 +87,12 @@ class _Body(BaseModel):
 
     checkpoint_id: CheckpointId
     deadline_ts: DeadlineTs
+    # Optional (plugin field): the controller's owner id; a controller sending none is unchanged.
+    owner: OwnerId | None = None
 
 
 class PrepareBody(_Body):
-    pass
+    take_over: StrictBool = False
 
 
 class RenewBody(_Body):
@@ -108,7 +115,11 @@ class CommitBody(_CommitHead):
     episode_ids: list[EpisodeId] | None
 
 
-class RestoreBody(_DirBody):
+class _RestoreHead(_DirBody):
+    take_over: StrictBool = False
+
+
+class RestoreBody(_RestoreHead):
     episode_ids: list[EpisodeId]
 
 
@@ -120,19 +131,31 @@ class ForgetBody(_Body):
     rollout_ids: Annotated[list[RolloutId], Field(min_length=1)]
 
 
+class OwnerBody(BaseModel):
+    """The ``owner`` route (plugin route): take, renew, take over or release ownership of the participant."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    owner: OwnerId
+    deadline_ts: DeadlineTs
+    take_over: StrictBool = False
+    release: StrictBool = False
+
+
 # Each body: the model of its fields but the id lists (validated by pydantic), and the lists (checked in bulk).
-_PARSING: dict[type[_Body], tuple[type[BaseModel], tuple[ListField, ...]]] = {
+_PARSING: dict[type[BaseModel], tuple[type[BaseModel], tuple[ListField, ...]]] = {
     PrepareBody: (PrepareBody, ()),
     RenewBody: (RenewBody, ()),
     ResumeBody: (ResumeBody, ()),
     CommitBody: (_CommitHead, (ListField("episode_ids", nullable=True),)),
-    RestoreBody: (_DirBody, (ListField("episode_ids"),)),
+    RestoreBody: (_RestoreHead, (ListField("episode_ids"),)),
     RetireBody: (_Body, (ListField("episode_ids", min_length=1, materialize=True),)),
     ForgetBody: (_Body, (ListField("rollout_ids", episodes=False, min_length=1),)),
+    OwnerBody: (OwnerBody, ()),
 }
 
 
-_B = TypeVar("_B", bound=_Body)
+_B = TypeVar("_B", bound=BaseModel)
 
 
 def _invalid_body(errors: Sequence[Any]) -> Response:
@@ -200,41 +223,53 @@ def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = N
     async def status() -> dict[str, Any]:
         return await control.status()
 
+    async def owned(request: Request, model: type[_B], operation: str) -> _B:
+        """The body, once the owner lease let the call through (control/owner.py)."""
+        body = await read(request, model)
+        control.admit_owner(body.owner, operation, body.deadline_ts,  # type: ignore[attr-defined]
+                            take_over=getattr(body, "take_over", False))
+        return body
+
     @router.post("/prepare")
     async def prepare(request: Request) -> dict[str, Any]:
-        body = await read(request, PrepareBody)
+        body = await owned(request, PrepareBody, "prepare")
         return await control.prepare(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/renew")
     async def renew(request: Request) -> dict[str, Any]:
-        body = await read(request, RenewBody)
+        body = await owned(request, RenewBody, "renew")
         return await control.renew(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/commit")
     async def commit(request: Request) -> dict[str, Any]:
-        body = await read(request, CommitBody)
+        body = await owned(request, CommitBody, "commit")
         return await control.commit(body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids,
                                     body.stop)
 
     @router.post("/restore")
     async def restore(request: Request) -> dict[str, Any]:
-        body = await read(request, RestoreBody)
+        body = await owned(request, RestoreBody, "restore")
         return await control.restore(body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids)
 
     @router.post("/resume")
     async def resume(request: Request) -> dict[str, Any]:
-        body = await read(request, ResumeBody)
+        body = await owned(request, ResumeBody, "resume")
         return await control.resume(body.checkpoint_id, body.deadline_ts)
 
     @router.post("/retire")
     async def retire(request: Request) -> dict[str, Any]:
-        body = await read(request, RetireBody)
+        body = await owned(request, RetireBody, "retire")
         return await control.retire(body.checkpoint_id, body.deadline_ts, body.episode_ids)
 
     @router.post("/forget")
     async def forget(request: Request) -> dict[str, Any]:
-        body = await read(request, ForgetBody)
+        body = await owned(request, ForgetBody, "forget")
         return await control.forget(body.checkpoint_id, body.deadline_ts, body.rollout_ids)
+
+    @router.post("/owner")
+    async def owner(request: Request) -> dict[str, Any]:
+        body = await read(request, OwnerBody)
+        return control.own(body.owner, body.deadline_ts, take_over=body.take_over, release=body.release)
 
     return router
 

@@ -14,6 +14,7 @@ __all__ = [
     "CHECKPOINT_ID_PATTERN",
     "CONTROL_PATH_PREFIX",
     "CONTROL_PREFIX",
+    "OWNER_PATTERN",
     "RESTART_HEADER",
     "ROLLOUT_PATH_PREFIX",
     "VERIFY_HEADER",
@@ -24,6 +25,8 @@ CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 # Everything under it passes the admission gate (the controller must reach a closed participant).
 CONTROL_PATH_PREFIX = "/ng-control/"
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+# A controller's owner id (1 to 200 characters): ``collect-<run>@<host>``, ``cli-<user>@<host>``...
+OWNER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 
 # Gym's ROLLOUT_PATH_PREFIX ("ng-rollout") as a path prefix: /ng-rollout/<capture key>/<route>.
 ROLLOUT_PATH_PREFIX = "/ng-rollout/"

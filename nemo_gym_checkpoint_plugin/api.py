@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ._errors import (
+    AttemptRunning,
     CheckpointConflict,
     CheckpointError,
     CheckpointParked,
@@ -76,6 +77,7 @@ __all__ = [
     "CheckpointConflict",
     "CheckpointError",
     "CheckpointParked",
+    "AttemptRunning",
     "DeadlineExceeded",
     "ExportFailed",
     "InvalidCheckpointState",

@@ -5,15 +5,18 @@ is appended to EVENTS as a JSON line; at the ``PAUSE_AT``-th occurrence of an ev
 (``published:2``; ``-`` never) the line is written and the collector blocks until it is killed; a
 ``published`` event counts only when the checkpoint holds rows in flight (``continued``).
 At ``restored`` the environment's boundary of every restored row is logged from the checkpoint,
-so a test can tell which steps a continued row had completed before the crash.
+so a test can tell which steps a continued row had completed before the crash; at ``resumed``
+whether that checkpoint was published; at ``prepare`` what the checkpoint directory holds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from nemo_gym_checkpoint_plugin._storage.reader import read_checkpoint
@@ -41,12 +44,19 @@ def main() -> int:
         if event == "restored":
             records = read_checkpoint(data["path"], "environment", "single_agent_turn").records
             entry["boundaries"] = {r["episode_id"]["rollout_id"]: r["boundary"] for r in records}
+        if event == "resumed":
+            entry["published"] = data["record"].published
+        if event == "prepare":
+            # What the checkpoint directory holds as the attempt starts: [name, published] of each checkpoint.
+            entry["dir"] = [[path.name, os.path.lexists(path / "collector" / "manifest.json")]
+                            for path in sorted(Path(root).glob("collect-*"))]
         log(entry)
         if event == event_name and seen[event] == int(nth or 1):
             log({"event": "paused", "at": pause_at})
             await asyncio.Event().wait()  # until the test SIGKILLs this process
 
     args = build_parser().parse_args(["collect", *argv])
+    root = args.checkpoint_dir
     try:
         return run_collect(args, observe=observe)
     except UsageError as exc:  # as ng-checkpoint's main reports it

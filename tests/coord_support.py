@@ -13,7 +13,8 @@ Behaviour comes from a JSON spec in ``COORD_STUB``: ``kind``, ``instance``, ``to
 ``export_error`` (a code its export raises); for the middleware ``barrier``
 ({operation: count}, with ``barrier_dir``: hold the call until that many participants
 received it, so "sent at once" is observable without racing), ``hang`` (operations
-never answered), ``fail`` ({operation: code} answered as that refusal), ``status_kind``
+never answered), ``fail`` ({operation: code, or [code, capture keys it names]} answered as
+that refusal), ``status_kind``
 (a status claiming another kind); ``serves_config`` (also serve this config as a Gym
 head server does, at ``GET /global_config_dict_yaml``); ``disabled`` (no control routes: not a participant).
 ``POST /run`` is a data route that parks until ``POST /test/release``.
@@ -142,7 +143,11 @@ class ControlLog:
 
         injected = None
         if operation in self.spec.get("fail", {}):
-            error = ERRORS_BY_CODE[self.spec["fail"][operation]](f"{self.spec['instance']} refuses {operation} (test)")
+            # A code, or [code, capture keys the refusal names] (attempt_running's episode_ids).
+            code, *named = [self.spec["fail"][operation]] if isinstance(self.spec["fail"][operation], str) \
+                else self.spec["fail"][operation]
+            error = ERRORS_BY_CODE[code](f"{self.spec['instance']} refuses {operation} (test)",
+                                         episodes=named[0] if named else None)
             injected = (error.status, error.to_body())
         elif operation == "status" and "status_kind" in self.spec:
             injected = (200, {"kind": self.spec["status_kind"], "instance": self.spec["instance"], "phase": "idle"})

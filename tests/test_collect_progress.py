@@ -53,7 +53,10 @@ def test_the_summary_table_names_the_pauses_the_restore_and_the_fallbacks() -> N
         "restore_s": 0.12, "restored_from": "collect-000008-0a1b2c3d",
         "fallbacks": [["collect-000009-0a1b2c3d", "records file digest does not match"]],
         "forgotten": 150, "checkpoint_dir": "/ckpt",
+        "terminal_failures": ["3-0"], "missing": ["4-0", "5-0"], "duplicated": [],
     })
     assert "4 of 5" in text and "mean 0.50s, max 1.25s" in text
+    flat = " ".join(text.split())
+    assert "failed for good 1" in flat and "missing (--resume runs them) 2" in flat
     assert "0.12s from collect-000008-0a1b2c3d" in text
     assert "collect-000009-0a1b2c3d: records file digest does not match" in " ".join(text.split())

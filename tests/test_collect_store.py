@@ -54,13 +54,29 @@ def test_state_is_published_manifest_last_and_read_back(tmp_path: Path) -> None:
 
 
 def test_older_checkpoints_go_only_after_a_newer_one_is_published(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path / "ckpt")
+    store = CheckpointStore(tmp_path / "ckpt", collection="/x/out.jsonl")
     for seq in (1, 2, 3):
         _publish(store, seq)
     unpublished = _publish(store, 4, publish=False)
-    assert [p.name for p in store.prune(keep=2)] == [store.checkpoint_id(1)]
+    assert [p.name for p in store.prune(keep=2, in_use=[unpublished])] == [store.checkpoint_id(1)]
     assert [seq for seq, _ in store.entries()] == [2, 3, 4]  # the write in progress (4) is never removed
     assert unpublished.exists() and store.next_seq() == 5
+    # Once it is no longer in use, an unpublished attempt is a failed one: it goes.
+    assert store.prune(keep=2) == [unpublished] and [seq for seq, _ in store.entries()] == [2, 3]
+
+
+def test_prune_never_touches_another_runs_checkpoints(tmp_path: Path) -> None:
+    other = CheckpointStore(tmp_path / "ckpt", run="0badc0de", collection="/y/other.jsonl")
+    theirs = [_publish(other, 1), _publish(other, 2, publish=False)]
+    # The other collection's manifest names its own output.
+    manifest = json.loads((theirs[0] / COLLECTOR_DIR / "manifest.json").read_text())
+    manifest["collector"]["deployment"]["output"] = "/y/other.jsonl"
+    os.chmod(theirs[0] / COLLECTOR_DIR / "manifest.json", 0o600)
+    (theirs[0] / COLLECTOR_DIR / "manifest.json").write_text(json.dumps(manifest))
+    store = CheckpointStore(tmp_path / "ckpt", collection="/x/out.jsonl")
+    ours = [_publish(store, seq) for seq in (3, 4, 5)]
+    assert store.prune(keep=1) == ours[:2]
+    assert all(path.exists() for path in theirs) and ours[2].exists()
 
 
 def test_a_corrupted_last_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
@@ -100,6 +116,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_anything_runs(tmp_path: Path, ca
 def test_a_fresh_collection_refuses_a_directory_holding_an_earlier_one(tmp_path: Path, capsys: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # Gym's parser (Hydra) writes outputs/ in the working directory
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "a-token")
     store = CheckpointStore(tmp_path / "ckpt")
     _publish(store, 1)
     inputs = tmp_path / "in.jsonl"

@@ -167,7 +167,9 @@ async def test_a_failed_restore_retires_the_replacements_and_resumes_everyone(tm
             assert [(f.server, f.code) for f in error.failures] == [(agent.name, "invalid_checkpoint_state")]
             assert [(f.server, f.operation, f.code) for f in error.cleanup_failures] == [
                 (tools.name, "retire", "invalid_phase")]
-            assert error.result == {"next_attempts": {"r1": 2, "r2": 3}}
+            # Every replacement was installed by some participant that replied: all of them are retired.
+            assert error.result == {"next_attempts": {"r1": 2, "r2": 3}, "retired": ["r1-a1", "r2-a2"],
+                                    "left_alone": []}
             for server in servers:
                 events = server.events()
                 retired = [e["keys"] for e in events if e["op"] == "retired"]
@@ -182,6 +184,58 @@ async def test_a_failed_restore_retires_the_replacements_and_resumes_everyone(tm
                 assert server.first("restore") < [e["t"] for e in events if e["op"] == "resume"][-1]
             statuses, failures = await coordinator.status()
             assert not failures and {s["phase"] for s in statuses.values()} == {"idle"}
+    finally:
+        stop_participants(servers)
+
+
+async def test_a_restore_every_participant_refused_retires_nothing_and_resumes_everyone(tmp_path):
+    specs = [dict(spec, holds=["r1", "r2-a1"], fail={"restore": "invalid_phase"}) for spec in FOUR]
+    servers = start_participants(tmp_path, [dict(spec, holds=["r1", "r2-a1"]) for spec in FOUR])
+    ckpt = tmp_path / "ckpt"
+    try:
+        async with await discover([s.url for s in servers], TOKEN) as coordinator:
+            await committed_checkpoint(tmp_path, coordinator, ckpt)
+    finally:
+        stop_participants(servers)
+    # The same checkpoint, restored by participants that all refuse (none installed anything).
+    (tmp_path / "again").mkdir()
+    servers = start_participants(tmp_path / "again", specs)
+    try:
+        async with await discover([s.url for s in servers], TOKEN) as coordinator:
+            with pytest.raises(CoordinationError) as caught:
+                await restore(coordinator, "restore-1", str(ckpt), ["r1", "r2-a1"], timeout=10)
+            assert caught.value.result == {"next_attempts": {"r1": 2, "r2": 3}, "retired": [], "left_alone": []}
+            for server in servers:
+                # Nothing to retire: a refused restore never retires what it did not install.
+                assert "retire" not in server.ops(), server.name
+                assert "resume" in server.ops(), server.name
+    finally:
+        stop_participants(servers)
+
+
+async def test_a_replacement_refused_as_running_elsewhere_is_left_alone(tmp_path):
+    specs = [dict(spec, holds=["r1", "r2-a1"]) for spec in FOUR]
+    servers = start_participants(tmp_path, specs)
+    ckpt = tmp_path / "ckpt"
+    try:
+        async with await discover([s.url for s in servers], TOKEN) as coordinator:
+            await committed_checkpoint(tmp_path, coordinator, ckpt)
+    finally:
+        stop_participants(servers)
+    # r1's replacement runs on the environment (another controller's): refused attempt_running there.
+    specs[0]["fail"] = {"restore": ["attempt_running", ["r1-a1"]]}
+    (tmp_path / "again").mkdir()
+    servers = start_participants(tmp_path / "again", specs)
+    try:
+        async with await discover([s.url for s in servers], TOKEN) as coordinator:
+            with pytest.raises(CoordinationError) as caught:
+                await restore(coordinator, "restore-1", str(ckpt), ["r1", "r2-a1"], timeout=10)
+            assert [(f.code, f.episodes) for f in caught.value.failures] == [("attempt_running", ("r1-a1",))]
+            assert caught.value.result["retired"] == ["r2-a2"] and caught.value.result["left_alone"] == ["r1-a1"]
+            for server in servers:
+                clean_up = [e["keys"] for e in server.events() if e["op"] == "retired"][-1:]
+                if server is not servers[0]:  # the others installed both; only r2's replacement is retired
+                    assert clean_up == [["r2-a2"]], server.name
     finally:
         stop_participants(servers)
 

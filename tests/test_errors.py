@@ -18,6 +18,9 @@ PROTOCOL_ERRORS = {
     "export_failed": 409,
     "checkpoint_parked": 409,
     "rollout_id_required": 400,
+    "attempt_running": 409,
+    "owner_conflict": 409,
+    "owner_fenced": 409,
     "invalid_checkpoint_state": 422,
 }
 
@@ -47,3 +50,18 @@ async def test_handler_renders_code_detail_and_status(code: str) -> None:
 def test_error_keeps_its_data() -> None:
     exc = errors.InvalidCheckpointState("bad record", episode="r-a2")
     assert exc.data == {"episode": "r-a2"} and str(exc) == "bad record"
+
+
+async def test_attempt_running_names_the_attempts_that_live_elsewhere() -> None:
+    app = FastAPI()
+    errors.install_error_handler(app)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise errors.AttemptRunning("r-a1 runs here", episodes=["r-a1", "q"])
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        reply = await client.get("/boom")
+    assert reply.status_code == 409
+    assert reply.json() == {"error": {"code": "attempt_running", "detail": "r-a1 runs here",
+                                      "episode_ids": ["q", "r-a1"]}}

@@ -284,7 +284,7 @@ async def test_an_unnamed_body_is_refused_rollout_id_required_and_a_duplicate_at
         first = asyncio.ensure_future(http.post("/run", json=_row("d")))
         await wait_until(lambda: agent.started.count("d") == 1, what="the first relay started")
         duplicate = await http.post("/run", json=_row("d"))
-        assert duplicate.status_code == 409 and duplicate.json()["error"]["code"] == "checkpoint_conflict"
+        assert duplicate.status_code == 409 and duplicate.json()["error"]["code"] == "attempt_running"
         assert book.ready(None).restarts == ["d"]
         agent.release["d"].set()
         assert (await first).status_code == 200

@@ -194,6 +194,9 @@ async def test_attach_installs_router_and_error_handler() -> None:
         async def status(self) -> dict[str, Any]:
             return {"phase": "stub"}
 
+        def admit_owner(self, owner: str | None, operation: str, deadline_ts: float, take_over: bool) -> None:
+            return None  # nobody owns a stub
+
         async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
             raise StaleCheckpoint(f"{checkpoint_id} was resumed")
 

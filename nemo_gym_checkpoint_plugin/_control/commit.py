@@ -14,6 +14,12 @@ Rules (docs/protocol.md "Errors", "Phases", "Retire, forget, restore marks", "Re
   scope and ``stop``, into the same or another directory, writes the same records again
   (``KeptExport``); any other failure while writing (a record that is not JSON, the
   participant's iterator raising) ends the checkpoint like a failed export;
+- a commit that reaches its deadline before the write published **stops the write** and replies
+  ``deadline_exceeded``: no manifest appears after that reply (a controller giving up never leaves
+  a complete-looking participant behind). When the manifest went out just as the deadline passed,
+  the reply waits (``PUBLISHED_GRACE``) and says ``committed`` instead. The export is kept: a
+  retry of the same commit (same scope and ``stop``) writes it again, or, when the export itself
+  was still running, simply lets it write; a checkpoint never exports twice;
 - after the write, restored-pending episodes the scope leaves out are deleted
   (``delete_restored``); a resume waits for that cleanup; with ``stop: true`` the
   participants free exported state held outside the process (failures logged).
@@ -29,9 +35,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from nemo_gym_checkpoint_plugin._collector import collector_paused
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointError,
+    DeadlineExceeded,
     ExportFailed,
     InvalidPhase,
     RestartInScope,
+    StaleCheckpoint,
     WriteFailed,
 )
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
@@ -51,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 # The protocol fields of a commit reply; participant extras never replace them.
 _REPLY_FIELDS = ("phase", "manifest", "episode_ids")
+# Seconds a commit whose manifest was published as its deadline passed waits to reply committed.
+PUBLISHED_GRACE = 5.0
 
 
 def _scoped(records: Iterable[Mapping[str, Any]], scope: frozenset[str] | None, written: list[str]) -> Iterator[Any]:
@@ -98,17 +108,31 @@ class CommitMixin:
                 # docs/protocol.md: every later commit of the id gets export_failed, whatever its arguments.
                 raise active.export_error
             if previous is not None and active.write_error is not None and previous.task.done():
-                # The write failed, the export is kept: write it again, into this call's directory.
+                # The write failed (or was stopped at a deadline), the export is kept: write it again,
+                # into this call's directory.
                 previous.check_args("commit", checkpoint_id, args, any_dir=True)
                 active.write_error = None
+                active.writes_stopped = False
                 task = self._spawn(self._write(active, args), active)
                 active.commit = Replay(args, task)
+            elif previous is not None and active.writes_stopped and not previous.task.done():
+                previous.check_args("commit", checkpoint_id, args, any_dir=active.writer is not None)
+                if active.writer is None:
+                    # Stopped while it still exported: nothing was written yet, so it may write after all.
+                    active.writes_stopped = False
+                    task = previous.task
+                else:
+                    task = self._spawn(self._write_after(active, previous.task, args), active)
+                    active.commit = Replay(args, task)
             elif previous is not None:
                 previous.check_args("commit", checkpoint_id, args)
                 task = previous.task
             else:
                 task = await self._start_commit(active, args)
-        reply = await self._joined(task, deadline_ts, f"commit of {checkpoint_id}")
+        try:
+            reply = await self._joined(task, deadline_ts, f"commit of {checkpoint_id}")
+        except DeadlineExceeded:
+            reply = await self._stop_late_write(active, task, deadline_ts)
         cleanup = active.cleanup_task
         if cleanup is not None and not cleanup.done():
             # The write is durable: the commit succeeded even if cleanup outlives the deadline (resume waits).
@@ -117,6 +141,44 @@ class CommitMixin:
             except TimeoutError:
                 logger.warning("commit of %s: restored-state cleanup still running at its deadline", checkpoint_id)
         return reply
+
+    async def _stop_late_write(self: ControlPlane, active: Active, task: asyncio.Task[Any],
+                               deadline_ts: float) -> dict[str, Any]:
+        """The deadline passed first: stop the write (no manifest after this reply), or reply the published one."""
+        checkpoint_id = active.checkpoint_id
+        async with self._lock:
+            published = False
+            if not task.done() and self._active is active:
+                active.writes_stopped = True
+                if active.writer is not None:
+                    published = active.writer.stop()
+        if task.done() or published:
+            try:
+                # Published just as the deadline passed: durable, so the commit succeeded after all.
+                return await asyncio.wait_for(asyncio.shield(task), PUBLISHED_GRACE)
+            except TimeoutError:
+                pass
+        raise DeadlineExceeded(
+            f"commit of {checkpoint_id} did not finish before deadline_ts {deadline_ts}; its write was stopped, "
+            "so nothing is published after this reply (retry the commit to write the kept export)",
+            deadline_ts=deadline_ts,
+        )
+
+    async def _write_after(self: ControlPlane, active: Active, stopped: asyncio.Task[Any],
+                           args: tuple[Any, ...]) -> dict[str, Any]:
+        """A retry after a deadline stopped the write: wait for that write to end, then write again."""
+        await asyncio.wait([stopped])
+        async with self._lock:
+            if stopped.cancelled():
+                raise StaleCheckpoint(f"the write of {active.checkpoint_id} was aborted by a resume")
+            error = stopped.exception()
+            if error is None:
+                return stopped.result()  # it had published before the stop reached it
+            if active.write_error is None:
+                raise error  # it failed for another reason: that is this commit's answer too
+            active.write_error = None
+            active.writes_stopped = False
+        return await self._write(active, args)
 
     async def _start_commit(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> asyncio.Task[Any]:
         """The first commit of ``active`` (under the lock): check phase, scope and readiness, start the export."""
@@ -174,6 +236,8 @@ class CommitMixin:
         assert kept is not None
         try:
             writer = active.writer = self._storage.open_writer(checkpoint_dir, self.kind, self.instance, checkpoint_id)
+            if active.writes_stopped:
+                writer.stop()  # a commit already replied deadline_exceeded: this write must not publish
             records = kept.replay()
             with collector_paused():  # a retried write encodes every record again
                 manifest = await run_storage(writer.write, records, kept.manifest_extras)
@@ -182,6 +246,11 @@ class CommitMixin:
                 logger.warning("commit of %s: the write failed (%s); the export is kept", checkpoint_id, exc)
                 active.write_error = exc
                 raise
+            if active.writes_stopped and kept.source_error is None and isinstance(exc, Exception):
+                # Stopped at a commit's deadline: the export is kept for a retry, like a failed write.
+                active.write_error = DeadlineExceeded(
+                    f"the write of {checkpoint_id} was stopped when a commit reached its deadline; retry the commit")
+                raise active.write_error from exc
             # The participant's iterator failed inside the write: an export failure, whatever the writer made of it.
             _raise(self._export_failed(active, kept.source_error or exc), exc)
         # Two plugins may write records of the same episode: the reply names each episode once.

@@ -120,6 +120,8 @@ class Active:
     # The last write's WriteFailed, until a retry starts another write.
     write_error: CheckpointError | None = None
     writer: Any = None
+    # A commit replied deadline_exceeded: writes are stopped (none may publish after that reply) until a retry.
+    writes_stopped: bool = False
     cleanup_task: asyncio.Task[None] | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     # The frozen heap (_collector.py) from the checkpoint's or restore's beginning until it ends.

@@ -58,6 +58,7 @@ from .commit import CommitMixin
 from .facade import Participants
 from .lease import Lease
 from .memory import Active, ResumedIds
+from .owner import OwnerLease
 from .restore import RestoreMixin
 
 __all__ = ["ControlPlane"]
@@ -102,6 +103,8 @@ class ControlPlane(CommitMixin, RestoreMixin):
             raise TypeError(f"lease_policy hook answered {policy!r}, not a LeasePolicy")
         self._clock = clock
         self.lease = Lease(policy, self._self_resume, clock)
+        # One controller per deployment (owner.py): checked by the routes before each control call.
+        self.owners = OwnerLease(policy, clock)
         self.phase = Phase.IDLE
         self._lock = asyncio.Lock()
         self._active: Active | None = None
@@ -233,6 +236,27 @@ class ControlPlane(CommitMixin, RestoreMixin):
                 checkpoint_id=checkpoint_id,
             )
 
+    # -- owner -----------------------------------------------------------------------------------
+
+    def admit_owner(self, owner: str | None, operation: str, deadline_ts: float, *, take_over: bool = False) -> None:
+        """Before a control call (the routes call it): refuse another owner's call, record or extend this one's.
+
+        A late call is ``deadline_exceeded`` first: it changes nothing, ownership included.
+        """
+        self._check_deadline(deadline_ts)
+        self.owners.admit(owner, operation, deadline_ts, acquire=operation in ("prepare", "restore"),
+                          take_over=take_over)
+
+    def own(self, owner: str, deadline_ts: float, *, take_over: bool = False, release: bool = False) -> dict[str, Any]:
+        """The ``owner`` route: take (or renew, or take over) ownership, or release it."""
+        self._check_deadline(deadline_ts)
+        released = False
+        if release:
+            released = self.owners.release(owner)
+        else:
+            self.owners.admit(owner, "own", deadline_ts, acquire=True, take_over=take_over)
+        return {"owner": self.owners.owner, "owner_expires_at": self.owners.expires_at, "released": released}
+
     # -- prepare ---------------------------------------------------------------------------------
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
@@ -351,6 +375,9 @@ class ControlPlane(CommitMixin, RestoreMixin):
             retired_rollouts=len(self.marks),
             report=report.to_wire(),
         )
+        if self.owners.owner is not None:
+            # Only while owned: the status of a participant nobody owns is what it always was.
+            body.update(owner=self.owners.owner, owner_expires_at=self.owners.expires_at)
         return body
 
     async def aclose(self) -> None:

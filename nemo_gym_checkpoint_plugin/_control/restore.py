@@ -2,6 +2,8 @@
 
 Rules (docs/protocol.md "Retire, forget, restore marks"):
 
+- a server that has served data requests (``Admission.served``, set by the gate) refuses a
+  restore with ``invalid_phase`` before it marks or installs anything: one rule for every kind;
 - restore marks every scoped episode retired up to its checkpointed attempt *before*
   any deadline-bound work, closes admission, reads and verifies the records in a
   thread, retires the checkpointed attempts it read (stop and free what a process that
@@ -71,6 +73,13 @@ class RestoreMixin:
                 self.lease.extend(deadline_ts)
                 task = active.restore.task
             else:
+                if self.admission.served:
+                    # One rule for every kind, before anything is marked or installed: what a server that
+                    # served episodes holds (sessions, close receipts, capture files) may belong to live ones.
+                    raise InvalidPhase(
+                        f"restore {checkpoint_id}: this {self.kind} server has served episodes; a checkpoint is "
+                        "restored into servers that have served none (fresh processes), never half way into "
+                        "live ones; nothing was marked or installed")
                 # Marks first: from here on the checkpointed attempts are refused, whatever happens next.
                 await self._mark_all(episode_ids)
                 active = Active(checkpoint_id, "restore")

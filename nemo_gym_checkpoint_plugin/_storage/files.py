@@ -60,8 +60,18 @@ def create_private(path: Path | str, buffering: int = -1):  # noqa: ANN201 - a b
         raise
 
 
-def make_private_dirs(path: Path) -> None:
-    """``mkdir -p path``, each directory it creates mode ``0700`` (``Path.mkdir`` gives parents the default)."""
+def make_private_dirs(path: Path, base: Path | None = None) -> None:
+    """``mkdir -p path``, each directory it creates mode ``0700`` (``Path.mkdir`` gives parents the default).
+
+    With ``base`` (an ancestor of ``path``, the checkpoint directory a controller named), every
+    component below it is created and entered relative to its parent's descriptor without ever
+    following a symbolic link (``O_NOFOLLOW``): a link planted there (by another user able to write
+    the directory) is refused with ``ELOOP``, never written through. ``base`` itself may be reached
+    through links, as the controller gave it.
+    """
+    if base is not None:
+        _make_private_below(Path(base), Path(path).relative_to(base).parts)
+        return
     missing: list[Path] = []
     probe = path
     while not os.path.lexists(probe) and probe.parent != probe:
@@ -78,6 +88,33 @@ def make_private_dirs(path: Path) -> None:
     if not path.is_dir():
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
 
+def _make_private_below(base: Path, parts: tuple[str, ...]) -> None:
+    make_private_dirs(base)
+    where = base
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in parts:
+            where = where / name
+            try:
+                os.mkdir(name, DIRECTORY_MODE, dir_fd=fd)
+                created = True
+            except FileExistsError:
+                created = False  # another writer made it first (0700 too), or something else is there
+            try:
+                child = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                # O_NOFOLLOW | O_DIRECTORY on a link says ELOOP or ENOTDIR: told apart, named by its path.
+                link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+                code = errno.ELOOP if link else exc.errno
+                raise OSError(code, os.strerror(code), str(where)) from None
+            if created:
+                os.fchmod(child, DIRECTORY_MODE)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+
+
 _CAUSES = {
     errno.ENOSPC: "no space left on device",
     errno.EDQUOT: "disk quota exceeded",
@@ -89,7 +126,7 @@ _CAUSES = {
     errno.EISDIR: "is a directory",
     errno.EIO: "input/output error",
     errno.ENAMETOOLONG: "file name too long",
-    errno.ELOOP: "too many symbolic links",
+    errno.ELOOP: "a symbolic link where a directory must be (never followed inside a checkpoint)",
 }
 
 

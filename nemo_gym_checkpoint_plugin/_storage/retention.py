@@ -13,6 +13,16 @@ One rule, shared by ``ng-checkpoint gc ROOT --keep K`` and ``collect --keep K``:
   progress and stays; with nothing published, nothing is removed;
 - a checkpoint holding a **live lease** is never removed, whatever its age.
 
+A caller that knows more narrows the rule (``collect`` does, for its own run):
+
+- ``belongs``: only the checkpoints it accepts count at all (kept, removed); every other one is
+  another run's and is never touched (``collect``: this collection's checkpoints only, by the output
+  its collector manifest names, or by its run for an unpublished one);
+- ``unpublished_failed``: no other write is under way (``collect`` holds the directory's lock), so an
+  unpublished checkpoint is a failed attempt and is removed whatever its age (what a full disk left
+  of it is free again before the next attempt writes);
+- ``in_use``: checkpoints the caller is using now (the attempt it is about to write), never removed.
+
 A lease is ``<checkpoint>/.ng-leases/<holder>.json``, created by the controller for the time a
 commit into the checkpoint or a restore from it runs (``hold_lease``) and removed after:
 ``{"schema_version": 1, "operation", "checkpoint_id", "holder", "host", "pid", "expires_at"}``.
@@ -31,7 +41,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,21 +199,31 @@ def checkpoints(root: str | Path | Location, candidates: Callable[[str], bool] |
 
 
 def plan_retention(root: str | Path | Location, keep: int, *, now: float | None = None,
-                   candidates: Callable[[str], bool] | None = None) -> RetentionPlan:
-    """Apply the rule of the module docstring to ``root`` (only the checkpoints ``candidates`` accepts)."""
+                   candidates: Callable[[str], bool] | None = None,
+                   belongs: Callable[[Checkpoint], bool] | None = None, unpublished_failed: bool = False,
+                   in_use: Collection[str] = ()) -> RetentionPlan:
+    """Apply the rule of the module docstring to ``root`` (only the checkpoints ``candidates`` accepts).
+
+    ``in_use`` holds the paths (``str``) of checkpoints in use; ``belongs`` and ``unpublished_failed``
+    narrow the rule as the module docstring says.
+    """
     if keep < 1:
         raise ValueError("keep must be at least 1")
     now = time.time() if now is None else now
     found = checkpoints(root, candidates)
+    if belongs is not None:
+        found = [c for c in found if belongs(c)]
     result = RetentionPlan(keep)
     published = [c for c in found if c.published]
     kept = published[-keep:]
     cutoff = kept[0].order if kept else None
     for checkpoint in reversed(found):
-        if any(lease.live(now) for lease in checkpoint.leases):
+        if any(lease.live(now) for lease in checkpoint.leases) or str(checkpoint.path) in in_use:
             result.in_use.append(checkpoint)
         elif checkpoint in kept:
             result.kept.append(checkpoint)
+        elif not checkpoint.published and unpublished_failed:
+            result.remove.append(checkpoint)  # no write under way but those in use: a failed attempt
         elif not checkpoint.published and (cutoff is None or checkpoint.order > cutoff):
             result.in_progress.append(checkpoint)  # a write under way (or nothing published yet to prefer)
         else:

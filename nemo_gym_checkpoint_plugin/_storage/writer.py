@@ -158,7 +158,8 @@ class CheckpointWriter:
             top = probe.parent
             probe = probe.parent
         try:
-            make_private_dirs(self.directory)
+            # Nothing below the checkpoint directory is ever reached through a symbolic link.
+            make_private_dirs(self.directory, base=self.checkpoint_dir)
         except FileExistsError as exc:
             raise WriteFailed(
                 f"{self.directory} cannot hold checkpoint state: not a directory", path=str(exc.filename)

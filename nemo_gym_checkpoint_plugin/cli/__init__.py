@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from pathlib import Path
 from .._errors import InvalidCheckpointState
 from .._storage.location import Location, is_dir, location
 from .._storage.objstore import is_url
+from .._wire import OWNER_PATTERN
 from ..coordination import DEFAULT_TIMEOUT
 from ._collect import add_collect_parser, run_collect
 from ._gc import add_gc_parser, run_gc
@@ -71,6 +73,12 @@ def _count(value: str) -> int:
     return int(value)
 
 
+def _owner_id(value: str) -> str:
+    if not re.fullmatch(OWNER_PATTERN, value) or len(value) > 200:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an owner id (letters, digits and ._:@+-, at most 200)")
+    return value
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("nemo-gym-checkpoint")
@@ -96,6 +104,9 @@ def _common(json_only: bool = False) -> argparse.ArgumentParser:
     where.add_argument("--probe-timeout", type=_positive, default=2.0, metavar="S",
                        help="seconds to wait for each status probe (default 2)")
     where.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
+    where.add_argument("--owner", type=_owner_id, metavar="ID",
+                       help="the owner id this CLI drives the deployment as (default cli-<user>@<host>); a "
+                            "deployment another controller owns refuses every command but status, naming it")
     # Seconds between "still waiting" lines when stderr is not a terminal (hidden: for tests and logs).
     where.add_argument("--progress-every", type=_positive, default=10.0, help=argparse.SUPPRESS)
     return parent
@@ -134,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"refresh every SECONDS (default {DEFAULT_WATCH:g}) until Ctrl-C")
     # Stop a watch after N refreshes (hidden: for tests and scripts that want a bounded watch).
     status.add_argument("--count", type=_count, help=argparse.SUPPRESS)
-    _operation(sub, "prepare", "close admission stage by stage and wait for readiness", live)
+    prepare = _operation(sub, "prepare", "close admission stage by stage and wait for readiness", live)
+    prepare.add_argument("--take-over", action="store_true",
+                         help="take the deployment over from the controller that owns it, fencing it for good")
     commit = _operation(sub, "commit", "write every participant's state into a checkpoint directory", live)
     commit.add_argument("--dir", required=True, help="the checkpoint directory (shared by every participant)")
     _scope_args(commit, "the commit scope")
@@ -145,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--dir", required=True, help="the checkpoint directory to restore from")
     _scope_args(restore, "a checkpointed attempt to restore (the checkpoint must hold it)")
     restore.add_argument("--all", action="store_true", help="scope: every episode the checkpoint holds")
+    restore.add_argument("--take-over", action="store_true",
+                         help="take the deployment over from the controller that owns it, fencing it for good")
     retire = _operation(sub, "retire", "retire episode attempts everywhere", live)
     _scope_args(retire, "an attempt to retire")
     forget = _operation(sub, "forget", "remove retired marks of rollouts everywhere", live)

@@ -9,9 +9,16 @@ object-store URL such as ``s3://bucket/run``: the deployment's ``checkpoint.stor
 checkpoint that verifies; a damaged one falls back to the one before, and says so).
 
 Everything that can be refused is refused before any row or server is touched: a relative
-``--checkpoint-dir``, one whose parent is missing or that cannot be written, one holding
-checkpoints of an earlier collection (without ``--resume``) or of another deployment.
-Exit status: 0 done, 1 the collection or the deployment failed, 2 usage.
+``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another user could
+change (``_collect_root.py``; ``--allow-shared-root`` to use it with a warning), one another collector
+holds (``collect.lock``, see ``coordination._collect_lock``), one holding checkpoints of an
+earlier collection (without ``--resume``) or of another deployment.
+
+The summary is read from Gym's files at the end (``_collect_tally.py``): ``finished`` counts the
+rows in the output, terminal failures are listed as such, and a row missing from the output or
+in it twice is an error naming the rows.
+Exit status: 0 done (every row once in the output or failed for good), 1 the collection or the
+deployment failed, or a row is missing or duplicated at the end, 2 usage.
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from .._errors import InvalidCheckpointState
 from .._storage.objstore import ObjectPath, is_url
 from .._storage.objstore_put import check_exclusive_create
+from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
+from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
 from ._collect_progress import CollectProgress, summary_table
+from ._collect_root import untrusted
+from ._collect_tally import Tally, finished_rollouts, tally
 from ._output import print_json
 from ._where import UsageError, _token
 
@@ -52,7 +61,8 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                     "continues after a crash of the deployment and the collector.",
         epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
                "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
-               "exit status: 0 done, 1 the collection or the deployment failed, 2 usage",
+               "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
+               "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage",
     )
     parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
                         help="absolute directory holding the checkpoints (its parent must exist), or an "
@@ -61,10 +71,16 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                         help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
     parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
                         help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
-                             "after a newer one is published")
+                             "after a newer one is published, and only this collection's")
     parser.add_argument("--resume", action="store_true",
                         help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
                              "the last published checkpoint continue as their next attempt")
+    parser.add_argument("--allow-shared-root", action="store_true",
+                        help="use a --checkpoint-dir other users can write (refused without it: they could "
+                             "redirect or forge checkpoints), with a warning")
+    parser.add_argument("--take-over", action="store_true",
+                        help="take the deployment over from the controller that owns it (it is fenced for good); "
+                             "without it, a deployment another controller owns is refused, naming it")
     parser.add_argument("--checkpoint-timeout", type=positive, default=60.0, metavar="S",
                         help="seconds each prepare, commit and restore may take (default 60)")
     token = parser.add_mutually_exclusive_group()
@@ -133,59 +149,113 @@ def _gym_config(overrides: list[str], resume: bool) -> tuple[Any, Any]:
     return config, collection
 
 
-def _finished_rollouts(output: Path) -> set[str]:
-    """Rollout ids of the rows in Gym's output file (a torn last line, from a crash, is skipped)."""
-    from ..coordination._collection import row_rollout_id
-
-    finished: set[str] = set()
-    try:
-        handle = output.open("rb")
-    except FileNotFoundError:
-        return finished
-    with handle:
-        for line in handle:
-            try:
-                finished.add(row_rollout_id(orjson.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return finished
-
-
 def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]], Any] | None = None) -> int:
     """The ``collect`` command; ``observe`` also receives every checkpointer event (tests hook there)."""
     root = check_checkpoint_dir(args.checkpoint_dir)
+    notes: list[str] = []
+    if isinstance(root, ObjectPath):
+        # No flock and no file owner on an object store: the owner lease alone keeps one controller per deployment.
+        notes.append(f"{root} is an object store: no directory lock there (one collection per checkpoint "
+                     "directory is not enforced); the deployment's owner lease still refuses a second controller")
+    else:
+        _trusted(root, args.allow_shared_root, notes.append)
     overrides = [o for o in args.gym_overrides if o != "--"]
     config, collection = _gym_config(overrides, args.resume)
-    store = CheckpointStore(root)
-    if not args.resume and store.published():
-        raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume to "
-                         "continue it, or choose another directory")
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(config, resolve=False)
     token, _source, _argv = _token(args, plain)
-    return asyncio.run(_collect(args, root, store, plain, token, collection, observe))
+    output = str(Path(collection.output_jsonl_fpath).resolve())
+    store = CheckpointStore(root, collection=output)
+    if isinstance(root, ObjectPath):
+        if not args.resume and store.published():
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                             "to continue it, or choose another directory")
+        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, None))
+    lock = _lock(root, store, output)
+    # Again once it exists: another user may have made it first, where the parent let them.
+    _trusted(root, args.allow_shared_root, lambda _warning: None)
+    try:
+        previous = lock.acquire()
+    except DirectoryLocked as exc:
+        raise UsageError(f"--checkpoint-dir {root} is in use: {exc}; one collection per checkpoint directory "
+                         "(wait for it to end, or choose another directory)") from None
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {root}: cannot take its lock {lock.path} "
+                         f"({exc.strerror or exc})") from None
+    try:
+        if previous is not None:
+            # A dead collector's lock: its unpublished attempts are this collection's to remove too.
+            store.runs.add(previous.run)
+            notes.append(f"took over {lock.path} from a {previous.describe()}, which is gone")
+        if not args.resume and store.published():
+            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                             "to continue it, or choose another directory")
+        predecessor = previous.owner if previous is not None else None
+        return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, predecessor))
+    finally:
+        lock.release()
+
+
+def _trusted(root: Path, allowed: bool, warn: Callable[[str], None]) -> None:
+    """Refuse (``UsageError``) a root another user could change, or ``warn`` with --allow-shared-root."""
+    problem = untrusted(root)
+    if problem is None:
+        return
+    if not allowed:
+        raise UsageError(f"--checkpoint-dir {root} is not safe: {problem}; another user could redirect the next "
+                         "checkpoint or plant a forged one there. Choose a directory only you can write, or pass "
+                         "--allow-shared-root to use it anyway")
+    warn(f"warning: --checkpoint-dir {root} is shared ({problem}); going on (--allow-shared-root): "
+         "checkpoint directories are created exclusively, never through a link, and only checkpoints this "
+         "user wrote are resumed")
+
+
+def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
+    """The directory's lock for this collector (the directory made first, ``0700``, when it is missing)."""
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"--checkpoint-dir {root} cannot be created ({exc.strerror or exc})") from None
+    return CollectionLock(root, collector_owner(store.run), store.run, output)
 
 
 async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: CheckpointStore, plain: dict[str, Any],
-                   token: str, collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None) -> int:
+                   token: str, collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None,
+                   notes: list[str], predecessor: str | None) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
 
     progress = CollectProgress()
+    for note in notes:
+        progress.say(note)
     try:
         coordinator = await discover(plain, token, probe_timeout=args.probe_timeout, tries=args.tries)
     except CoordinationError as exc:
         print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
         return 1
     async with coordinator:
-        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath)
+        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath,
+                                       getattr(collection, "input_jsonl_fpath", None))
         state, fallbacks = (store.latest() if args.resume else (None, []))
-        for checkpoint_id, why in fallbacks:
-            progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
         if state is not None and (why := identity_mismatch(state.deployment, identity)):
             raise UsageError(f"--checkpoint-dir {root} holds checkpoints of another deployment: {why}")
+        owner = collector_owner(store.run)
+        try:
+            # One controller per deployment, before anything is restored or dispatched (_collect_owner.py).
+            await take_deployment(coordinator, owner, take_over=args.take_over, predecessor=predecessor,
+                                  say=progress.say, timeout=args.checkpoint_timeout)
+            # A dead collector's checkpoint still open on live servers would park every row until its lease ends.
+            await resume_left_open(coordinator, progress.say, args.checkpoint_timeout)
+        except CoordinationError as exc:
+            print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
+            await give_back(coordinator, args.checkpoint_timeout)
+            return 1
+        for checkpoint_id, why in fallbacks:
+            progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
         helper = CheckpointingCollectionHelper()
         tracker = helper.tracker
 
@@ -203,7 +273,7 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         )
         plan = RestorePlan()
         if state is not None:
-            plan = await checkpointer.restore_from(state, _finished_rollouts(Path(collection.output_jsonl_fpath)))
+            plan = await checkpointer.restore_from(state, finished_rollouts(Path(collection.output_jsonl_fpath)))
             helper.set_attempts(plan.attempts)
             progress.say(f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
                          f"{len(plan.restarted)} start over" + (f" (restore failed: {plan.problem})"
@@ -221,31 +291,56 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
             os.environ.setdefault("TQDM_DISABLE", "1")  # one progress display on the terminal, not two
         progress.start()
         loop_task = asyncio.create_task(checkpointer.run())
+        run_task = asyncio.create_task(helper.run_from_config(collection))
+        # Taken over by another controller: this one stops at once, it never fights for the deployment.
+        keeper = OwnerKeeper(coordinator, owner, args.checkpoint_every, args.checkpoint_timeout,
+                             on_fenced=lambda _detail: run_task.cancel())
+        keeper_task = asyncio.create_task(keeper.run())
         started = time.monotonic()
-        failed: BaseException | None = None
+        failed: BaseException | str | None = None
         try:
-            await helper.run_from_config(collection)
+            await run_task
+        except asyncio.CancelledError:
+            if keeper.fenced is None:
+                raise
+            failed = f"another controller took the deployment over ({keeper.fenced}); this collector stopped"
         except Exception as exc:  # Gym's own failure of the run: reported, exit 1
             failed = exc
         finally:
+            keeper.stop()
             checkpointer.stop()
             await loop_task
+            await keeper_task
             progress.stop()
-        summary = _summary(root, helper, checkpointer, plan, time.monotonic() - started)
+        if keeper.fenced is None:
+            await give_back(coordinator, args.checkpoint_timeout)
+        # What the files hold, not what this process saw: a second controller's rows, a row written
+        # twice, a row whose attempt lived elsewhere all show here (_collect_tally.py).
+        outcome = tally(collection)
+        summary = _summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started)
         print(summary_table(summary), file=sys.stderr)
+        if outcome.terminal:
+            progress.say(f"{len(outcome.terminal)} rows failed for good (Gym's failures sidecar, never retried): "
+                         f"{', '.join(outcome.terminal[:20])}{' ...' if len(outcome.terminal) > 20 else ''}")
+        problems = outcome.problems()
         if failed is not None:
-            print(f"ng-checkpoint collect: error: the collection failed: {failed}", file=sys.stderr)
+            problems.insert(0, f"the collection failed: {failed}")
+        for problem in problems:
+            print(f"ng-checkpoint collect: error: {problem}", file=sys.stderr)
         if getattr(args, "json", False):
             print_json(summary, compact=True)
-        return 0 if failed is None else 1
+        return 1 if problems else 0
 
 
-def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, elapsed: float) -> dict[str, Any]:
+def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, outcome: Tally,
+             elapsed: float) -> dict[str, Any]:
     published = [c for c in checkpointer.checkpoints if c.published]
     pauses = [c.paused_s for c in checkpointer.checkpoints]
     return {
-        "rollouts": helper.total,
-        "finished": helper.done_before + helper.tracker.returned,
+        "rollouts": outcome.rows,
+        "finished": outcome.finished,
+        **outcome.to_json(),
+        "lives_elsewhere": sorted(set(helper.tracker.elsewhere)),
         "finished_before": helper.done_before,
         "continued": len(plan.continued),
         "restarted": len(plan.restarted),

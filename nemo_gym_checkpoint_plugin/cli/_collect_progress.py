@@ -87,7 +87,10 @@ def summary_table(summary: dict[str, Any]) -> str:
     pauses = summary["pause_s"]
     rows = [
         ["rows", summary["rollouts"]],
-        ["finished", summary["finished"]],
+        ["finished (rows in the output)", summary["finished"]],
+        ["failed for good", len(summary["terminal_failures"]) or None],
+        ["missing (--resume runs them)", len(summary["missing"]) or None],
+        ["in the output twice or more", len(summary["duplicated"]) or None],
         ["finished before this run", summary["finished_before"]],
         ["continued from a checkpoint", summary["continued"]],
         ["started over", summary["restarted"]],

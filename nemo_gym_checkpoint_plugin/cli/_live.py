@@ -11,11 +11,13 @@ failing server is named with its code, once), 3 ``prepare`` not ready by its dea
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any
 
 from ..coordination import CoordinationError, Coordinator, discover
+from ..coordination._ownership import OWNER_CONFLICT
 from ._failures import explain, explain_error
 from ._output import print_error, print_json, words
 from ._progress import ProgressDisplay, showing_progress
@@ -88,6 +90,22 @@ def _what_next(args: argparse.Namespace, deployment: Deployment) -> str | None:
     return None
 
 
+def _owned_elsewhere(exc: CoordinationError, args: argparse.Namespace, deployment: Deployment) -> str | None:
+    """Who owns the deployment and how to take it over, when the command was refused for that."""
+    refused = [f for f in exc.failures if f.code == OWNER_CONFLICT]
+    if not refused:
+        return None
+    holder = re.search(r"owned by (\S+) until ([0-9-]+ [0-9:]+)", refused[0].detail)
+    who = f"{holder[1]}, until {holder[2]}" if holder else refused[0].detail
+    text = (f"the deployment is owned by another controller ({who}); {args.command} was refused on "
+            f"{len(refused)} server(s) and changed nothing there.")
+    if args.command in ("prepare", "restore"):
+        argv = [args.checkpoint_id, *(["--dir", args.dir] if args.command == "restore" else [])]
+        return (f"{text} To take it over (the owner is fenced for good: only do this when it is gone or must "
+                f"stop):\n  {suggest(args.command, deployment, *argv, '--take-over')}")
+    return f"{text} Wait for it to end, or take it over with prepare --take-over or restore --take-over."
+
+
 async def _operate(args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator,
                    scope: list[str] | None) -> int:
     """Run the operation with its progress shown, then print the summary (after the live line is gone)."""
@@ -111,8 +129,9 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
                 scope: list[str] | None, deadline_ts: float) -> tuple[int, Any, str]:
     """The operation itself: (exit status, the JSON document, the summary in words)."""
     command, checkpoint_id = args.command, args.checkpoint_id
+    coordinator.owner = deployment.owner  # every call names this CLI's owner id (one controller per deployment)
     if command == "prepare":
-        result = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts)
+        result = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts, take_over=args.take_over)
         if result.ready:
             text = f"prepared {checkpoint_id}: ready"
         else:
@@ -137,7 +156,7 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         return 0, {**result.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
         result = await coordinator.restore(checkpoint_id, dir_argument(args.dir), scope or [],
-                                           deadline_ts=deadline_ts)
+                                           deadline_ts=deadline_ts, take_over=args.take_over)
         return 0, result.to_json(), (f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
                                      f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
                                      f"  {suggest('resume', deployment, checkpoint_id)}")
@@ -151,6 +170,11 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         leases = await coordinator.renew(checkpoint_id, deadline_ts=deadline_ts)
         return 0, leases, "renewed: " + ", ".join(f"{n} {lease(v)}" for n, v in leases.items())
     replies = await coordinator.resume(checkpoint_id, deadline_ts=deadline_ts)
+    # This CLI's checkpoint (or restore) is over: the deployment is no longer its to hold.
+    try:
+        await coordinator.release(timeout=max(deadline_ts - time.time(), 1.0))
+    except CoordinationError as exc:
+        print(f"warning: releasing the deployment failed: {str(exc).splitlines()[0]}", file=sys.stderr)
     return 0, replies, f"resumed {checkpoint_id} on {len(replies)} participant(s)"
 
 
@@ -179,7 +203,9 @@ async def run_live(args: argparse.Namespace) -> int:
         if exc.operation == "discover" and isinstance(exc.result, dict):
             servers = exc.result.get("servers")
         message = explain_error(exc, deployment, servers)
-        advice = _what_next(args, deployment) if exc.operation == args.command and deployment else None
+        advice = _owned_elsewhere(exc, args, deployment) if deployment else None
+        if advice is None and exc.operation == args.command and deployment:
+            advice = _what_next(args, deployment)
         if args.json:
             lines, shown = explain(exc.failures, deployment, servers)
             print_error(args.command, message, as_json=True, code="coordination_failed",

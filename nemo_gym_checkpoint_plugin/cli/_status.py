@@ -54,6 +54,8 @@ def _notes(name: str, status: dict[str, Any]) -> str | None:
         notes.append(_plural(int(report["blocker_count"]), "blocker"))
     if report.get("restarts"):
         notes.append(_plural(len(report["restarts"]), "restart"))
+    if status.get("owner"):
+        notes.append(f"owned by {status['owner']} ({lease(status.get('owner_expires_at'))})")
     if status.get("retired_rollouts"):
         notes.append(f"{status['retired_rollouts']} retired")
     if status.get("restart_warning"):

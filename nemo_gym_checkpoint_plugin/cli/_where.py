@@ -15,8 +15,11 @@ The token itself is never printed: every message names where it was read from in
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
+import re
 import shlex
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ import yaml
 from .._settings import SettingsError
 from ..coordination import load_config, token_from_config
 
-__all__ = ["CONFIG_ENV", "TOKEN_ENV", "Deployment", "UsageError", "resolve_deployment", "suggest"]
+__all__ = ["CONFIG_ENV", "TOKEN_ENV", "Deployment", "UsageError", "default_owner", "resolve_deployment", "suggest"]
 
 CONFIG_ENV = "NG_CHECKPOINT_CONFIG"
 TOKEN_ENV = "NG_CHECKPOINT_TOKEN"
@@ -38,12 +41,25 @@ class UsageError(Exception):
 
 @dataclass
 class Deployment:
-    """Where the servers are, the token and where it came from, and the options that say it again."""
+    """Where the servers are, the token and where it came from, the owner id this CLI sends, and the
+    options that say all that again."""
 
     source: str | list[str]
     token: str = field(repr=False)
     token_source: str
     argv: list[str]
+    owner: str = ""
+
+
+def default_owner() -> str:
+    """``cli-<user>@<host>``: the same for every command an operator runs, so prepare, commit and resume
+    from separate shells are one owner."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid{os.getuid()}"
+    # Only the characters an owner id may hold (docs/protocol.md, "One controller per deployment").
+    return re.sub(r"[^A-Za-z0-9._:@+-]", "-", f"cli-{user}@{socket.gethostname()}")[:200]
 
 
 def _read_token_file(path: str) -> str:
@@ -123,7 +139,10 @@ def resolve_deployment(args: argparse.Namespace) -> Deployment:
     else:
         raise UsageError(f"no deployment: pass --config GYM_YAML or --url URL, or set {CONFIG_ENV} to the Gym config")
     token, token_source, token_argv = _token(args, config)
-    return Deployment(source, token, token_source, argv + token_argv)
+    explicit = getattr(args, "owner", None)
+    # A suggested command must name the same owner, or the deployment this CLI owns would refuse it.
+    owner_argv = ["--owner", explicit] if explicit else []
+    return Deployment(source, token, token_source, argv + token_argv + owner_argv, explicit or default_owner())
 
 
 def suggest(command: str, deployment: Deployment | None, *extra: str) -> str:

@@ -3,10 +3,11 @@
 ``CollectionCheckpointer`` runs beside Gym's collection on the same event loop:
 
 - every ``every`` seconds, while rows are in flight, it checkpoints the deployment
-  (``prepare``; when ready, ``commit`` of the rows in flight minus the restarts into
-  ``<root>/<checkpoint id>``; the collector's state written and published last), then
-  ``resume`` (always, whatever failed), then removes checkpoints older than the ``keep``
-  newest published ones;
+  (failed attempts removed first, so what a full disk left of them is free again; ``prepare``;
+  when ready, ``commit`` of the rows in flight minus the restarts into ``<root>/<checkpoint id>``;
+  the collector's state written and published last), then ``resume`` (always, whatever failed),
+  then removes this collection's checkpoints older than the ``keep`` newest published ones
+  (``_storage.retention``);
 - between checkpoints it forgets, on every participant, the rollouts whose ``/run``
   returned (forget is refused while a checkpoint is open, so it never overlaps one);
 - ``restore_from`` puts a published checkpoint back into fresh servers before the
@@ -90,6 +91,9 @@ class CollectionCheckpointer:
         self.keep = keep
         self.deployment = deployment
         self.output_path = Path(output_path)
+        if store.collection is None:
+            # What names this collection in its checkpoints (deployment_identity's output): prune keeps to it.
+            store.collection = str(self.output_path.resolve())
         self.timeout = timeout
         self.observe = observe
         self.seq = store.next_seq()
@@ -143,6 +147,8 @@ class CollectionCheckpointer:
         checkpoint_id = self.store.checkpoint_id(self.seq)
         self.seq += 1
         record = CheckpointRecord(checkpoint_id, published=False)
+        # Failed attempts go before this one writes: what a full disk left of them is space again.
+        await asyncio.to_thread(self._prune, [self.store.path(checkpoint_id)])
         started = time.monotonic()
         try:
             await self._checkpoint(checkpoint_id, record, started)
@@ -159,10 +165,15 @@ class CollectionCheckpointer:
             self.checkpoints.append(record)
         await self._emit("resumed", checkpoint=checkpoint_id, record=record)
         if record.published:
-            # Off the loop: on an object store, listing and removing are network calls.
-            for path in await asyncio.to_thread(self.store.prune, self.keep):
-                logger.info("removed checkpoint %s", path)
+            # Off the loop (as before each attempt): on an object store, listing and removing are network calls.
+            await asyncio.to_thread(self._prune, ())
         return record
+
+    def _prune(self, in_use: Iterable[Any]) -> None:
+        """The retention rule (``_storage.retention``): older published checkpoints and failed attempts of this
+        collection; never ``in_use``."""
+        for path in self.store.prune(self.keep, in_use=in_use):
+            logger.info("removed checkpoint %s", path)
 
     async def _checkpoint(self, checkpoint_id: str, record: CheckpointRecord, started: float) -> None:
         await self._emit("prepare", checkpoint=checkpoint_id)
@@ -177,7 +188,8 @@ class CollectionCheckpointer:
         in_flight = dict(self.tracker.in_flight)
         scope = prepared.continued(self.tracker.episodes())
         committed_at = time.monotonic()
-        target = self.store.path(checkpoint_id)
+        # Made here, exclusively, before any participant writes into it: never a directory someone planted.
+        target = await asyncio.to_thread(self.store.create, checkpoint_id)
         committed = await self.coordinator.commit(checkpoint_id, str(target), scope, timeout=self.timeout)
         written: set[str] = set()
         for keys in committed.episode_ids.values():

@@ -11,7 +11,11 @@ changes only what a checkpoint controller must (everything else, preprocessing,
   ``<id>`` (Gym's ``_episode_request_body`` sends it as attempt 0 of ``"<id>-aN"``, which
   every server refuses), and tells a ``RunTracker`` which episode attempts are in flight.
   Without a reachable head server it uses the collector's own config (the servers' addresses
-  are in it), so a deployment run without Gym's head server can be collected from.
+  are in it), so a deployment run without Gym's head server can be collected from. A ``/run``
+  refused ``409 attempt_running`` (that attempt already runs there: it lives elsewhere) resolves
+  to Gym's own no-persist result, as a row drained by the dispatch budget does: written neither
+  to the output nor to the failures sidecar (so never a terminal failure), noted by the tracker
+  (``elsewhere``), and dispatched again by a ``--resume``.
 - ``_load_from_cache`` (Gym's ``resume_from_cache``) then sets each row's attempt: a row the
   checkpoint continued goes out as the replacement attempt the restore installed, a row a
   failed restore retired starts over past the retired attempts.
@@ -23,6 +27,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
+from nemo_gym.failure_kinds import CANCELLED
 from nemo_gym.global_config import (
     ATTEMPT_INDEX_KEY_NAME,
     ROLLOUT_ID_KEY_NAME,
@@ -30,7 +36,7 @@ from nemo_gym.global_config import (
     TASK_INDEX_KEY_NAME,
     get_global_config_dict,
 )
-from nemo_gym.rollout_collection import RolloutCollectionHelper
+from nemo_gym.rollout_collection import NG_FAILURE_CLASS_KEY, NG_NO_PERSIST_KEY, RolloutCollectionHelper
 from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
 from nemo_gym.server_utils import (
     BaseServerConfig,
@@ -42,10 +48,12 @@ from nemo_gym.server_utils import (
 from pydantic import PrivateAttr
 
 from .._identity import from_capture_key, make_episode_id
+from ._errors import ATTEMPT_RUNNING
 
 __all__ = [
     "CheckpointingCollectionHelper",
     "CollectorServerClient",
+    "LivesElsewhere",
     "RunTracker",
     "decode_explicit_attempt",
     "episode_of_run",
@@ -104,6 +112,8 @@ class RunTracker:
         self.returned = 0
         self.failed = 0
         self.final: list[str] = []
+        # Rollouts whose /run was refused attempt_running: that attempt lives elsewhere, unrecorded here.
+        self.elsewhere: list[str] = []
         self.on_change: Callable[[], None] | None = None
 
     def started(self, rollout_id: str, attempt: int) -> None:
@@ -111,11 +121,13 @@ class RunTracker:
         if self.on_change is not None:
             self.on_change()
 
-    def ended(self, rollout_id: str, ok: bool) -> None:
+    def ended(self, rollout_id: str, ok: bool, elsewhere: bool = False) -> None:
         self.in_flight.pop(rollout_id, None)
         if ok:
             self.returned += 1
             self.final.append(rollout_id)
+        elif elsewhere:
+            self.elsewhere.append(rollout_id)
         else:
             self.failed += 1
         if self.on_change is not None:
@@ -127,6 +139,44 @@ class RunTracker:
     def take_final(self) -> list[str]:
         final, self.final = self.final, []
         return final
+
+
+class LivesElsewhere:
+    """The reply Gym's collection gets for a ``/run`` refused ``attempt_running``: Gym's no-persist result.
+
+    Gym reads a ``/run`` reply through ``raise_for_status`` (``ok``), ``get_response_json``
+    (``read``) and, on its error path, ``release``: this answers those with the result Gym builds
+    for a row its dispatch budget drained (``_ng_no_persist``: no row in any file, so a resume
+    dispatches it again), instead of the refusal, which Gym would turn into the end of the run.
+    """
+
+    status = 200
+    ok = True
+
+    def __init__(self, rollout_id: str, detail: str) -> None:
+        self._body = orjson.dumps({
+            NG_FAILURE_CLASS_KEY: CANCELLED, NG_NO_PERSIST_KEY: True,
+            "error_message": f"rollout {rollout_id}: {detail} (not recorded here: it lives elsewhere)",
+        })
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        return None
+
+
+async def _running_elsewhere(response: Any) -> str | None:
+    """The detail of a ``409 attempt_running`` refusal, else None (the response is left unread)."""
+    if response.status != 409:
+        return None
+    try:
+        error = orjson.loads(await response.read()).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(error, dict) or error.get("code") != ATTEMPT_RUNNING:
+        return None
+    return str(error.get("detail") or "the attempt is already running there")
 
 
 class CollectorServerClient(ServerClient):
@@ -149,17 +199,20 @@ class CollectorServerClient(ServerClient):
         tracker = self._tracker
         if tracker is not None and episode is not None:
             tracker.started(*episode)
-        ok = False
+        ok = elsewhere = False
         try:
             response = await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
             ok = response.ok
             if ok:
                 # The row is final once its reply is read; reading it here keeps that inside the tracking.
                 await response.read()
+            elif episode is not None and (detail := await _running_elsewhere(response)) is not None:
+                elsewhere = True
+                return LivesElsewhere(episode[0], detail)  # type: ignore[return-value]
             return response
         finally:
             if tracker is not None and episode is not None:
-                tracker.ended(episode[0], ok)
+                tracker.ended(episode[0], ok, elsewhere)
 
 
 class CheckpointingCollectionHelper(RolloutCollectionHelper):

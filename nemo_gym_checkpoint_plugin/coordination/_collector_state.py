@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from .._storage.layout import MANIFEST_NAME, SCHEMA_VERSION, records_name
 from .._storage.location import Location, child_dirs, lexists, location
 from .._storage.objstore import ObjectPath
 from .._storage.reader import capture_key_of, iter_verified_lines, load_manifest, read_checkpoint
-from .._storage.retention import plan_retention, remove_checkpoint
+from .._storage.retention import Checkpoint, plan_retention, remove_checkpoint
 
 __all__ = [
     "COLLECTOR_DIR",
@@ -54,7 +55,7 @@ COLLECTOR_DIR = "collector"
 COLLECTOR_KIND = "collector"
 COLLECTOR_INSTANCE = "ng-checkpoint-collect"
 CHECKPOINT_PREFIX = "collect-"
-_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})-[0-9a-f]{8}$")
+_CHECKPOINT_NAME = re.compile(r"^collect-(?P<seq>[0-9]{6,})-(?P<run>[0-9a-f]{8})$")
 ROW_STATES = ("continued", "restart", "uncaptured")
 
 
@@ -94,12 +95,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointStore:
-    """The checkpoints of one collection under ``root`` (absolute, or a URL): naming, writing, reading, pruning."""
+    """The checkpoints of one collection under ``root`` (absolute, or a URL): naming, writing, reading, pruning.
 
-    def __init__(self, root: str | Path | ObjectPath, run: str | None = None) -> None:
+    ``collection`` is what names this collection in its checkpoints (the absolute output file, as
+    ``deployment_identity`` records it); ``runs`` the runs whose unpublished checkpoints are its own
+    (this collector's, and a dead predecessor's it took the directory over from). With a
+    ``collection``, ``prune`` removes only this collection's checkpoints, failed attempts included
+    (``_storage.retention``: ``belongs`` and ``unpublished_failed``).
+    """
+
+    def __init__(self, root: str | Path | ObjectPath, run: str | None = None, *,
+                 collection: str | None = None) -> None:
         self.root = location(root)
         # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
         self.run = run or uuid.uuid4().hex[:8]
+        self.collection = collection
+        self.runs: set[str] = {self.run}
 
     # -- names ----------------------------------------------------------------------------------
 
@@ -126,6 +137,38 @@ class CheckpointStore:
         found = [(seq, self.root / name) for name in names if (seq := self.seq_of(name)) is not None]
         return sorted(found)
 
+    def belongs(self, checkpoint: Checkpoint) -> bool:
+        """Whether ``checkpoint`` is this collection's (what ``prune`` may ever remove).
+
+        Published: its collector manifest names this collection. Unpublished: its run is one of
+        this collection's. A link named like a checkpoint is never this collector's (it makes real
+        directories only): someone planted it, and it is left alone.
+        """
+        if isinstance(checkpoint.path, Path) and checkpoint.path.is_symlink():
+            return False
+        if checkpoint.published:
+            return self._collection_of(checkpoint.path) == self.collection
+        match = _CHECKPOINT_NAME.match(checkpoint.name)
+        return match is not None and (match["run"] in self.runs or match["run"] in self._published_runs())
+
+    def _published_runs(self) -> set[str]:
+        runs = set()
+        for _seq, path in self.published():
+            match = _CHECKPOINT_NAME.match(path.name)
+            if match is not None and self._collection_of(path) == self.collection:
+                runs.add(match["run"])
+        return runs
+
+    @staticmethod
+    def _collection_of(path: Location) -> str | None:
+        try:
+            manifest = load_manifest(path / COLLECTOR_DIR, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
+        except InvalidCheckpointState:
+            return None
+        deployment = (manifest.get("collector") or {}).get("deployment")
+        output = deployment.get("output") if isinstance(deployment, dict) else None
+        return output if isinstance(output, str) else None
+
     def published(self) -> list[tuple[int, Location]]:
         """Checkpoints whose collector manifest exists, oldest first (not yet verified)."""
         return [(seq, p) for seq, p in self.entries() if lexists(p / COLLECTOR_DIR / MANIFEST_NAME)]
@@ -136,6 +179,23 @@ class CheckpointStore:
 
     # -- writing --------------------------------------------------------------------------------
 
+    def create(self, checkpoint_id: str) -> Location:
+        """Make the checkpoint's directory, exclusively, with the root's permissions (the servers write into
+        it as the user the root lets write): whatever already is there (a link or a directory another user
+        planted in a shared root) fails the attempt instead of being written through. An object store has
+        no directories: nothing to make there (its writes are exclusive creates of their own)."""
+        path = self.path(checkpoint_id)
+        if isinstance(path, ObjectPath):
+            return path
+        try:
+            os.mkdir(path, stat.S_IMODE(os.stat(self.root).st_mode) & 0o777)
+        except FileExistsError:
+            raise InvalidCheckpointState(f"{path} exists already, and this collector did not make it: refused, "
+                                         "never written through") from None
+        except OSError as exc:
+            raise write_failed(exc, path, "cannot make the checkpoint directory") from None
+        return path
+
     def write_records(self, state: CollectorState) -> tuple[str, int]:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
         directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
@@ -145,7 +205,7 @@ class CheckpointStore:
             return put_records(directory, (encode_line(row.record()) for row in state.rows))
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
-            make_private_dirs(directory)
+            make_private_dirs(directory, base=self.root)  # never through a link planted in the root
             digest = hashlib.sha256()
             count = 0
             with create_private(tmp) as out:
@@ -195,17 +255,23 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
         return directory / MANIFEST_NAME
 
-    def prune(self, keep: int) -> list[Location]:
-        """Remove what ``keep`` retires (``_storage.retention``, the rule ``ng-checkpoint gc`` applies to
-        this collection's checkpoints); returns what was removed.
+    def prune(self, keep: int, in_use: Iterable[Location] = ()) -> list[Location]:
+        """Remove what ``keep`` retires (``_storage.retention``, the rule ``ng-checkpoint gc`` applies);
+        returns what was removed.
 
-        Called only after a publish: the ``keep`` newest published checkpoints stay, so do an
-        unpublished one newer than the oldest kept (a write in progress) and any under a live lease
-        (a restore or commit using it); a removal that fails is left for the next prune.
+        The ``keep`` newest published checkpoints stay, so does any under a live lease (a restore or
+        commit using it) or in ``in_use``; a removal that fails is left for the next prune. With the
+        store's ``collection`` (``collect`` always gives it), only this collection's checkpoints are
+        considered (``belongs``: another run's are never touched) and its unpublished ones are failed
+        attempts, removed whatever their age (the directory lock says no other write is under way);
+        without it, an unpublished one newer than the oldest kept is a write in progress and stays.
         """
-        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None)
+        mine = self.collection is not None
+        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None,
+                              belongs=self.belongs if mine else None, unpublished_failed=mine,
+                              in_use={str(location(path)) for path in in_use})
         removed = []
-        for checkpoint in plan.remove:
+        for checkpoint in sorted(plan.remove, key=lambda c: c.order):  # oldest first: a cut short keeps the newest
             try:
                 if remove_checkpoint(checkpoint):
                     removed.append(checkpoint.path)
@@ -219,6 +285,11 @@ class CheckpointStore:
         """Read and fully verify a checkpoint: the collector's records and manifest, the participants
         index, and every participant's records. ``InvalidCheckpointState`` naming what is wrong."""
         directory = path / COLLECTOR_DIR
+        owner = _owner_uid(directory / MANIFEST_NAME)
+        if owner is not None and owner != os.getuid():
+            # Only this user's collector writes it: another user's is a plant (a root others can write).
+            raise InvalidCheckpointState(f"{directory}: manifest.json belongs to another user (uid {owner}), not "
+                                         "to this collector's")
         manifest = load_manifest(directory, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
         extras = manifest.get("collector")
         if not isinstance(extras, dict) or not isinstance(extras.get("deployment"), dict):
@@ -273,19 +344,38 @@ def _publish_object(directory: ObjectPath, manifest: dict[str, Any]) -> ObjectPa
     return directory / MANIFEST_NAME
 
 
-def deployment_identity(participants: Iterable[Any], output_path: str | Path) -> dict[str, Any]:
-    """What ties a checkpoint to one collection: the participants (kind/instance) and the output file."""
-    return {
+def _owner_uid(path: Location) -> int | None:
+    """The owner of a file (None on an object store, whose objects have none, or when it cannot be told)."""
+    if isinstance(path, ObjectPath):
+        return None
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
+def deployment_identity(participants: Iterable[Any], output_path: str | Path,
+                        input_path: str | Path | None = None) -> dict[str, Any]:
+    """What ties a checkpoint to one collection: the participants (kind/instance), the output and input files."""
+    identity: dict[str, Any] = {
         "participants": sorted(f"{p.kind}/{p.instance}" for p in participants),
         "output": str(Path(output_path).resolve()),
     }
+    if input_path is not None:
+        identity["input"] = str(Path(input_path).resolve())
+    return identity
 
 
 def identity_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
-    """Why a checkpoint's deployment is not this one (in words), or None when it is."""
+    """Why a checkpoint's deployment is not this one (in words), or None when it is.
+
+    The input is compared when both name one (checkpoints written before it was recorded do not).
+    """
     problems = []
     if recorded.get("output") != current.get("output"):
         problems.append(f"it collected into {recorded.get('output')}, this run into {current.get('output')}")
+    if "input" in recorded and "input" in current and recorded["input"] != current["input"]:
+        problems.append(f"it collected {recorded['input']}, this run {current['input']}")
     if recorded.get("participants") != current.get("participants"):
         problems.append(f"its participants were {recorded.get('participants')}, this deployment has "
                         f"{current.get('participants')}")

@@ -27,7 +27,8 @@ from .._storage.retention import hold_lease
 from ._discovery import Participant
 from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
 from ._order import stages_for
-from ._results import CommitResult, PrepareResult, RestoreResult, wire_episode_id
+from ._ownership import OwnershipMixin
+from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, created_replacements, wire_episode_id
 from ._transport import CallFailed, ControlTransport, Endpoint, encode_body
 
 __all__ = ["Coordinator", "Progress", "DEFAULT_TIMEOUT"]
@@ -53,11 +54,12 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
-class Coordinator:
+class Coordinator(OwnershipMixin):
     """Participants of one deployment, and the operations of docs/protocol.md's coordination order.
 
     Use it as an async context manager (or call ``close``) to release the control pool.
     ``failures`` and ``non_participants`` are what discovery reported besides participants.
+    ``owner`` (None: none) is sent in every call but ``status`` (``_ownership.py``: ``claim``, ``release``).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Coordinator:
         self.failures = list(failures)
         self.non_participants = list(non_participants)
         self.progress: ProgressCallback | None = None
+        self.owner: str | None = None
 
     async def close(self) -> None:
         await self.transport.close()
@@ -164,6 +167,8 @@ class Coordinator:
         self, operation: str, payload: dict[str, Any] | None, deadline_ts: float,
         stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None, keep_going: bool,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
+        if payload is not None and self.owner is not None:
+            payload = {**payload, "owner": self.owner}
         body = None if payload is None else encode_body(payload)
         budget = max(deadline_ts - time.time(), 0.0)
         stages = self._stages(operation)
@@ -198,7 +203,8 @@ class Coordinator:
         return await self._call_stage("status", self.participants, None, timeout, [0], len(self.participants))
 
     async def prepare(
-        self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None
+        self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None,
+        take_over: bool = False,
     ) -> PrepareResult:
         """Prepare stage by stage (environment, model, agent, resources by default).
 
@@ -216,9 +222,10 @@ class Coordinator:
                 for reply in stage.values()
             )
 
-        replies, failures, not_reached, stopped_at = await self._run(
-            "prepare", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline, stop=not_ready
-        )
+        payload: dict[str, Any] = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}
+        if take_over:
+            payload["take_over"] = True  # fences the deployment's current owner for good
+        replies, failures, not_reached, stopped_at = await self._run("prepare", payload, deadline, stop=not_ready)
         result = PrepareResult(checkpoint_id, stopped_at=stopped_at, not_reached=not_reached)
         for name, reply in replies.items():
             result.phases[name] = str(reply.get("phase"))
@@ -326,16 +333,17 @@ class Coordinator:
 
     async def restore(
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None,
+        deadline_ts: float | None = None, timeout: float | None = None, take_over: bool = False,
     ) -> RestoreResult:
         """``_restore`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile."""
         deadline = self._deadline(deadline_ts, timeout)
         async with _leased(checkpoint_dir, "restore", checkpoint_id, deadline):
-            return await self._restore(checkpoint_id, checkpoint_dir, episode_ids, deadline_ts=deadline)
+            return await self._restore(checkpoint_id, checkpoint_dir, episode_ids, deadline_ts=deadline,
+                                       take_over=take_over)
 
     async def _restore(
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None,
+        deadline_ts: float | None = None, timeout: float | None = None, take_over: bool = False,
     ) -> RestoreResult:
         """Restore on every participant at once, all or nothing.
 
@@ -343,11 +351,16 @@ class Coordinator:
         checkpointed attempts. On success every participant is in phase ``restored``
         and the caller resumes it (``resume(checkpoint_id)``) to run the replacements.
         On any failure (a refusal, a server that does not answer, participants restoring
-        different checkpoints) the replacement attempts are retired everywhere, every
-        participant is resumed, and the restore's ``CoordinationError`` is raised (clean-up
-        failures ride along as ``cleanup_failures``, never replacing it). Its ``result``
-        maps each rollout to the attempt it must start over as (the checkpointed attempt
-        + 2, since the replacement + 1 is now refused). Before asking any participant, the
+        different checkpoints) the replacement attempts this restore created are retired
+        everywhere, every participant is resumed, and the restore's ``CoordinationError`` is
+        raised (clean-up failures ride along as ``cleanup_failures``, never replacing it).
+        Created means installed by a participant that replied (its ``restored``), or, when
+        some participant never replied (a timeout, a dropped connection), every replacement
+        of the scope; a participant that refused installed nothing. A replacement some
+        participant refused as ``attempt_running`` lives elsewhere (another controller runs
+        it) and is left alone. Its ``result`` maps each rollout to the attempt it must start
+        over as (``next_attempts``: the checkpointed attempt + 2, past the replacement), and
+        names what was retired (``retired``) and left alone (``left_alone``). Before asking any participant, the
         directory is checked against its participants index: a participant it lists that is
         missing (or replaced) fails the restore at once, naming it (no participant touched;
         ``next_attempts`` are then the checkpointed attempt + 1). Without an index: a warning.
@@ -366,10 +379,12 @@ class Coordinator:
         if index is None:
             logger.warning("restore %s: %s has no participants index (gym/participants.json); restoring without "
                            "checking that every participant is there", checkpoint_id, checkpoint_dir)
-        payload = {
+        payload: dict[str, Any] = {
             "checkpoint_id": checkpoint_id, "deadline_ts": deadline, "checkpoint_dir": str(checkpoint_dir),
             "episode_ids": checkpointed,
         }
+        if take_over:
+            payload["take_over"] = True
         replies, failures, _, _ = await self._run("restore", payload, deadline)
         sources = {name: reply.get("source_checkpoint_id") for name, reply in replies.items()}
         if not failures and len(set(sources.values())) > 1:
@@ -382,12 +397,15 @@ class Coordinator:
                 for p in self.participants if p.name in sources
             ]
         if failures:
-            cleanup = await self._undo_restore(checkpoint_id, checkpointed)
+            retired, left_alone = created_replacements(checkpointed, replies, failures)
+            cleanup = await self._undo_restore(checkpoint_id, retired)
             next_attempts = {e["rollout_id"]: e["attempt"] + 2 for e in checkpointed}
             raise CoordinationError(
-                "restore", failures, cleanup_failures=cleanup, result={"next_attempts": next_attempts},
-                message=f"restore {checkpoint_id} failed on {len(failures)} server(s); its replacement attempts "
-                        "were retired and every participant resumed",
+                "restore", failures, cleanup_failures=cleanup,
+                result={"next_attempts": next_attempts, "retired": [capture_key(e) for e in retired],
+                        "left_alone": left_alone},
+                message=f"restore {checkpoint_id} failed on {len(failures)} server(s); the {len(retired)} replacement "
+                        "attempt(s) it created were retired and every participant resumed",
             )
         source = next(iter(sources.values()), None)
         if not isinstance(source, str):
@@ -395,10 +413,9 @@ class Coordinator:
                 "(deployment)", "", "restore", BAD_REPLY, "no participant named its source_checkpoint_id")])
         return RestoreResult(checkpoint_id, source, replies)
 
-    async def _undo_restore(self, checkpoint_id: str, checkpointed: list[dict[str, Any]]) -> list[ParticipantFailure]:
-        """Retire the replacement attempts everywhere, then resume everyone; return what failed."""
+    async def _undo_restore(self, checkpoint_id: str, replacements: list[dict[str, Any]]) -> list[ParticipantFailure]:
+        """Retire ``replacements`` everywhere, then resume everyone; return what failed."""
         cleanup: list[ParticipantFailure] = []
-        replacements = [{"rollout_id": e["rollout_id"], "attempt": e["attempt"] + 1} for e in checkpointed]
         if replacements:
             try:
                 await self.retire(checkpoint_id, replacements, timeout=self.cleanup_timeout)
@@ -411,6 +428,7 @@ class Coordinator:
             cleanup.extend(exc.failures)
             logger.warning("restore %s: resuming failed: %s", checkpoint_id, exc)
         return cleanup
+
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,9 @@ below, which never come from a participant:
 - ``unresolved_address``: a config block gives its server no host/port, and no head
   server resolved it.
 - ``inconsistent_checkpoint``: participants restored different checkpoints.
+
+``ATTEMPT_RUNNING`` is the participants' code for an attempt already running where it was sent:
+it lives elsewhere, so a controller never records it as a failure of its row.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ATTEMPT_RUNNING",
     "BAD_REPLY",
     "CoordinationError",
     "INCONSISTENT_CHECKPOINT",
@@ -43,13 +47,15 @@ UNKNOWN_KIND = "unknown_kind"
 NO_MODEL_PARTICIPANT = "no_model_participant"
 UNRESOLVED_ADDRESS = "unresolved_address"
 INCONSISTENT_CHECKPOINT = "inconsistent_checkpoint"
+ATTEMPT_RUNNING = "attempt_running"
 
 
 @dataclass(frozen=True)
 class ParticipantFailure:
     """One server's failure in one operation: who (``server``, ``url``), why (``code``, ``detail``).
 
-    ``status`` is the HTTP status when the server replied, else ``None``.
+    ``status`` is the HTTP status when the server replied, else ``None``. ``episodes`` are the
+    capture keys a refusal named (``attempt_running``'s ``episode_ids``: attempts that live elsewhere).
     """
 
     server: str
@@ -58,13 +64,14 @@ class ParticipantFailure:
     code: str
     detail: str
     status: int | None = None
+    episodes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         status = f" (HTTP {self.status})" if self.status is not None else ""
         return f"{self.server} [{self.url}] {self.operation}: {self.code}{status}: {self.detail}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "server": self.server,
             "url": self.url,
             "operation": self.operation,
@@ -72,6 +79,9 @@ class ParticipantFailure:
             "detail": self.detail,
             "status": self.status,
         }
+        if self.episodes:
+            document["episodes"] = list(self.episodes)
+        return document
 
 
 class CoordinationError(Exception):

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._identity import episode_from_wire, from_capture_key
+from ._errors import ATTEMPT_RUNNING, INCONSISTENT_CHECKPOINT, ParticipantFailure
 
-__all__ = ["CommitResult", "PrepareResult", "RestoreResult", "capture_key", "wire_episode_id"]
+__all__ = ["CommitResult", "PrepareResult", "RestoreResult", "capture_key", "created_replacements", "wire_episode_id"]
 
 
 def wire_episode_id(value: Any) -> dict[str, Any]:
@@ -147,3 +148,21 @@ class RestoreResult:
             "restored": self.restored(),
             "replies": self.replies,
         }
+
+def created_replacements(
+    checkpointed: list[dict[str, Any]], replies: dict[str, dict[str, Any]], failures: list[ParticipantFailure]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the replacements a failed restore created, to retire; the capture keys it leaves alone).
+
+    A participant that replied restored its ``restored``; one that refused (a protocol code) installed
+    nothing; one that never replied may have installed any of them. ``attempt_running`` names
+    replacements another controller runs: never retired, whoever else installed them.
+    """
+    running = {key for f in failures if f.code == ATTEMPT_RUNNING for key in f.episodes}
+    replacements = {capture_key(r): r for r in
+                    ({"rollout_id": e["rollout_id"], "attempt": e["attempt"] + 1} for e in checkpointed)}
+    if any(f.status is None and f.code != INCONSISTENT_CHECKPOINT for f in failures):
+        created = set(replacements)
+    else:
+        created = {key for reply in replies.values() for key in reply.get("restored") or () if key in replacements}
+    return [replacements[key] for key in sorted(created - running)], sorted(running & set(replacements))

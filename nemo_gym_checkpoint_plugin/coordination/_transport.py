@@ -65,14 +65,18 @@ def _refusal(endpoint: Endpoint, operation: str, status: int, raw: bytes) -> Par
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         body = None
+    episodes: tuple[str, ...] = ()
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         error = body["error"]
         code = str(error.get("code") or code)
         detail = str(error.get("detail") or "")
+        named = error.get("episode_ids")
+        if isinstance(named, list):
+            episodes = tuple(str(key) for key in named if isinstance(key, str))
     elif isinstance(body, dict) and "detail" in body:
         # FastAPI's own 422 for a body the route refused.
         detail = orjson.dumps(body["detail"]).decode()[:300]
-    return ParticipantFailure(endpoint.name, endpoint.url, operation, code, detail, status)
+    return ParticipantFailure(endpoint.name, endpoint.url, operation, code, detail, status, episodes)
 
 
 class ControlTransport:
