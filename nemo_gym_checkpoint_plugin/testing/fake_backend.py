@@ -64,7 +64,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -76,6 +75,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .fake_answers import FINAL_ANSWER, answer_for, conversation_of, tool_rounds
 from .fake_backend_state import FakeBackendState, HeldCall
+from .fake_controls import add_control_routes, add_dev_routes, bad_request, disconnected, gone
 from .fake_generation import ChatGeneration, CompletionGeneration
 from .fake_staging import StagingDir, stage_completion
 from .fake_tokens import decode_prompt
@@ -95,7 +95,7 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
     Event-driven (a disconnect is the request's next ASGI message), so a thousand held calls cost nothing.
     """
     released = asyncio.ensure_future(call.released.wait())
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({released, gone}, return_when=asyncio.FIRST_COMPLETED)
         if released.done():
@@ -107,16 +107,10 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
     return False
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the client went away (the body was read already: only a disconnect can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
     """``(True, result)`` of ``work``, or ``(False, None)`` when the client went away first (``work`` is cancelled)."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -147,10 +141,6 @@ async def _admitted(request: Request, state: FakeBackendState, conversation: str
     if not finished:
         state.abandoned_total += 1
     return finished
-
-
-def _gone() -> JSONResponse:
-    return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
 
 
 async def _stream(
@@ -197,11 +187,11 @@ def create_app(
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
         body = await _json_object(request)
         if body is None or not isinstance(body.get("messages"), list):
-            return _bad_request("body must be an object with a messages list")
+            return bad_request("body must be an object with a messages list")
         messages, tools = body["messages"], body.get("tools") or []
         conversation, step = conversation_of(messages)
         if not await _admitted(request, state, conversation, step):
-            return _gone()
+            return gone()
         vocabulary = state.vocabulary
         answer = answer_for(vocabulary, messages, tools, conversation, step)
         prompt = vocabulary.render(messages, tools)
@@ -211,7 +201,7 @@ def create_app(
         finished, completion = await _unless_gone(request, generation.whole())
         if not finished or completion is None:
             state.abandoned_total += 1
-            return _gone()
+            return gone()
         state.answered(conversation, step)
         stage_completion(body, completion, staging, generation.worker_view)
         return JSONResponse(completion)
@@ -221,25 +211,25 @@ def create_app(
         body = await _json_object(request)
         prompt = None if body is None else body.get("prompt")
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            return _bad_request("the fake backend takes a prompt of token ids only (a list of ints)")
+            return bad_request("the fake backend takes a prompt of token ids only (a list of ints)")
         assert body is not None
         try:
             messages, tools, generated = decode_prompt(state.vocabulary, prompt)
         except ValueError as exc:
-            return _bad_request(str(exc))
+            return bad_request(str(exc))
         conversation, step = conversation_of(messages)
         answer = answer_for(state.vocabulary, messages, tools, conversation, step)
         if answer.tokens[: len(generated)] != generated:
-            return _bad_request("the prompt ends with tokens that are not the start of this fake model's answer")
+            return bad_request("the prompt ends with tokens that are not the start of this fake model's answer")
         if not await _admitted(request, state, conversation, step):
-            return _gone()
+            return gone()
         generation = CompletionGeneration(state, body, answer, conversation, len(generated), prompt, next(serials))
         if body.get("stream"):
             return _event_stream(_stream(state, generation.stream(), conversation, step))
         finished, completion = await _unless_gone(request, generation.whole())
         if not finished:
             state.abandoned_total += 1
-            return _gone()
+            return gone()
         state.answered(conversation, step)
         return JSONResponse(completion)
 
@@ -247,7 +237,7 @@ def create_app(
     async def tokenize(request: Request) -> JSONResponse:
         body = await _json_object(request)
         if body is None or not isinstance(body.get("messages"), list):
-            return _bad_request("the fake backend tokenizes chat messages only (a messages list)")
+            return bad_request("the fake backend tokenizes chat messages only (a messages list)")
         tokens = state.vocabulary.render(body["messages"], body.get("tools") or [])
         return JSONResponse({"count": len(tokens), "max_model_len": 1_000_000, "tokens": tokens})
 
@@ -256,104 +246,16 @@ def create_app(
         body = await _json_object(request)
         tokens = None if body is None else body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            return _bad_request("detokenize takes tokens (a list of ints)")
+            return bad_request("detokenize takes tokens (a list of ints)")
         try:
             return JSONResponse({"prompt": state.vocabulary.text(tokens)})
         except KeyError as exc:
-            return _bad_request(f"token id {exc.args[0]} is not in this fake backend's vocabulary")
+            return bad_request(f"token id {exc.args[0]} is not in this fake backend's vocabulary")
 
     if dev_routes:
-        _add_dev_routes(app, state)
-    _add_control_routes(app, state)
+        add_dev_routes(app, state)
+    add_control_routes(app, state)
     return app
-
-
-def _add_dev_routes(app: FastAPI, state: FakeBackendState) -> None:
-    """vLLM's dev-mode pause routes (``VLLM_SERVER_DEV_MODE=1``), ``mode=keep`` only."""
-
-    @app.post("/pause")
-    async def pause(request: Request, mode: str = "abort") -> JSONResponse:
-        if mode != "keep":
-            return _bad_request("the fake backend pauses with mode=keep only (requests frozen in place)")
-        state.pause()
-        if state.pause_hangs:
-            await _disconnected(request)  # a worker whose pause never answers; the caller gives up
-            return _gone()
-        return JSONResponse({"status": "paused"})
-
-    @app.post("/resume")
-    async def resume() -> JSONResponse:
-        state.resume()
-        return JSONResponse({"status": "resumed"})
-
-    @app.get("/is_paused")
-    async def is_paused() -> JSONResponse:
-        return JSONResponse({"is_paused": state.paused})
-
-
-def _add_control_routes(app: FastAPI, state: FakeBackendState) -> None:
-    @app.post("/_fake/hold")
-    async def hold(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        if body is None:
-            return _bad_request("body must be a JSON object")
-        match, count, step = body.get("match", ""), body.get("count", 1), body.get("step")
-        if not isinstance(match, str) or not isinstance(count, int) or count < 1:
-            return _bad_request("hold takes match (string) and count (int >= 1)")
-        if step is not None and not isinstance(step, int):
-            return _bad_request("step must be an int or null")
-        rule = state.add_rule(match, count, step)
-        return JSONResponse({"rule_id": rule.rule_id})
-
-    @app.post("/_fake/release")
-    async def release(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        if body is None:
-            return _bad_request("body must be a JSON object")
-        match = body.get("match")
-        if match is not None and not isinstance(match, str):
-            return _bad_request("match must be a string or null")
-        rules_dropped = state.drop_rules(match)
-        return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
-
-    @app.post("/_fake/delay")
-    async def delay(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        seconds = None if body is None else body.get("seconds", 0)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
-            return _bad_request("delay takes seconds (a number from 0 to 3600)")
-        state.delay_seconds = float(seconds)
-        return JSONResponse({"delay_seconds": state.delay_seconds})
-
-    @app.post("/_fake/rate")
-    async def rate(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        value = None if body is None else body.get("tokens_per_second", 0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1_000_000:
-            return _bad_request("rate takes tokens_per_second (a number from 0 to 1e6; 0: no limit)")
-        state.tokens_per_second = float(value)
-        return JSONResponse({"tokens_per_second": state.tokens_per_second})
-
-    @app.post("/_fake/pause_behavior")
-    async def pause_behavior(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        hang = None if body is None else body.get("hang", False)
-        if not isinstance(hang, bool):
-            return _bad_request("pause_behavior takes hang (a bool)")
-        state.pause_hangs = hang
-        return JSONResponse({"hang": hang})
-
-    @app.get("/_fake/stats")
-    async def stats(brief: bool = False) -> dict[str, Any]:
-        return state.counts() if brief else state.stats()
-
-    @app.get("/_fake/generated")
-    async def generated() -> dict[str, Any]:
-        return {"generated_total": state.generated_total, "generated": dict(state.generated), "paused": state.paused}
-
-    @app.post("/_fake/reset")
-    async def reset() -> dict[str, int]:
-        return {"released": state.reset()}
 
 
 async def _json_object(request: Request) -> dict[str, Any] | None:
@@ -362,22 +264,6 @@ async def _json_object(request: Request) -> dict[str, Any] | None:
     except ValueError:
         return None
     return body if isinstance(body, dict) else None
-
-
-async def _control_body(request: Request) -> dict[str, Any] | None:
-    """The JSON object of a control call (empty body: ``{}``); None when it is not an object."""
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
-
-
-def _bad_request(detail: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": detail, "type": "BadRequestError", "code": 400}}, status_code=400)
 
 
 def main(argv: list[str] | None = None) -> None:
