@@ -45,6 +45,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CUT_FIELD, 
 from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import cut_settings
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
+from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
@@ -225,7 +226,9 @@ class ModelCalls:
         if task is not None and not task.done():
             await asyncio.shield(task)
             return
-        await asyncio.Event().wait()  # nothing of ours can change: the control plane cancels this wait
+        # Nothing of ours to wait for; another plugin's blockers may lack a wait_ready: re-ask soon, as the
+        # control plane does when no plugin implements it.
+        await asyncio.sleep(POLL_SECONDS)  # wait-ok: the control plane's own poll interval
 
     @hookimpl
     async def retire(self, episode_ids: list[EpisodeId]) -> None:

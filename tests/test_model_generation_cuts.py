@@ -19,6 +19,9 @@ import pytest
 from cut_support import CutServers, control, final_request, path_of
 from model_support import same_answer
 
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness
+
 HERMES = {"tool_call_parser": "hermes"}
 WORDS = 300
 ANSWER_TOKENS = 7 + WORDS + 1  # the sentence, the extra words, the end token
@@ -198,3 +201,28 @@ async def _until(condition: Any, what: str, timeout: float = 20.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.005)  # wait-ok: polling interval of a bounded condition wait
+
+
+class _BlocksWithoutWaitReady:
+    """A plugin on the model server with a blocker and no ``wait_ready``: readiness must be asked again."""
+
+    blocked = True
+
+    @hookimpl
+    def ready(self, checkpoint_id: str | None) -> Readiness:
+        return Readiness(blockers=["other"] if self.blocked else [])
+
+
+async def test_the_model_participant_never_stalls_another_plugins_readiness(tmp_path: Path) -> None:
+    from control_support import close_harness, make_harness
+    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+
+    other = _BlocksWithoutWaitReady()
+    harness = await make_harness(tmp_path, extra_plugins=(ModelCalls(), other))
+    try:
+        prepare = asyncio.ensure_future(harness.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 30))
+        await _until(lambda: harness.plane.phase == "preparing", "preparing")
+        other.blocked = False
+        assert (await asyncio.wait_for(prepare, 10))["phase"] == "prepared"
+    finally:
+        await close_harness(harness)
