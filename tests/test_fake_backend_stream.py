@@ -194,3 +194,14 @@ def _generated_at_least(client: httpx.AsyncClient, count: int) -> Any:
         return (await client.get("/_fake/generated")).json()["generated_total"] >= count
 
     return check
+
+
+def test_the_numbered_words_of_long_answers_never_share_a_token_id() -> None:
+    from nemo_gym_checkpoint_plugin.testing.fake_tokens import Vocabulary
+
+    vocabulary = Vocabulary()
+    words = [f"{stem}{i}" for stem in ("word", "thought") for i in range(100_000)] + ["word007", "other"]
+    tokens = [vocabulary.token(word) for word in words]
+    assert len(set(tokens)) == len(words)
+    assert vocabulary.text(tokens) == " ".join(words)
+    assert tokens == [Vocabulary().token(word) for word in words]  # a function of the word alone

@@ -99,14 +99,25 @@ def _raw_message(messages: list[dict[str, Any]], tools: list[Any], conversation:
 
 @dataclass
 class Answer:
-    """One answer: its tokens (the end token last), the text each adds, and the tool calls it makes."""
+    """One answer: the text each token adds, the tool calls it makes, its token ids (the end token last).
 
-    tokens: list[int]
+    The ids are given only when asked for (``tokens``): most calls of a big run never need them.
+    """
+
+    vocabulary: Vocabulary
+    words: list[str]
     pieces: list[str]
     tool_calls: list[dict[str, Any]]
+    _tokens: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            self._tokens = [*(self.vocabulary.token(word) for word in self.words), END]
+        return self._tokens
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.pieces)
 
 
 def answer_for(
@@ -114,9 +125,8 @@ def answer_for(
 ) -> Answer:
     raw = _raw_message(messages, tools, conversation, step)
     words = assistant_words(raw)
-    tokens = [*(vocabulary.token(word) for word in words), END]
     pieces = [word if i == 0 else f" {word}" for i, word in enumerate(words)] + [""]
-    return Answer(tokens=tokens, pieces=pieces, tool_calls=list(raw.get("tool_calls") or ()))
+    return Answer(vocabulary=vocabulary, words=words, pieces=pieces, tool_calls=list(raw.get("tool_calls") or ()))
 
 
 @dataclass

@@ -192,10 +192,8 @@ def create_app(
         conversation, step = conversation_of(messages)
         if not await _admitted(request, state, conversation, step):
             return gone()
-        vocabulary = state.vocabulary
-        answer = answer_for(vocabulary, messages, tools, conversation, step)
-        prompt = vocabulary.render(messages, tools)
-        generation = ChatGeneration(state, body, answer, conversation, step, prompt, reasoning_parser)
+        answer = answer_for(state.vocabulary, messages, tools, conversation, step)
+        generation = ChatGeneration(state, body, answer, conversation, step, reasoning_parser)
         if body.get("stream"):
             return _event_stream(_stream(state, generation.stream(), conversation, step))
         finished, completion = await _unless_gone(request, generation.whole())

@@ -65,8 +65,7 @@ class _Generation:
         return "tool_calls" if self.answer.tool_calls else "stop"
 
     def token_text(self, position: int) -> str:
-        token = self.answer.tokens[position]
-        return f"token_id:{token}" if self.as_ids else self.answer.pieces[position]
+        return f"token_id:{self.answer.tokens[position]}" if self.as_ids else self.answer.pieces[position]
 
     async def produce(self) -> AsyncIterator[int]:
         """Each position as its token is generated (counted then, whether or not it reaches anyone)."""
@@ -87,14 +86,23 @@ class ChatGeneration(_Generation):
 
     def __init__(
         self, state: FakeBackendState, body: dict[str, Any], answer: Answer, conversation: str, step: int,
-        prompt: list[int], reasoning_parser: bool,
+        reasoning_parser: bool,
     ) -> None:
         super().__init__(state, body, answer, conversation, 0, _limit(body, "max_completion_tokens", "max_tokens"))
         self.id = f"chatcmpl-fake-{step}"
-        self.prompt = prompt
+        self._messages, self._tools = body["messages"], body.get("tools") or []
+        self._prompt: list[int] | None = None
+        self.prompt_length = state.vocabulary.prompt_length(self._messages, self._tools)
         self.deltas = Deltas(answer, reasoning_parser)
         self.logprobs = bool(body.get("logprobs"))
         self.model = body.get("model") or "fake-model"
+
+    @property
+    def prompt(self) -> list[int]:
+        """The prompt's token ids, rendered only when asked for (most calls of a big run never are)."""
+        if self._prompt is None:
+            self._prompt = self.state.vocabulary.render(self._messages, self._tools)
+        return self._prompt
 
     def _logprob(self, position: int) -> dict[str, Any]:
         token = self.token_text(position)
@@ -116,7 +124,7 @@ class ChatGeneration(_Generation):
         }
         completion: dict[str, Any] = {
             "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [choice], "usage": self.usage(len(self.prompt)),
+            "choices": [choice], "usage": self.usage(self.prompt_length),
         }
         if self.token_ids:
             completion["prompt_token_ids"] = list(self.prompt)
@@ -154,7 +162,7 @@ class ChatGeneration(_Generation):
                 choice["token_ids"] = [self.answer.tokens[position]]
             yield _sse(self._chunk(choice))
         if (self.body.get("stream_options") or {}).get("include_usage"):
-            yield _sse({**self._chunk({}), "choices": [], "usage": self.usage(len(self.prompt))})
+            yield _sse({**self._chunk({}), "choices": [], "usage": self.usage(self.prompt_length)})
         yield b"data: [DONE]\n\n"
 
 

@@ -6,9 +6,10 @@ generations asks for token ids (``return_token_ids``), sends token-id prompts to
 ``/v1/completions`` and decodes token ids (``/detokenize``). So the fake tokenizes as vLLM's does:
 
 - a **word** (whitespace-separated) is one token, its id derived from the word alone (stable across
-  processes); the backend's ``Vocabulary`` remembers every word it tokenized, so it decodes any id it
-  produced since it started (a restarted backend refuses ids from before, as a worker with another
-  tokenizer would);
+  processes): the numbered words of long answers (``word<N>``, ``thought<N>``) get ids of their own,
+  every other word a hash (two words may share one, as rarely as 2**31 ids make it). The backend's
+  ``Vocabulary`` remembers every word it gave an id, so it decodes any id it produced since it
+  started (a restarted backend refuses ids from before, as a worker with another tokenizer would);
 - the **chat template** renders the request's tools (a header) and every message in turn, then a
   generation prompt; an assistant message in a later prompt renders as the generation prompt, the
   tokens generated for it and an end token. Each call's prompt + generation is then a prefix of the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 __all__ = [
@@ -43,9 +45,11 @@ GENERATION_PROMPT = 10
 END = 11
 _TOOLS = 12
 _SPECIAL = frozenset({*_ROLES.values(), _OTHER_ROLE, GENERATION_PROMPT, END, _TOOLS})
-# Word ids live above the special tokens, in a space wide enough that two words of a test never collide.
-_WORD_BASE = 100
-_WORD_SPACE = 2**31 - 2 * _WORD_BASE
+# Word ids live above the special tokens: numbered words below 2**24, every other word hashed above it.
+_NUMBERED = re.compile(r"(word|thought)([0-9]{1,7})")
+_NUMBERED_BASE = 100
+_HASHED_BASE = 2**24
+_HASHED_SPACE = 2**31 - _HASHED_BASE - 1
 
 
 def _content(content: Any) -> str:
@@ -69,10 +73,13 @@ class Vocabulary:
         self._words: dict[int, str] = {}
 
     def token(self, word: str) -> int:
-        token = _WORD_BASE + int(hashlib.sha256(word.encode()).hexdigest()[:12], 16) % _WORD_SPACE
-        known = self._words.setdefault(token, word)
-        if known != word:  # pragma: no cover - 2**31 ids for the few thousand words of a test
-            raise RuntimeError(f"fake tokenizer: {word!r} and {known!r} share token id {token}")
+        numbered = _NUMBERED.fullmatch(word)
+        if numbered is not None and not (len(numbered.group(2)) > 1 and numbered.group(2)[0] == "0"):
+            token = _NUMBERED_BASE + 2 * int(numbered.group(2)) + (numbered.group(1) == "thought")
+        else:
+            token = _HASHED_BASE + int(hashlib.sha256(word.encode()).hexdigest()[:12], 16) % _HASHED_SPACE
+        # Two hashed words sharing an id decode as the first one seen (ids stay a function of the word).
+        self._words.setdefault(token, word)
         return token
 
     def tokens(self, text: str) -> list[int]:
@@ -87,6 +94,16 @@ class Vocabulary:
     def text(self, tokens: list[int]) -> str:
         """The decoded text of ``tokens``: their words, one space apart (special tokens have no text)."""
         return " ".join(word for word in (self.word(t) for t in tokens) if word)
+
+    def prompt_length(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        """How many tokens ``render`` makes of the prompt (without giving its words ids)."""
+        length = 2 + len(json.dumps(tools, sort_keys=True).split()) if tools else 0
+        for message in messages:
+            if message.get("role") == "assistant":
+                length += 2 + len(assistant_words(message))
+            else:
+                length += 2 + len(_content(message.get("content")).split())
+        return length + 1
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template: the tools header, every message, then the generation prompt."""
