@@ -142,3 +142,33 @@ def test_a_2000_token_generation_killed_half_way_continues_with_only_the_remaind
     assert len(answer_of(continued)["generation_token_ids"]) == ANSWER_TOKENS
     cuts = result["status"]["generation_cuts"]
     assert cuts["continued_total"] == 1 and cuts["tokens_continued_total"] == cut
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("sometimes", "must be true, false or a mapping"), ({"tool_call_parser": "pythonic"}, "tool_call_parser")],
+)
+def test_a_bad_setting_makes_the_wrapped_model_server_refuse_to_start(tmp_path: Path, value: Any, said: str) -> None:
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from nemo_gym_checkpoint_plugin.testing.gym_config import WRAP_ENTRYPOINT, build_gym_config, server_location
+
+    config = build_gym_config(free_port_base(), tmp_path, checkpoint=DEFAULT_CHECKPOINT_BLOCK,
+                              model={"checkpoint_generation_cuts": value})
+    server_location(config, MODEL)[2]["entrypoint"] = WRAP_ENTRYPOINT
+    spec = importlib.util.find_spec("responses_api_models.vllm_model.app")
+    assert spec is not None and spec.origin is not None
+    model_dir = Path(spec.origin).parent
+    done = subprocess.run(
+        [sys.executable, "-m", WRAP_ENTRYPOINT], cwd=model_dir, capture_output=True, text=True, timeout=120,
+        env={**os.environ, TOKEN_ENV: TOKEN, "NEMO_GYM_CONFIG_DICT": OmegaConf.to_yaml(config),
+             "NEMO_GYM_CONFIG_PATH": MODEL, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "refusing to start" in done.stderr and "checkpoint_generation_cuts" in done.stderr, done.stderr[-2000:]
+    assert said in done.stderr and f"server {MODEL!r}" in done.stderr and "Traceback" not in done.stderr
