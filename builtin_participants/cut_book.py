@@ -10,7 +10,7 @@ when its block says ``checkpoint_generation_cuts`` (``cut_settings.py``).
   the worker as before. Gym's own code is not touched.
 - **Export**: one cut per in-scope episode whose call is generating here (the worker gave its
   prompt's token ids), and every restored cut not yet continued (an episode restored earlier and
-  not started). A snapshot costs two lengths in the event loop; the record is built in the writer.
+  not started). A snapshot costs list lengths in the event loop; the record is built in the writer.
 - **Continue**: the first call of a restored attempt whose request digest and sampling match its
   cut continues it (``cut_continue.py``); a call whose digest differs is generated from scratch
   (the cut waits for its own call); a continuation that fails is generated from scratch.
@@ -18,14 +18,12 @@ when its block says ``checkpoint_generation_cuts`` (``cut_settings.py``).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.cut_continue import ContinuationFailed, continue_chat
 from nemo_gym_checkpoint_plugin.builtin_participants.cut_freeze import WorkerFreeze
@@ -36,7 +34,13 @@ from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import (
     sampling,
     unknown_fields,
 )
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import Generation, cut_digest, stream_chat
+from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import (
+    Generation,
+    Snapshot,
+    cut_digest,
+    request_sha256,
+    stream_chat,
+)
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -44,22 +48,13 @@ from nemo_gym_checkpoint_plugin._identity import EpisodeId
 if TYPE_CHECKING:
     from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCall
 
-__all__ = ["CUT_FIELD", "CutBook", "request_sha256"]
+__all__ = ["CUT_FIELD", "CutBook", "Snapshot", "request_sha256"]
 
 logger = logging.getLogger(__name__)
 
 # The field of a model record that holds its episode's cut.
 CUT_FIELD = "generation_cut"
 _HEX64 = re.compile(r"[0-9a-f]{64}").fullmatch
-
-
-def request_sha256(body: bytes) -> str | None:
-    """sha256 over the sorted JSON of a request body as its caller sent it; None when it is not JSON."""
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 class _CutClient:
@@ -85,8 +80,8 @@ class CutBook:
         config = getattr(server, "config", None)
         self.reasoning = bool(getattr(config, "uses_reasoning_parser", False))
         self.restored: dict[str, dict[str, Any]] = {}  # replacement capture key -> its cut
-        clients = list(getattr(server, "_clients", []) or [])
-        self.freeze = WorkerFreeze(clients) if settings.freeze_worker and clients else None
+        has_clients = bool(getattr(server, "_clients", None))
+        self.freeze = WorkerFreeze(lambda: server._clients) if settings.freeze_worker and has_clients else None
         self.never_cut: Counter[str] = Counter()
         self.streamed_total = 0
         self.continued_total = 0
@@ -107,18 +102,17 @@ class CutBook:
         call = self._current()
         key = call.key if call is not None else None
         reason = never_cut_reason(body, self.settings)
-        digest = call.request_sha256() if call is not None and key is not None else None
-        if reason is not None or digest is None:
+        if reason is not None or call is None or key is None or call.body is None:
             if reason is not None:
                 self.never_cut[reason] += 1
                 if reason == "unknown_field":
                     self._warn_fields(body)
             return await client.create_chat_completion(**body)
-        assert call is not None and key is not None
         asked = sampling(body)
-        generation = Generation(digest, asked)
+        request = bytes(call.body)
+        generation = Generation(request, asked)
         call.generation = generation
-        cut = self._claim(key, digest, asked)
+        cut = self._claim(key, generation, asked) if key in self.restored else None
         if cut is not None:
             try:
                 answer = await continue_chat(client, body, cut, generation, reasoning=self.reasoning,
@@ -126,7 +120,7 @@ class CutBook:
             except ContinuationFailed as exc:
                 self.continuation_failed_total += 1
                 logger.warning("generation cuts: could not continue the cut of %s (%s); generating it again", key, exc)
-                generation = Generation(digest, asked)
+                generation = Generation(request, asked)
                 call.generation = generation
             else:
                 self.continued_total += 1
@@ -135,11 +129,11 @@ class CutBook:
         self.streamed_total += 1
         return await stream_chat(client, body, generation)
 
-    def _claim(self, key: str, digest: str, asked: Mapping[str, Any]) -> dict[str, Any] | None:
+    def _claim(self, key: str, generation: Generation, asked: Mapping[str, Any]) -> dict[str, Any] | None:
         cut = self.restored.get(key)
         if cut is None:
             return None
-        if cut["request_sha256"] != digest:
+        if cut["request_sha256"] != generation.request_sha256:
             self.mismatched_total += 1  # another call of the attempt: generated from scratch, the cut waits
             return None
         del self.restored[key]
@@ -173,15 +167,16 @@ class CutBook:
             key, generation = call.key, call.generation
             if key is None or generation is None or not generation.cuttable or (scope is not None and key not in scope):
                 continue
-            found[key] = (generation, generation.lengths())
+            found[key] = (generation, generation.snapshot())
         self.exported_total += len(found)
         return found
 
     @staticmethod
-    def record(source: Any) -> dict[str, Any]:
+    def record(source: Any) -> dict[str, Any] | None:
+        """The record field of one ``snapshot`` entry (None: the call gives no cut)."""
         if isinstance(source, tuple):
-            generation, lengths = source
-            return generation.cut_record(lengths)
+            generation, snapshot = source
+            return generation.cut_record(snapshot)
         return source
 
     # -- restore -----------------------------------------------------------------------------------

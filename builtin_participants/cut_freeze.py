@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["FREEZE_SHARE", "MAX_FREEZE_SECONDS", "WorkerFreeze"]
@@ -44,9 +44,9 @@ def _root(base_url: str) -> str:
 class WorkerFreeze:
     """The dev-mode pause of the workers behind one model server's clients (used from its event loop)."""
 
-    def __init__(self, clients: Iterable[Any]) -> None:
-        # One client per worker root: Gym's own transport (auth headers, connection pool).
-        self._clients = {_root(client.base_url): client for client in clients}
+    def __init__(self, clients: Callable[[], Iterable[Any]]) -> None:
+        # The server's current worker clients (vllm_model rebinds them when its endpoint file changes).
+        self._current_clients = clients
         self.supported: dict[str, bool] = {}  # per worker root, once a probe answered
         self._asked: set[str] = set()  # roots asked to pause and not resumed since
         self.task: asyncio.Task[None] | None = None
@@ -54,6 +54,11 @@ class WorkerFreeze:
         self.timeouts_total = 0
         self.failures_total = 0
         self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def _clients(self) -> dict[str, Any]:
+        # One client per worker root: Gym's own transport (auth headers, connection pool).
+        return {_root(client.base_url): client for client in self._current_clients()}
 
     @property
     def frozen(self) -> bool:
@@ -114,10 +119,13 @@ class WorkerFreeze:
         await asyncio.gather(*(self._resume(root, attempts=1) for root in roots))
 
     async def _resume(self, root: str, attempts: int = _RESUME_ATTEMPTS) -> None:
+        client = self._clients.get(root)
+        if client is None:
+            return  # no longer one of this server's workers
         for attempt in range(1, attempts + 1):
             try:
                 async with asyncio.timeout(_RESUME_TIMEOUT_SECONDS):
-                    status, body = await _call(self._clients[root], "POST", f"{root}/resume")
+                    status, body = await _call(client, "POST", f"{root}/resume")
                 if 200 <= status < 300 or status in (404, 405):
                     return
                 reason = f"status {status}: {body[:200]!r}"

@@ -8,20 +8,48 @@ arrived so far; ``assemble`` makes the whole answer the worker returns for the r
 ``stream``, carrying exactly what the request asked back (token ids only with its
 ``return_token_ids``, logprobs only with its ``logprobs``).
 
-A cut is a snapshot of a ``Generation`` (``cut_record``): it is built lazily, in the storage
-writer's thread, from the lengths taken in the event loop. The token and logprob lists only ever
-grow and are never changed in place, so a slice read there is the prefix the snapshot saw.
+A cut is a snapshot of a ``Generation``: ``snapshot`` (in the event loop) takes the lists as they
+are and their lengths, and copies the few small fields; ``cut_record`` builds the record from it
+in the storage writer's thread. The lists only ever grow and are never changed in place (a
+continuation replaces ``content`` with a new list), so the prefixes read there are the snapshot's.
+The request's digest is computed only when something needs it (a cut's record, a restored cut to
+match), once.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
-__all__ = ["Generation", "WorkerStreamError", "cut_digest", "sse_events", "stream_chat"]
+__all__ = ["Generation", "Snapshot", "WorkerStreamError", "cut_digest", "request_sha256", "sse_events",
+           "stream_chat"]
+
+
+def request_sha256(body: bytes) -> str | None:
+    """sha256 over the sorted JSON of a request body as its caller sent it; None when it is not JSON."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class Snapshot(NamedTuple):
+    """What a cut of a generation saw, taken in the event loop (lists by reference, with their lengths)."""
+
+    tokens: int
+    content: list[str]
+    content_parts: int
+    reasoning: list[str]
+    reasoning_parts: int
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+    stop_reason: tuple[Any] | None
+    response: dict[str, Any]
+    reasoning_field: str
 
 
 class WorkerStreamError(RuntimeError):
@@ -38,12 +66,13 @@ class Generation:
     """One generation as it arrives (chat deltas, or a continuation's raw text), in the event loop."""
 
     __slots__ = (
-        "request_sha256", "sampling", "prompt_token_ids", "token_ids", "logprobs", "content", "reasoning",
+        "_body", "_digest", "sampling", "prompt_token_ids", "token_ids", "logprobs", "content", "reasoning",
         "reasoning_field", "tool_calls", "finish_reason", "stop_reason", "response", "usage", "continued_from",
     )
 
-    def __init__(self, request_sha256: str, sampling: Mapping[str, Any]) -> None:
-        self.request_sha256 = request_sha256
+    def __init__(self, body: bytes | None, sampling: Mapping[str, Any], *, digest: str | None = None) -> None:
+        self._body = body  # the request as its caller sent it (``digest`` given instead: tests)
+        self._digest = digest
         self.sampling = dict(sampling)
         self.prompt_token_ids: list[int] | None = None
         self.token_ids: list[int] = []
@@ -57,6 +86,12 @@ class Generation:
         self.response: dict[str, Any] = {}
         self.usage: dict[str, Any] | None = None
         self.continued_from = 0  # tokens this generation took over from a restored cut
+
+    @property
+    def request_sha256(self) -> str | None:
+        if self._digest is None and self._body is not None:
+            self._digest = request_sha256(self._body)  # idempotent: a race computes the same value twice
+        return self._digest
 
     @property
     def cuttable(self) -> bool:
@@ -147,29 +182,36 @@ class Generation:
 
     # -- cuts --------------------------------------------------------------------------------------
 
-    def lengths(self) -> tuple[int, int]:
-        """What a snapshot takes, in the event loop: how many token ids and logprobs arrived (equal when cuttable)."""
-        return len(self.token_ids), len(self.logprobs)
+    def snapshot(self) -> Snapshot:
+        """The cut as it stands, for ``cut_record`` (cheap: list references, lengths, small copies)."""
+        return Snapshot(
+            tokens=len(self.token_ids), content=self.content, content_parts=len(self.content),
+            reasoning=self.reasoning, reasoning_parts=len(self.reasoning),
+            tool_calls=self.message().get("tool_calls", []), finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, response=dict(self.response), reasoning_field=self.reasoning_field,
+        )
 
-    def cut_record(self, lengths: tuple[int, int]) -> dict[str, Any]:
-        """The cut at ``lengths`` (safe in another thread: reads list prefixes only)."""
-        tokens, logprobs = lengths
+    def cut_record(self, snapshot: Snapshot) -> dict[str, Any] | None:
+        """The cut at ``snapshot`` (safe in another thread); None when the request was no JSON (nothing to match)."""
+        digest = self.request_sha256
+        if digest is None:
+            return None
         prefix: dict[str, Any] = {
-            "request_sha256": self.request_sha256,
+            "request_sha256": digest,
             "sampling": self.sampling,
             "prompt_token_ids": self.prompt_token_ids,
-            "token_ids": self.token_ids[:tokens],
-            "logprobs": self.logprobs[:logprobs],
-            "response": dict(self.response),
+            "token_ids": self.token_ids[: snapshot.tokens],
+            "logprobs": self.logprobs[: snapshot.tokens],
+            "response": snapshot.response,
             # The parsed text so far (raw while a continuation runs); the whole message once finished.
-            "text": "".join(self.content),
-            "reasoning": "".join(self.reasoning),
-            "reasoning_field": self.reasoning_field,
-            "tool_calls": self.message().get("tool_calls", []),
-            "finish_reason": self.finish_reason if tokens == len(self.token_ids) else None,
+            "text": "".join(snapshot.content[: snapshot.content_parts]),
+            "reasoning": "".join(snapshot.reasoning[: snapshot.reasoning_parts]),
+            "reasoning_field": snapshot.reasoning_field,
+            "tool_calls": snapshot.tool_calls,
+            "finish_reason": snapshot.finish_reason,
         }
-        if self.stop_reason is not None:
-            prefix["stop_reason"] = self.stop_reason[0]
+        if snapshot.stop_reason is not None:
+            prefix["stop_reason"] = snapshot.stop_reason[0]
         prefix["prefix_sha256"] = cut_digest(prefix)
         return prefix
 

@@ -41,7 +41,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.capture_book import CaptureBook
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CUT_FIELD, CutBook, request_sha256
+from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CUT_FIELD, CutBook
 from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import cut_settings
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
@@ -86,10 +86,6 @@ class ModelCall:
         if self.rollout_id is None:
             return None
         return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
-
-    def request_sha256(self) -> str | None:
-        """The digest of the request as its caller sent it (docs/protocol.md, "Generation cuts")."""
-        return request_sha256(bytes(self.body)) if self.body is not None else None
 
     def capture_id(self) -> str | None:
         """Gym's model call id of this call: noted when its reply began, else read from its task's context.
@@ -340,11 +336,13 @@ def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> It
         episode = record["episode_id"]
         rollout, attempt = episode["rollout_id"], episode["attempt"]
         source = left.pop(rollout if attempt == 0 else f"{rollout}-a{attempt}", None)
-        yield record if source is None else {**record, CUT_FIELD: CutBook.record(source)}
+        cut = CutBook.record(source) if source is not None else None
+        yield record if cut is None else {**record, CUT_FIELD: cut}
     for key in sorted(left):
-        episode = from_capture_key(key)
-        yield {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-               CUT_FIELD: CutBook.record(left[key])}
+        cut = CutBook.record(left[key])
+        if cut is not None:
+            episode = from_capture_key(key)
+            yield {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt}, CUT_FIELD: cut}
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

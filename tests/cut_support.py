@@ -8,7 +8,6 @@ restarted process is) after the old one's call was abandoned (its connection to 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,14 +58,3 @@ class CutServers(ModelServers):
         for key, value in {**({"checkpoint_generation_cuts": cuts} if cuts is not None else {}),
                            **(model or {})}.items():
             block[key] = OmegaConf.create(value) if isinstance(value, Mapping) else value
-
-    async def generated(self) -> int:
-        return self.state.generated_total
-
-    async def wait_generated(self, count: int, timeout: float = 30.0) -> int:
-        end = time.monotonic() + timeout
-        while self.state.generated_total < count:
-            if time.monotonic() > end:
-                raise AssertionError(f"timed out waiting for {count} generated tokens ({self.state.generated_total})")
-            await asyncio.sleep(0.005)  # wait-ok: polling interval of a bounded condition wait
-        return self.state.generated_total

@@ -205,3 +205,25 @@ def test_the_numbered_words_of_long_answers_never_share_a_token_id() -> None:
     assert len(set(tokens)) == len(words)
     assert vocabulary.text(tokens) == " ".join(words)
     assert tokens == [Vocabulary().token(word) for word in words]  # a function of the word alone
+
+
+async def test_pause_at_freezes_the_backend_right_after_the_named_token(
+    client: httpx.AsyncClient, state: FakeBackendState
+) -> None:
+    assert (await client.post("/_fake/pause_at", json={"match": "(stop here)", "tokens": 0})).status_code == 400
+    await client.post("/_fake/pause_at", json={"match": "(stop here)", "tokens": 25})
+    await whole(client, turn("another conversation [answer_words=40]"))  # not the one named: runs through
+    assert not state.paused
+    call = asyncio.ensure_future(client.post("/v1/chat/completions", json=turn("(stop here) [answer_words=40]")))
+    await wait_until_async(_paused(client), 20, "the backend paused")
+    assert state.generated["(stop here) [answer_words=40]"] == 25 and not call.done()
+    await client.post("/resume")
+    assert (await call).status_code == 200
+    assert state.generated["(stop here) [answer_words=40]"] == 48 and state.pause_at is None
+
+
+def _paused(client: httpx.AsyncClient) -> Any:
+    async def check() -> bool:
+        return (await client.get("/is_paused")).json()["is_paused"]
+
+    return check

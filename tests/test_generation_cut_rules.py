@@ -206,7 +206,7 @@ def chunk(delta: dict[str, Any], ids: list[int], finish: str | None = None, **to
 
 
 def test_the_streamed_chunks_assemble_into_the_whole_answer_carrying_what_was_asked() -> None:
-    generation = Generation("0" * 64, {})
+    generation = Generation(None, {}, digest="0" * 64)
     generation.add_chat_chunk(chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[1, 2, 3]))
     generation.add_chat_chunk(chunk({"content": "Hi"}, [7]))
     generation.add_chat_chunk(chunk({"tool_calls": [{"index": 0, "id": "c", "type": "function",
@@ -215,7 +215,7 @@ def test_the_streamed_chunks_assemble_into_the_whole_answer_carrying_what_was_as
     generation.add_chat_chunk(chunk(more, [9], "tool_calls"))
     generation.add_chat_chunk({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
                                                                             "total_tokens": 6}})
-    assert generation.cuttable and generation.lengths() == (3, 3)
+    assert generation.cuttable and generation.snapshot().tokens == 3
     plain = generation.assemble({})
     assert plain == {
         "id": "chatcmpl-1", "object": "chat.completion", "created": 5, "model": "m", "usage": {
@@ -231,20 +231,35 @@ def test_the_streamed_chunks_assemble_into_the_whole_answer_carrying_what_was_as
 
 
 def a_cut() -> dict[str, Any]:
-    generation = Generation("a" * 64, {"temperature": 1.0})
+    generation = Generation(None, {"temperature": 1.0}, digest="a" * 64)
     generation.add_chat_chunk(chunk({"content": "x"}, [4, 5], prompt_token_ids=[1, 2]))
-    return generation.cut_record(generation.lengths())
+    record = generation.cut_record(generation.snapshot())
+    assert record is not None
+    return record
 
 
 def test_a_cut_is_the_prefix_at_its_snapshot_and_its_digest_covers_it() -> None:
-    generation = Generation("a" * 64, {})
+    generation = Generation(None, {}, digest="a" * 64)
     generation.add_chat_chunk(chunk({"content": "x"}, [4, 5], prompt_token_ids=[1, 2]))
-    lengths = generation.lengths()
+    snapshot = generation.snapshot()
     generation.add_chat_chunk(chunk({"content": "y"}, [6], "stop"))  # arrives after the snapshot
-    record = generation.cut_record(lengths)
-    assert record["token_ids"] == [4, 5] and len(record["logprobs"]) == 2 and record["finish_reason"] is None
+    record = generation.cut_record(snapshot)
+    assert record is not None and record["token_ids"] == [4, 5] and len(record["logprobs"]) == 2
+    assert record["text"] == "x" and record["finish_reason"] is None
     assert record["prefix_sha256"] == cut_digest(record)
-    assert generation.cut_record(generation.lengths())["finish_reason"] == "stop"
+    finished = generation.cut_record(generation.snapshot())
+    assert finished is not None and finished["finish_reason"] == "stop" and finished["text"] == "xy"
+
+
+def test_the_request_digest_is_of_the_sorted_json_the_caller_sent_and_none_without_json() -> None:
+    import hashlib
+
+    one = Generation(b'{"b": 1, "a": [2, {"d": 3, "c": 4}]}', {})
+    other = Generation(b'{"a":[2,{"c":4,"d":3}],"b":1}', {})
+    sorted_json = b'{"a":[2,{"c":4,"d":3}],"b":1}'
+    assert one.request_sha256 == other.request_sha256 == hashlib.sha256(sorted_json).hexdigest()
+    broken = Generation(b"{not json", {})
+    assert broken.request_sha256 is None and broken.cut_record(broken.snapshot()) is None
 
 
 @pytest.mark.parametrize(

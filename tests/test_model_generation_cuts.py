@@ -68,12 +68,14 @@ async def test_a_cut_restored_after_a_crash_continues_with_only_the_remainder_ge
 ) -> None:
     expected = await reference(servers, "c1")
     first, http = servers.build(return_token_id_information=True)
+    servers.state.pause_at = ("(c1)", ANSWER_TOKENS // 3)  # the generation stands a third of the way at the checkpoint
     call = await start_call(http, "c1", "c1")
-    await servers.wait_generated(ANSWER_TOKENS // 3)
+    await _until(lambda: servers.state.paused, "the generation a third of the way")
     prepared = (await control(http, "prepare", checkpoint_id="ck-1")).json()
     assert prepared["phase"] == "prepared", prepared
-    assert servers.state.paused  # frozen in place while the checkpoint is open
+    assert servers.state.paused and servers.state.pauses_total == 2  # the model server froze it in place too
     cut = servers.state.generated_total
+    assert cut == ANSWER_TOKENS // 3
     committed = await control(http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(tmp_path / "ck"),
                               episode_ids=[{"rollout_id": "c1", "attempt": 0}])
     assert committed.status_code == 200 and committed.json()["episode_ids"] == ["c1"], committed.text
@@ -105,8 +107,9 @@ async def test_a_cut_restored_after_a_crash_continues_with_only_the_remainder_ge
 async def test_without_a_crash_nothing_is_generated_twice(servers: CutServers, tmp_path: Path) -> None:
     expected = await reference(servers, "nc")
     _, http = servers.build(return_token_id_information=True)
+    servers.state.pause_at = ("(nc)", ANSWER_TOKENS // 2)
     call = await start_call(http, "nc", "nc")
-    await servers.wait_generated(ANSWER_TOKENS // 2)
+    await _until(lambda: servers.state.paused, "the generation half way")
     assert (await control(http, "prepare", checkpoint_id="ck-nc")).json()["phase"] == "prepared"
     committed = await control(http, "commit", checkpoint_id="ck-nc", checkpoint_dir=str(tmp_path / "ck"),
                               episode_ids=[{"rollout_id": "nc", "attempt": 0}])
@@ -124,8 +127,9 @@ async def test_a_call_whose_digest_differs_is_generated_from_scratch_and_the_cut
 ) -> None:
     expected = await reference(servers, "dm")
     first, http = servers.build(return_token_id_information=True)
+    servers.state.pause_at = ("(dm)", 40)
     call = await start_call(http, "dm", "dm")
-    await servers.wait_generated(40)
+    await _until(lambda: servers.state.paused, "40 tokens generated")
     await control(http, "prepare", checkpoint_id="ck-dm")
     await control(http, "commit", checkpoint_id="ck-dm", checkpoint_dir=str(tmp_path / "ck"),
                   episode_ids=[{"rollout_id": "dm", "attempt": 0}])
@@ -155,14 +159,16 @@ async def test_a_constrained_call_is_never_cut(servers: CutServers, tmp_path: Pa
     built, http = servers.build(return_token_id_information=True)
     servers.state.tokens_per_second = RATE
     body = {**final_request(conversation("tc")), "tool_choice": "required"}
+    servers.state.pause_at = ("(tc)", 20)
     call = asyncio.ensure_future(http.post(path_of("tc"), json=body))
-    await servers.wait_generated(20)
+    await _until(lambda: servers.state.paused, "20 tokens generated")
     assert (await control(http, "prepare", checkpoint_id="ck-tc")).json()["phase"] == "prepared"
-    assert not servers.state.paused  # nothing cuttable runs: the worker is not frozen
+    assert servers.state.pauses_total == 1  # nothing cuttable runs: the model server froze nothing
     committed = await control(http, "commit", checkpoint_id="ck-tc", checkpoint_dir=str(tmp_path / "ck"),
                               episode_ids=[{"rollout_id": "tc", "attempt": 0}])
     assert committed.json()["episode_ids"] == []  # no cut: after a crash the call is generated again
     await control(http, "resume", checkpoint_id="ck-tc")
+    servers.state.resume()
     assert (await call).status_code == 200
     status = (await built.status())["generation_cuts"]
     assert status["never_cut_total"] == {"constrained_tool_choice": 1} and status["streamed_total"] == 0
@@ -174,9 +180,10 @@ async def test_a_hung_freeze_does_not_delay_prepared_past_its_share_of_the_deadl
 ) -> None:
     built, http = servers.build(return_token_id_information=True)
     servers.state.tokens_per_second = RATE
-    servers.state.pause_hangs = True
+    servers.state.pause_at = ("(hg)", 20)
     call = asyncio.ensure_future(http.post(path_of("hg"), json=final_request(conversation("hg"))))
-    await servers.wait_generated(20)
+    await _until(lambda: servers.state.paused, "20 tokens generated")
+    servers.state.pause_hangs = True
     window = 12.0
     started = time.monotonic()
     prepared = (await control(http, "prepare", seconds=window, checkpoint_id="ck-hg")).json()

@@ -67,10 +67,12 @@ async def test_the_continued_call_is_one_capture_row_and_gym_rebuilds_the_turn(
     answered = store.read_entries(ROLLOUT)[0].model_call_id
     servers.state.tokens_per_second = 800.0
     before = servers.state.generated_total
+    servers.state.pause_at = (f"({ROLLOUT})", servers.state.generated[conversation(ROLLOUT)] + WORDS // 2)
     pending = asyncio.ensure_future(http.post(path_of(ROLLOUT), json=second_request(ROLLOUT, first_output)))
-    await servers.wait_generated(before + WORDS // 2)
+    await _until(lambda: servers.state.paused, "the second call half way")
     assert (await control(http, "prepare", checkpoint_id="ck")).json()["phase"] == "prepared"
     cut = servers.state.generated_total - before
+    assert cut == WORDS // 2
     committed = await control(http, "commit", checkpoint_id="ck", checkpoint_dir=str(tmp_path / "ck"),
                               episode_ids=[{"rollout_id": ROLLOUT, "attempt": 0}])
     assert committed.json()["episode_ids"] == [ROLLOUT], committed.text

@@ -126,11 +126,13 @@ async def cut_and_continue(servers: CutServers, tmp_path: Path, body: dict[str, 
     """
     expected, total = await reference(servers, body)
     servers.state.tokens_per_second = 100.0
+    servers.state.pause_at = ("", after)
     built, http = servers.build(return_token_id_information=True)
     call = asyncio.ensure_future(http.post(path_of("r"), json=body))
-    await servers.wait_generated(after)
+    await _until(lambda: servers.state.paused, f"{after} tokens generated")
     assert (await checkpoint(http, "ck", tmp_path / "ck", "r", 0))["episode_ids"] == ["r"]
     cut = servers.state.generated_total
+    assert cut == after
     await crash(servers, built, call, 1)
     fresh, http2 = await restored(servers, "rs", tmp_path / "ck", "r", 0)
     answers = spy(fresh.server)
@@ -168,19 +170,21 @@ async def test_a_continued_call_checkpointed_again_exports_the_newer_cut(servers
     body = final_request("twice (twice) [answer_words=300]")
     expected, total = await reference(servers, body)
     servers.state.tokens_per_second = 600.0
+    servers.state.pause_at = ("", 60)
     built, http = servers.build(return_token_id_information=True)
     call = asyncio.ensure_future(http.post(path_of("r"), json=body))
-    await servers.wait_generated(60)
+    await _until(lambda: servers.state.paused, "60 tokens generated")
     await checkpoint(http, "ck-1", tmp_path / "ck-1", "r", 0)
     first_cut = servers.state.generated_total
     await crash(servers, built, call, 1)
 
+    servers.state.pause_at = ("", first_cut + 100)
     built2, http2 = await restored(servers, "rs-1", tmp_path / "ck-1", "r", 0)
     continuing = asyncio.ensure_future(http2.post(path_of("r-a1"), json=body))
-    await servers.wait_generated(first_cut + 100)
+    await _until(lambda: servers.state.paused, "100 more tokens generated")
     await checkpoint(http2, "ck-2", tmp_path / "ck-2", "r", 1)
     second_cut = servers.state.generated_total
-    assert second_cut > first_cut + 100 - 1
+    assert (first_cut, second_cut) == (60, 160)
     await crash(servers, built2, continuing, 2)
 
     built3, http3 = await restored(servers, "rs-2", tmp_path / "ck-2", "r", 1)
@@ -194,9 +198,10 @@ async def test_a_restored_cut_goes_with_a_retire_or_a_commit_that_leaves_its_epi
     servers: CutServers, tmp_path: Path
 ) -> None:
     servers.state.tokens_per_second = 600.0
+    servers.state.pause_at = ("", 30)
     built, http = servers.build(return_token_id_information=True)
     call = asyncio.ensure_future(http.post(path_of("r"), json=final_request("dropped (drop) [answer_words=300]")))
-    await servers.wait_generated(30)
+    await _until(lambda: servers.state.paused, "30 tokens generated")
     await checkpoint(http, "ck", tmp_path / "ck", "r", 0)
     await crash(servers, built, call, 1)
 

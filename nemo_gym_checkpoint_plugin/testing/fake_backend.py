@@ -52,6 +52,9 @@ Control routes (for tests; never part of a real backend):
   fast as the event loop goes).
 - ``POST /_fake/pause_behavior {"hang": false}``: with ``hang`` true, ``/pause`` freezes and then
   never answers (a worker whose pause hangs).
+- ``POST /_fake/pause_at {"match": "", "tokens": N}``: once a conversation containing ``match`` has
+  generated N tokens (counted since the last reset), the backend pauses itself as ``/pause?mode=keep``
+  does, right after that token (a test's cut at an exact point); used once.
 
 A held call whose client disconnects (its caller was killed) is dropped from ``held``
 and counted in ``abandoned_total``, so a test can wait for a crash to be noticed; so is a

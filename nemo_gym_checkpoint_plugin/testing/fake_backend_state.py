@@ -68,6 +68,8 @@ class FakeBackendState:
         self.generated_total = 0
         self.pause_hangs = False
         self.pauses_total = 0
+        # (match, tokens): the backend pauses itself once a conversation containing match generated that many.
+        self.pause_at: tuple[str, int] | None = None
         self.resume()
         return released
 
@@ -106,6 +108,11 @@ class FakeBackendState:
     def count_token(self, conversation: str) -> None:
         self.generated[conversation] += 1
         self.generated_total += 1
+        rule = self.pause_at
+        if rule is not None and rule[0] in conversation and self.generated[conversation] >= rule[1]:
+            # Frozen right after this token, as /pause?mode=keep would: a test's cut at an exact point.
+            self.pause_at = None
+            self.pause()
 
     def add_rule(self, match: str, count: int, step: int | None) -> HoldRule:
         rule = HoldRule(rule_id=next(self._ids), match=match, step=step, remaining=count)

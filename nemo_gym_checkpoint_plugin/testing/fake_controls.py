@@ -105,6 +105,16 @@ def add_control_routes(app: FastAPI, state: FakeBackendState) -> None:
         state.pause_hangs = hang
         return JSONResponse({"hang": hang})
 
+    @app.post("/_fake/pause_at")
+    async def pause_at(request: Request) -> JSONResponse:
+        body = await control_body(request)
+        match = None if body is None else body.get("match", "")
+        tokens = None if body is None else body.get("tokens")
+        if not isinstance(match, str) or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            return bad_request("pause_at takes match (string) and tokens (int >= 1)")
+        state.pause_at = (match, tokens)
+        return JSONResponse({"match": match, "tokens": tokens})
+
     @app.get("/_fake/stats")
     async def stats(brief: bool = False) -> dict[str, Any]:
         return state.counts() if brief else state.stats()

@@ -143,6 +143,10 @@ class FakeBackend:
         """Generate every later token at this rate (0: as fast as the backend goes)."""
         await self._call("POST", "/_fake/rate", {"tokens_per_second": tokens_per_second})
 
+    async def pause_at(self, match: str, tokens: int) -> None:
+        """Pause the backend (as ``/pause?mode=keep``) once a conversation containing ``match`` generated ``tokens``."""
+        await self._call("POST", "/_fake/pause_at", {"match": match, "tokens": tokens})
+
     async def generated(self) -> dict[str, Any]:
         """``{"generated_total", "generated": {conversation: tokens}, "paused"}``: what the backend generated."""
         return await self._call("GET", "/_fake/generated")
