@@ -89,7 +89,6 @@ class CutBook:
         self.mismatched_total = 0
         self.continuation_failed_total = 0
         self.exported_total = 0
-        self.ignored_total = 0
         self._warned_fields: set[str] = set()
         if server is not None and hasattr(server, "_resolve_client"):
             resolve = server._resolve_client
@@ -181,13 +180,14 @@ class CutBook:
 
     # -- restore -----------------------------------------------------------------------------------
 
-    def install(self, cuts: Mapping[str, tuple[str, Any]]) -> None:
-        """Keep ``{replacement key: (checkpointed key, cut)}`` after checking each (``InvalidCheckpointState``)."""
-        checked = {replacement: _checked(checkpointed, cut) for replacement, (checkpointed, cut) in cuts.items()}
-        self.restored.update(checked)
+    @staticmethod
+    def checked(cuts: Mapping[str, tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``{replacement key: cut}`` of ``{replacement key: (checkpointed key, cut)}``; ``InvalidCheckpointState``."""
+        return {replacement: _checked(checkpointed, cut) for replacement, (checkpointed, cut) in cuts.items()}
 
-    def ignore(self, count: int) -> None:
-        self.ignored_total += count
+    def keep(self, cuts: Mapping[str, dict[str, Any]]) -> None:
+        """Keep checked restored cuts until their call continues them (or their episode goes)."""
+        self.restored.update(cuts)
 
     def pending(self) -> list[str]:
         return sorted(self.restored)
@@ -216,7 +216,6 @@ class CutBook:
             "mismatched_total": self.mismatched_total,
             "continuation_failed_total": self.continuation_failed_total,
             "exported_total": self.exported_total,
-            "ignored_total": self.ignored_total,
             "never_cut_total": dict(self.never_cut),
             "freeze_worker": None if freeze is None else {
                 "workers": dict(freeze.supported), "frozen": freeze.frozen, "last_seconds": freeze.last_seconds,

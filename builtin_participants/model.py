@@ -280,24 +280,26 @@ class ModelCalls:
         cut_records = {r.replacement.capture_key: (r.checkpointed.capture_key, r.record[CUT_FIELD])
                        for r in records if CUT_FIELD in r.record}
         captured = [r for r in records if "token_entries" in r.record or "ledger_entries" in r.record]
-        if self.cuts is not None:
-            self.cuts.install(cut_records)  # checked first: a refused cut installs nothing
-            if self.cuts.freeze is not None:
-                await self.cuts.freeze.resume_all()  # a crashed model server may have left a worker frozen
-        elif cut_records:
-            # A cut only saves generating again: without cuts on here, those calls are generated from scratch.
-            logger.warning("%d generation cuts in the checkpoint are ignored: checkpoint_generation_cuts is off here",
-                           len(cut_records))
+        cuts = self.cuts.checked(cut_records) if self.cuts is not None else {}  # a refused cut installs nothing
         if self.book is None:
             if captured:
                 raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
+        else:
+            if self.served_total or self.in_flight:
+                raise InvalidPhase(
+                    f"this model server has served {self.served_total + self.in_flight} model calls: its token "
+                    "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
+                )
+            await self.book.install(checkpoint_id, captured, scope)
+        if self.cuts is None:
+            if cut_records:
+                # A cut only saves generating again: without cuts on here, those calls are generated from scratch.
+                logger.warning("%d generation cuts in the checkpoint are ignored: checkpoint_generation_cuts is off "
+                               "here", len(cut_records))
             return
-        if self.served_total or self.in_flight:
-            raise InvalidPhase(
-                f"this model server has served {self.served_total + self.in_flight} model calls: its token "
-                "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
-            )
-        await self.book.install(checkpoint_id, captured, scope)
+        self.cuts.keep(cuts)
+        if self.cuts.freeze is not None:
+            await self.cuts.freeze.resume_all()  # a crashed model server may have left a worker frozen
 
     @hookimpl
     def restored_pending(self) -> list[str]:

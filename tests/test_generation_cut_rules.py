@@ -277,9 +277,9 @@ def test_a_restored_cut_that_fails_its_checks_is_refused_naming_its_episode(chan
     change(cut)
     book = CutBook(ON, None, lambda: None)
     with pytest.raises(InvalidCheckpointState, match=why) as refused:
-        book.install({"r-a1": ("r", cut)})
+        book.checked({"r-a1": ("r", cut)})
     assert "episode r" in str(refused.value) and book.pending() == []
-    book.install({"r-a1": ("r", copy.deepcopy(a_cut()))})
+    book.keep(book.checked({"r-a1": ("r", copy.deepcopy(a_cut()))}))
     assert book.pending() == ["r-a1"]
 
 
