@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PORT_BASE ?= 18000
 
-.PHONY: setup test demo serve bench lint clean
+.PHONY: setup test test-fast demo demo-s3 serve bench lint clean
 
 setup:
 	@./scripts/setup.sh
@@ -10,9 +10,17 @@ setup:
 test: setup
 	$(PY) -m pytest
 
+# The in-process tests only (no real server processes, marked `slow`): the quick lane while working.
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 demo: setup
 	exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
+
+# The same story with every checkpoint in a local S3-compatible server (moto on 127.0.0.1, started for the run).
+demo-s3: setup
+	exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo --local-s3
 
 # exec: make's shell would otherwise stand between make and serve, and a SIGTERM to `make serve`
 # (which make forwards to its recipe) would kill only that shell and leave every server running.
@@ -21,6 +29,7 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/storage.py
+	$(PY) benchmarks/storage_s3.py
 	$(PY) benchmarks/mid_turn.py
 
 lint: setup

@@ -177,6 +177,8 @@ class CaptureBook:
 
         Proportional to the retire (each named rollout's attempts up to the one named), not to the book.
         """
+        if not self.owned and not self.restored:
+            return []  # a fresh server (a restore retires the checkpointed attempts first): nothing to forget
         named = [episode_id(rollout, attempt)
                  for rollout, last in RetiredBy(episode_ids).limits.items() for attempt in range(last + 1)]
         for episode in named:

@@ -117,13 +117,19 @@ class CaptureDir:
 
     # -- listing -----------------------------------------------------------------------------------
 
-    def attempts(self, rollouts: Iterable[str]) -> dict[str, dict[int, list[str]]]:
-        """``{rollout: {attempt: [file names]}}`` of the attempt files of ``rollouts``, from one listing."""
+    def attempts(self, rollouts: Iterable[str], *, retried_only: bool = False) -> dict[str, dict[int, list[str]]]:
+        """``{rollout: {attempt: [file names]}}`` of the attempt files of ``rollouts``, from one listing.
+
+        ``retried_only``: attempts 1 and later only (their names hold ``-a``: most files of a directory,
+        attempt 0's, are passed over without being parsed).
+        """
         wanted = set(rollouts)
         found: dict[str, dict[int, list[str]]] = {}
         if not wanted:
             return found
         for name in os.listdir(self.root):
+            if retried_only and "-a" not in name:
+                continue
             key = _key_of(name)
             if key is None:
                 continue
@@ -163,6 +169,20 @@ class CaptureDir:
         except FileNotFoundError:
             return []
         return rows_of(data)
+
+    def read_lines(self, key: str, suffix: str) -> list[bytes]:
+        """The complete lines of ``<key><suffix>`` (none when absent), newlines cut; an unfinished last line is not one.
+
+        Gym ends every row it appends with a newline: a last line without one is a write in progress or torn.
+        """
+        try:
+            with open(self.path(key, suffix), "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        lines = data.split(b"\n")
+        lines.pop()  # what follows the last newline: nothing, or an unfinished line
+        return [line for line in lines if line.strip()]
 
     def append(self, key: str, suffix: str, rows: list[tuple[str, bytes]]) -> None:
         """Append ``rows`` (``(model call id, line)``) to ``<key><suffix>`` in one write, creating it; no sync.

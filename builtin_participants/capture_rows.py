@@ -22,7 +22,16 @@ from typing import Any
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 
-__all__ = ["LEDGER", "RESTORED_FROM", "TOKENS", "ledger_line", "ledger_row_id", "token_row_id"]
+__all__ = [
+    "LEDGER",
+    "RESTORED_FROM",
+    "TOKENS",
+    "ledger_line",
+    "ledger_row_id",
+    "row_id_of",
+    "token_row_id",
+    "unpack_line",
+]
 
 # A ledger row installed by a restore names the capture key it was first recorded under (ledger rows
 # carry no rollout id of their own; a token row's rollout_id says the same).
@@ -128,6 +137,36 @@ def ledger_row_id(key: str, row: Any) -> str:
     if restored_from is not None and not (isinstance(restored_from, str) and _gym_key(restored_from)):
         raise _refuse(key, f"ledger entry {call_id}: {RESTORED_FROM} is not a capture key")
     return call_id
+
+
+_ID_KEY = b'"model_call_id":"'
+
+
+def row_id_of(line: bytes) -> str | None:
+    """The model call id of a row's JSON line, found without parsing the line (a row may hold megabytes of tokens).
+
+    Gym writes both row kinds with sorted keys (``TokenCaptureStore``: orjson with ``OPT_SORT_KEYS``;
+    ``FileLineageStore``: ``json.dumps(sort_keys=True)``), and every key that sorts before
+    ``model_call_id`` in either holds a scalar or a list of numbers, so the first ``"model_call_id":"``
+    of a line is the row's own (a quote inside a JSON string is escaped, never matched). None when absent.
+    """
+    start = line.find(_ID_KEY)
+    if start < 0:
+        return None
+    start += len(_ID_KEY)
+    end = line.find(b'"', start)
+    return line[start:end].decode() if end > start else None
+
+
+def unpack_line(key: str, packed: Any) -> tuple[str, bytes]:
+    """``(model call id, line with its newline)`` of a restored row stored as ``[id, its line as text]``."""
+    if type(packed) is not list or len(packed) != 2 or type(packed[0]) is not str or type(packed[1]) is not str:
+        raise _refuse(key, "a captured row must be [model call id, its JSON line]")
+    call_id, text = packed
+    line = text.encode()
+    if line[:1] != b"{" or line[-1:] != b"}" or b"\n" in line or row_id_of(line) != call_id:
+        raise _refuse(key, f"captured row {call_id}: its line is not one JSON row of that model call")
+    return call_id, line + b"\n"
 
 
 def ledger_line(row: Mapping[str, Any]) -> bytes:

@@ -12,8 +12,8 @@ the model servers sharing the directory wrote them (``capture_files.py`` has the
 - **export**: a model server exports only rows of calls it *owns*: calls whose answer started
   reaching their caller from this process, and rows it installed. A call held, generating or
   parked is owned by no one, so nobody exports it; a sibling server never exports another's rows.
-  One record per episode: ``{"episode_id", "token_entries": [row, ...]}`` plus ``"ledger_entries"``
-  with external staging (rows unchanged);
+  One record per episode: ``{"episode_id", "token_rows": [[id, line], ...]}`` plus ``"ledger_rows"``
+  with external staging, each row its line on disk as JSON text (never parsed or encoded again);
 - **install**: the rows go under the replacement attempt's key, each keeping the capture key it
   was first recorded under (a token row's own ``rollout_id``; a ledger row's
   ``ng_checkpoint_restored_from``). First, once per restore for all servers sharing the
@@ -49,7 +49,9 @@ from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
     TOKENS,
     ledger_line,
     ledger_row_id,
+    row_id_of,
     token_row_id,
+    unpack_line,
 )
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
@@ -135,7 +137,9 @@ class TokenCaptures:
     ) -> Iterator[dict[str, Any]]:
         """One record per key with rows whose model call id ``owned[key]`` names.
 
-        Lazy: the storage writer advances it in its worker thread, one episode's rows in memory at a time.
+        A row goes into the record as it is on disk, ``[model call id, its line]`` (the line as JSON
+        text): never parsed or encoded again (a row holds its prompt's and generation's token ids). Lazy: the
+        storage writer advances it in its worker thread, one episode's rows in memory at a time.
         """
         for key in keys:
             ids = owned.get(key)
@@ -146,53 +150,77 @@ class TokenCaptures:
             except ValueError:
                 continue  # not an episode attempt's key
             # No lock: an owned row was complete before its answer started, and a row Gym appends now (a call
-            # finishing generation while admission is closed) is owned by no one; a torn last line is skipped.
-            tokens = self._owned_rows(key, TOKEN_ROWS, ids)
-            ledger = self._owned_rows(key, LEDGER_ROWS, ids) if self.ledger else []
+            # finishing generation while admission is closed) is owned by no one; an unfinished last line is skipped.
+            tokens = self._owned_lines(key, TOKEN_ROWS, ids)
+            ledger = self._owned_lines(key, LEDGER_ROWS, ids) if self.ledger else []
             if not tokens and not ledger:
                 continue
             record: dict[str, Any] = {
                 "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-                "token_entries": tokens,
+                "token_rows": [[call_id, line.decode()] for call_id, line in tokens],
             }
             if ledger:
-                record["ledger_entries"] = ledger
+                record["ledger_rows"] = [[call_id, line.decode()] for call_id, line in ledger]
                 if staging is not None:
-                    staging.add(key, ledger)
+                    staging.add(key, [orjson.loads(line) for _call_id, line in ledger])
             yield record
         if staging is not None:
             staging.finish()
 
-    def _owned_rows(self, key: str, suffix: str, ids: set[str]) -> list[dict[str, Any]]:
-        return [row for _line, row in self.files.read_rows(key, suffix) if row.get("model_call_id") in ids]
+    def _owned_lines(self, key: str, suffix: str, ids: set[str]) -> list[tuple[str, bytes]]:
+        """``(model call id, line without its newline)`` of the owned rows of ``<key><suffix>``, in file order."""
+        found = []
+        for line in self.files.read_lines(key, suffix):
+            call_id = row_id_of(line)
+            if call_id is None or call_id not in ids:
+                # Not the usual shape (the id not where Gym writes it): the line itself says.
+                row = orjson.loads(line)
+                call_id = row.get("model_call_id") if isinstance(row, dict) else None
+            if call_id in ids:
+                found.append((call_id, line))
+        return found
 
     # -- install -----------------------------------------------------------------------------------
 
     def stage(self, checkpointed: str, replacement: str, record: Mapping[str, Any]) -> StagedRows:
-        """The lines to write under ``replacement`` for a restored record; ``InvalidCheckpointState`` for a bad one."""
-        tokens = record.get("token_entries", [])
-        ledger = record.get("ledger_entries", [])
-        if not isinstance(tokens, list) or not isinstance(ledger, list):
-            raise InvalidCheckpointState(
-                f"episode {checkpointed}: token_entries and ledger_entries must be lists", episode=checkpointed
-            )
+        """The lines to write under ``replacement`` for a restored record; ``InvalidCheckpointState`` for a bad one.
+
+        Records hold rows as ``[id, line]`` (``token_rows``, ``ledger_rows``); those of earlier
+        releases held them as JSON objects (``token_entries``, ``ledger_entries``), and still restore.
+        """
+        rows = record.get("token_rows")
+        if type(rows) is list and len(record) == 2:
+            # This release's record of the local store, the usual one: {"episode_id", "token_rows"}.
+            token_lines, ledger_lines = [unpack_line(checkpointed, row) for row in rows], []
+        else:
+            token_lines, ledger_lines = self._stage_any(checkpointed, record)
+        for family in (token_lines, ledger_lines):
+            if len(family) > 1:
+                ids = [call_id for call_id, _line in family]
+                if len(set(ids)) != len(ids):
+                    twice = sorted({i for i in ids if ids.count(i) > 1})[0]
+                    raise InvalidCheckpointState(f"episode {checkpointed}: model call {twice} twice",
+                                                 episode=checkpointed)
+        return StagedRows(key=replacement, tokens=token_lines, ledger=ledger_lines)
+
+    def _stage_any(
+        self, checkpointed: str, record: Mapping[str, Any]
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
+        """Every other record: ledger rows (external staging), or an earlier release's rows as JSON objects."""
+        tokens = _list(checkpointed, record, "token_rows") + _list(checkpointed, record, "token_entries")
+        ledger = _list(checkpointed, record, "ledger_rows") + _list(checkpointed, record, "ledger_entries")
         if ledger and not self.ledger:
             raise InvalidCheckpointState(
                 f"episode {checkpointed}: the checkpoint holds ledger rows of external staging, which is off here",
                 episode=checkpointed,
             )
-        token_lines = [(token_row_id(checkpointed, row), row) for row in tokens]
-        ledger_lines = [(ledger_row_id(checkpointed, row), row) for row in ledger]
-        for family in (token_lines, ledger_lines):
-            ids = [call_id for call_id, _row in family]
-            if len(set(ids)) != len(ids):
-                twice = sorted({i for i in ids if ids.count(i) > 1})[0]
-                raise InvalidCheckpointState(f"episode {checkpointed}: model call {twice} twice", episode=checkpointed)
-        return StagedRows(
-            key=replacement,
-            tokens=[(call_id, orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n") for call_id, row in token_lines],
-            ledger=[(call_id, ledger_line({RESTORED_FROM: checkpointed, **row})) for call_id, row in ledger_lines],
-        )
+        token_lines = [unpack_line(checkpointed, row) if isinstance(row, list) else _token_line(checkpointed, row)
+                       for row in tokens]
+        ledger_rows = [orjson.loads(unpack_line(checkpointed, row)[1]) if isinstance(row, list) else row
+                       for row in ledger]
+        ledger_lines = [(ledger_row_id(checkpointed, row),
+                         ledger_line({RESTORED_FROM: checkpointed, **row})) for row in ledger_rows]
+        return token_lines, ledger_lines
 
     def install(self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows]) -> bool:
         """Clear what dead executions left for the scope (once per restore), write ``staged``, sync once.
@@ -221,7 +249,8 @@ class TokenCaptures:
 
     def _clear_dead_executions(self, scope: Sequence[EpisodeId]) -> None:
         first = {episode.rollout_id: episode.attempt for episode in scope}
-        found = self.files.attempts(first)
+        # A replacement is attempt 1 or later: so is every file of a dead execution it must not meet.
+        found = self.files.attempts(first, retried_only=True)
         dead = [name for rollout, attempts in found.items() for attempt, names in attempts.items()
                 if attempt >= first[rollout] for name in names]
         if dead:
@@ -277,6 +306,18 @@ class TokenCaptures:
                         _reindex(self.store, key)
                 settled = settled and not unconfirmed
         return settled
+
+
+def _list(key: str, record: Mapping[str, Any], field: str) -> list[Any]:
+    value = record.get(field, [])
+    if not isinstance(value, list):
+        raise InvalidCheckpointState(f"episode {key}: {field} must be a list", episode=key)
+    return value
+
+
+def _token_line(key: str, row: Any) -> tuple[str, bytes]:
+    """A token row of an earlier release's record (a JSON object): checked, encoded as Gym writes it."""
+    return token_row_id(key, row), orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n"
 
 
 def _frozen(store: Any, key: str) -> bool:

@@ -35,6 +35,7 @@ from ._control import ControlPlane, DeadlineTooFar
 from ._control.bodies import BodyLimits, BodyRefused, ListField, parse_body, read_body
 from ._errors import Unauthorized, install_error_handler
 from ._identity import EpisodeId
+from ._storage.objstore import is_url, normalize_url
 from ._wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX
 
 __all__ = [
@@ -64,8 +65,12 @@ def _checkpoint_dir(value: str) -> str:
     # place on every participant. A NUL byte would fail inside the filesystem calls instead of here.
     if "\x00" in value:
         raise ValueError("checkpoint_dir must not contain a NUL character")
+    if is_url(value):
+        # An object store (s3://...): whether a backend writes it is the storage backend's to say.
+        normalize_url(value)  # raises ValueError naming what is wrong, never repeating a credential
+        return value
     if not os.path.isabs(value):
-        raise ValueError("checkpoint_dir must be an absolute path")
+        raise ValueError("checkpoint_dir must be an absolute path or an object-store URL (s3://bucket/...)")
     return value
 
 

@@ -21,7 +21,10 @@ that a typo fails before any server serves. Keys (defaults in brackets):
   shared filesystem); ``max_record_bytes`` [67108864 (64 MiB), > 0], the
   largest encoded record (one records-file line) the built-in backend writes
   or reads: a bigger record fails the write naming its episode, a longer line
-  fails the read without being read whole.
+  fails the read without being read whole; ``spool_dir`` [the system's temporary
+  directory], backend ``fsspec`` only: the absolute local directory where a records
+  file is encoded before its upload to an object store (it needs room for the
+  largest participant's records).
 - ``step_mode`` (plugin key) ["wait"]: what an environment server does with an
   episode step in flight when a checkpoint closes admission: ``wait`` (the
   checkpoint waits for the step to finish) or ``replay`` (the step does not
@@ -89,6 +92,14 @@ class StorageSettings(BaseModel):
 
     backend: str = Field(default="local", min_length=1)
     max_record_bytes: int = Field(default=DEFAULT_MAX_RECORD_BYTES, gt=0)
+    spool_dir: str | None = Field(default=None, min_length=1)
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isabs(value):
+            raise ValueError("must be an absolute directory (each server runs in its own working directory)")
+        return value
 
 
 class CheckpointSettings(BaseModel):

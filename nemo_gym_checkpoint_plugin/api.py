@@ -122,7 +122,9 @@ class RestoredRecords(Protocol):
 class StorageBackend(Protocol):
     """A storage backend, as the ``storage_backend`` hook returns it (docs/protocol.md, "On-disk format").
 
-    ``name`` is what ``checkpoint.storage.backend`` selects. ``read`` verifies the participant's
+    ``name`` is what ``checkpoint.storage.backend`` selects. ``checkpoint_dir`` is what the controller
+    sent: an absolute path, or an fsspec URL (``s3://...``) that a backend writing object stores takes
+    (the built-in ``fsspec``; ``local`` refuses one with ``WriteFailed``). ``read`` verifies the participant's
     manifest, digest and count before returning anything, keeps only records whose capture key is
     in ``scope`` (``None``: all) and calls ``validate`` on each kept record (a ``ValueError`` is
     reported as ``invalid_checkpoint_state`` naming the episode); every refusal is an

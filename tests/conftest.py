@@ -3,8 +3,65 @@
 from __future__ import annotations
 
 import os
+import re
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from nemo_gym_checkpoint_plugin.testing.s3_server import LocalS3Server
+
+from hypothesis import settings
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+# Property tests draw the same examples on every run by default ("ci": derandomized, no example database),
+# so a red run is reproducible and CI never goes red on a seed nobody saw. HYPOTHESIS_PROFILE=explore draws
+# new ones each run, for looking for failures on purpose.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 # The testing kit's fixtures (gym_deployment, gym_deployment_factory), as a participant's own tests load them.
 pytest_plugins = ["nemo_gym_checkpoint_plugin.testing.pytest_plugin"]
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalS3Server]:
+    """One real S3-compatible server (moto's server mode) on 127.0.0.1 for the session, its bucket
+    created; the standard AWS variables point this process (and every child it starts) at it."""
+    from nemo_gym_checkpoint_plugin._storage.objstore import reset_filesystems
+
+    server = LocalS3Server(log=tmp_path_factory.mktemp("s3") / "moto.log").start()
+    saved = server.apply()
+    reset_filesystems()
+    try:
+        yield server
+    finally:
+        server.stop()
+        LocalS3Server.restore(saved)
+        reset_filesystems()
+
+
+@pytest.fixture
+def s3_dir(s3_server: LocalS3Server, request: pytest.FixtureRequest) -> str:
+    """A fresh ``s3://`` prefix for one test in the session's server."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name)[:60].strip("-.")
+    return s3_server.url(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def lenient_store() -> Iterator[str]:
+    """``lenient://bucket/run``: a store that accepts a second exclusive create (``storage_support``)."""
+    import fsspec
+    from storage_support import LenientMemoryFileSystem
+
+    from nemo_gym_checkpoint_plugin._storage.objstore import reset_filesystems
+
+    fsspec.register_implementation("lenient", LenientMemoryFileSystem, clobber=True)
+    reset_filesystems()
+    try:
+        yield "lenient://bucket/run"
+    finally:
+        LenientMemoryFileSystem.store.clear()
+        reset_filesystems()

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fsspec.implementations.memory import MemoryFileSystem
+
 from nemo_gym_checkpoint_plugin._storage import CheckpointWriter
 
 
@@ -21,3 +23,15 @@ def write(root: Path, records: list[dict], *, kind: str = "model", instance: str
 def fd_count() -> int:
     """Open file descriptors of this process (to show that nothing leaks)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+class LenientMemoryFileSystem(MemoryFileSystem):
+    """A store that ignores exclusive creates (as some S3-compatible stores ignore If-None-Match):
+    fsspec's in-memory filesystem whose ``pipe_file`` overwrites whatever mode it is asked for."""
+
+    protocol = ("lenient",)
+    store: dict = {}  # noqa: RUF012 - fsspec's own convention: the class holds the contents
+    pseudo_dirs = [""]  # noqa: RUF012
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):  # noqa: ANN001, ANN003, ANN201
+        return super().pipe_file(path, value, mode="overwrite", **kwargs)

@@ -215,7 +215,7 @@ def test_an_unknown_backend_installs_nothing(tmp_path: Path) -> None:
     config = _config(tmp_path, {**ENABLED, "storage": {"backend": "s3"}})
     server = _build(derive_checkpointable(_server_class(config, RESOURCES)), config, RESOURCES)
     app = FastAPI()
-    with pytest.raises(SettingsError, match="the backends available: 'local'"):
+    with pytest.raises(SettingsError, match="the backends available: 'fsspec', 'local'"):
         attach_checkpointing(server, app)
     assert getattr(app.state, ATTACHMENT_STATE, None) is None
     assert not any(path.startswith("/ng-control") for path in _paths(app)) and _middleware(app) == []

@@ -176,7 +176,7 @@ def _start_wrapped_resources(tmp_path: Path, checkpoint: dict, env: dict[str, st
         (
             {**DEFAULT_CHECKPOINT_BLOCK, "storage": {"backend": "s3"}},
             {TOKEN_ENV: "t"},
-            "checkpoint.storage.backend: no storage backend named 's3'; the backends available: 'local'",
+            "checkpoint.storage.backend: no storage backend named 's3'; the backends available: 'fsspec', 'local'",
         ),
     ],
 )

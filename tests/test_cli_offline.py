@@ -157,7 +157,7 @@ def test_every_command_has_help(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 - the parser's own registry
     assert set(commands) == {"status", "prepare", "commit", "resume", "restore", "retire", "forget", "renew",
-                             "inspect", "verify", "enable", "collect"}
+                             "inspect", "verify", "enable", "collect", "gc"}
     for command in commands:
         with pytest.raises(SystemExit) as exited:
             main([command, "--help"])

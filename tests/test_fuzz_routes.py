@@ -161,11 +161,8 @@ async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
                 assert response.status_code == 422, (call, response.text)
             if call["route"] != "status" and isinstance(call["body"], bytes) and len(call["body"]) > 4096:
                 assert response.status_code == 413, (call, response.text)
-            if response.status_code in (413, 422):
-                assert isinstance(response.json()["detail"], list), response.text
-            elif response.status_code >= 400:
-                code = response.json()["error"]["code"]
-                assert ERRORS_BY_CODE[code].status == response.status_code
+            if response.status_code >= 400:
+                _assert_a_documented_refusal(response)
             if response.status_code == 200 and call["route"] != "status":
                 assert isinstance(response.json(), dict)
         # Whatever happened, the control plane still answers and phase and admission agree.
@@ -176,6 +173,26 @@ async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
             assert not harness.plane.admission.is_open
     finally:
         await close_harness(harness)
+
+
+def _assert_a_documented_refusal(response: Any) -> None:
+    """A refusal is a body validation error (422/413, pydantic's ``detail`` list) or a typed protocol error
+    (``{"error": {"code", "detail"}}``, its status the code's own: ``invalid_checkpoint_state`` is a 422 too)."""
+    body = response.json()
+    if "detail" in body:
+        assert response.status_code in (413, 422) and isinstance(body["detail"], list), response.text
+        return
+    code = body["error"]["code"]
+    assert ERRORS_BY_CODE[code].status == response.status_code, response.text
+    assert isinstance(body["error"]["detail"], str), response.text
+
+
+def test_a_typed_422_is_a_documented_refusal_too(tmp_path: Path) -> None:
+    """The case the fuzzer found: a restore from a missing directory is invalid_checkpoint_state, a typed 422."""
+    sequence = [{"route": "restore", "body": {"checkpoint_id": "restore-1", "deadline_ts": ("offset", 5),
+                                              "checkpoint_dir": ("under_tmp", "nowhere"), "episode_ids": []},
+                 "token": "valid"}]
+    asyncio.run(_scenario(tmp_path, sequence))
 
 
 def test_fuzz_control_routes(tmp_path: Path) -> None:

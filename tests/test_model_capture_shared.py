@@ -276,3 +276,29 @@ async def test_a_retire_of_restored_attempts_deletes_theirs_and_forgets_what_the
     assert reply.status_code == 200, reply.text
     assert a2.participant.restored_pending() == ["two-a1"] and sorted(book.owned) == ["two-a1"]
     assert not store.path_for("one-a1").exists() and store.path_for("two-a1").exists()
+
+
+def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_restore(tmp_path: Path) -> None:
+    import orjson
+    from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures
+
+    from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
+
+    store = TokenCaptureStore(tmp_path / "captures")
+    from nemo_gym.token_id_capture.records import TokenEntry
+
+    store.append(TokenEntry(rollout_id="r", model_call_id="c1", prompt_token_ids=[1, 2], generation_token_ids=[3],
+                            generation_log_probs=[-0.5]))
+    captures = TokenCaptures(store)
+    (record,) = captures.export(["r"], {"r": {"c1"}})
+    line = store.path_for("r").read_bytes()
+    # The row exactly as Gym wrote it, never parsed or encoded again.
+    assert record["token_rows"] == [["c1", line.rstrip(b"\n").decode()]]
+    assert captures.stage("r", "r-a1", record).tokens == [("c1", line)]
+    # An earlier release's record held the row as a JSON object: the same line is written.
+    earlier = {"episode_id": record["episode_id"], "token_entries": [orjson.loads(line)]}
+    assert captures.stage("r", "r-a1", earlier).tokens == [("c1", line)]
+    forged = {"episode_id": record["episode_id"],
+              "token_rows": [["c2", line.rstrip(b"\n").decode()]]}
+    with pytest.raises(InvalidCheckpointState, match="not one JSON row of that model call"):
+        captures.stage("r", "r-a1", forged)

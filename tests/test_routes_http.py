@@ -154,11 +154,15 @@ async def test_an_integer_deadline_is_a_deadline(h: Harness) -> None:
         ("commit", "checkpoint_dir", ""),
         ("commit", "checkpoint_dir", "relative/dir"),
         ("restore", "checkpoint_dir", "/tmp/with\x00nul"),
+        ("commit", "checkpoint_dir", "s3://AKIAKEYID:s3cr3tvalue@bucket/run"),
+        ("restore", "checkpoint_dir", "s3://bucket/run?versionId=1"),
+        ("restore", "checkpoint_dir", "s3://"),
     ],
 )
 async def test_episode_lists_and_fields_are_validated(h: Harness, route: str, field: str, value: Any) -> None:
     response = await h.post(route, {**ROUTES[route], field: value, "deadline_ts": deadline()})
     assert response.status_code == 422
+    assert "s3cr3tvalue" not in response.text  # a credential in a URL is refused, never repeated
     assert len(h.plane.marks) == 0
 
 

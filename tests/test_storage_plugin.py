@@ -48,7 +48,7 @@ def test_unknown_backend_is_a_settings_error_listing_the_backends_available() ->
     message = str(refused.value)
     assert isinstance(refused.value, SettingsError)
     assert message.startswith("checkpoint.storage.backend: no storage backend named 'locl' (did you mean 'local'?)")
-    assert "the backends available: 'local', 's3-archive'" in message
+    assert "the backends available: 'fsspec', 'local', 's3-archive'" in message
     assert "plugins that do not list theirs: mystery" in message
 
 

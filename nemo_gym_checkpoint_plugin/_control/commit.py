@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -37,6 +36,7 @@ from nemo_gym_checkpoint_plugin._errors import (
 )
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
+from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_dir
 from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
 
 from .._types import Phase, sorted_keys
@@ -87,7 +87,7 @@ class CommitMixin:
     ) -> dict[str, Any]:
         self._check_deadline(deadline_ts)
         scope = sorted_keys(episode_ids)
-        args = (os.path.normpath(checkpoint_dir), scope, bool(stop))
+        args = (normalize_checkpoint_dir(checkpoint_dir), scope, bool(stop))
         async with self._lock:
             active = self._fence(checkpoint_id)
             if active is None or active.operation != "checkpoint":

@@ -311,8 +311,9 @@ class ControlPlane(CommitMixin, RestoreMixin):
                 self._fence(checkpoint_id)
             self.lease.extend(deadline_ts)
             # Stop the write first: once stop() returned no manifest can appear, published or not.
+            # In a thread: on an object store stop() waits for a manifest PUT under way, off the loop.
             if active.writer is not None:
-                active.writer.stop()
+                await asyncio.to_thread(active.writer.stop)
             current = asyncio.current_task()
             for task in list(active.tasks):
                 if task is not current:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,7 @@ from nemo_gym_checkpoint_plugin._errors import (
 )
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
+from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_dir
 
 from .._types import EpisodeIds, Phase, RestoredRecord, rollout_attempts, sorted_keys
 from .memory import Active, Replay
@@ -61,7 +61,7 @@ class RestoreMixin:
         episode_ids: list[EpisodeId],
     ) -> dict[str, Any]:
         self._check_deadline(deadline_ts)
-        args = (os.path.normpath(checkpoint_dir), sorted_keys(episode_ids))
+        args = (normalize_checkpoint_dir(checkpoint_dir), sorted_keys(episode_ids))
         async with self._lock:
             active = self._fence(checkpoint_id)
             if active is not None:

@@ -7,6 +7,9 @@ file, fsynced, hard-linked, like manifests)::
     {"schema_version": 1, "checkpoint_id": "step-120",
      "participants": [{"kind": "model", "instance": "policy_model", "records_sha256": "..."}, ...]}
 
+On an object store (``checkpoint_dir`` an fsspec URL) the index is created exclusively instead
+(``If-None-Match: *``), after the store was probed to refuse a second exclusive create.
+
 ``verify`` and a restore check the directory against it before reading anything else,
 so a participant directory that went missing (or was replaced by another write) is
 named instead of silently absent. A checkpoint without an index (another
@@ -25,8 +28,10 @@ from typing import Any
 import orjson
 
 from .._errors import InvalidCheckpointState
-from .files import create_private, make_private_dirs, read_regular, write_failed
+from .files import create_private, make_private_dirs, write_failed
 from .layout import INDEX_NAME, MAX_MANIFEST_BYTES, SAFE_COMPONENT, SCHEMA_VERSION, participant_dir
+from .location import Location, lexists, location, read_small
+from .objstore import ObjectPath
 from .reader import load_manifest
 
 __all__ = [
@@ -41,11 +46,11 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _ENTRY_FIELDS = frozenset({"kind", "instance", "records_sha256"})
 
 
-def index_path(checkpoint_dir: str | Path) -> Path:
-    return Path(checkpoint_dir) / "gym" / INDEX_NAME
+def index_path(checkpoint_dir: str | Path | Location) -> Location:
+    return location(checkpoint_dir) / "gym" / INDEX_NAME
 
 
-def _entries(participants: Iterable[Mapping[str, Any]], where: Path) -> list[dict[str, str]]:
+def _entries(participants: Iterable[Mapping[str, Any]], where: Location) -> list[dict[str, str]]:
     entries: dict[tuple[str, str], dict[str, str]] = {}
     for entry in participants:
         if not isinstance(entry, Mapping) or set(entry) != _ENTRY_FIELDS:
@@ -62,13 +67,13 @@ def _entries(participants: Iterable[Mapping[str, Any]], where: Path) -> list[dic
     return [entries[key] for key in sorted(entries)]
 
 
-def read_participants_index(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+def read_participants_index(checkpoint_dir: str | Path | Location) -> dict[str, Any] | None:
     """The checked index, or ``None`` when the checkpoint has none. Refuses a malformed one (and
     anything but a regular file there) with ``InvalidCheckpointState``."""
     path = index_path(checkpoint_dir)
-    if not os.path.lexists(path):
+    if not lexists(path):
         return None
-    raw = read_regular(path, path.parent, INDEX_NAME, MAX_MANIFEST_BYTES)
+    raw = read_small(path, path.parent, INDEX_NAME, MAX_MANIFEST_BYTES)
     try:
         index = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -85,14 +90,14 @@ def read_participants_index(checkpoint_dir: str | Path) -> dict[str, Any] | None
     return index
 
 
-def index_problems(checkpoint_dir: str | Path, index: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+def index_problems(checkpoint_dir: str | Path | Location, index: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """``(kind, instance, problem)`` for each participant the index lists that the directory lacks,
     whose manifest does not load, or whose manifest is of another checkpoint or records digest."""
     problems = []
     for entry in index["participants"]:
         kind, instance = entry["kind"], entry["instance"]
         directory = participant_dir(checkpoint_dir, kind, instance)
-        if not os.path.lexists(directory):
+        if not lexists(directory):
             problems.append((kind, instance, f"participant {kind}/{instance} is listed in {INDEX_NAME} but "
                                              f"{directory} is missing"))
             continue
@@ -112,7 +117,7 @@ def index_problems(checkpoint_dir: str | Path, index: Mapping[str, Any]) -> list
     return problems
 
 
-def check_participants_index(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+def check_participants_index(checkpoint_dir: str | Path | Location) -> dict[str, Any] | None:
     """Check the directory against its index (see ``index_problems``); ``InvalidCheckpointState``
     naming every failing participant, the index when all are there, ``None`` without an index."""
     index = read_participants_index(checkpoint_dir)
@@ -128,7 +133,7 @@ def check_participants_index(checkpoint_dir: str | Path) -> dict[str, Any] | Non
 
 
 def write_participants_index(
-    checkpoint_dir: str | Path, checkpoint_id: str, participants: Iterable[Mapping[str, Any]]
+    checkpoint_dir: str | Path | Location, checkpoint_id: str, participants: Iterable[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """Create ``gym/participants.json`` (mode 0600, never replacing one); returns the index.
 
@@ -141,6 +146,8 @@ def write_participants_index(
         raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
     index = {"schema_version": SCHEMA_VERSION, "checkpoint_id": checkpoint_id,
              "participants": _entries(participants, path)}
+    if isinstance(path, ObjectPath):
+        return _create_object_index(path, index)
     tmp = path.parent / f".participants.{uuid.uuid4().hex}.tmp"
     try:
         make_private_dirs(path.parent)
@@ -151,13 +158,7 @@ def write_participants_index(
         try:
             os.link(tmp, path)
         except FileExistsError:
-            existing = read_participants_index(checkpoint_dir)
-            if existing != index:
-                raise InvalidCheckpointState(
-                    f"{path} already lists another set of participants (checkpoint "
-                    f"{existing['checkpoint_id'] if existing else None!r}); refusing to replace it"
-                ) from None
-            return index
+            return _same_index(path, index)
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(fd)
@@ -171,3 +172,24 @@ def write_participants_index(
         except OSError:
             pass
     return index
+
+
+def _same_index(path: Location, index: dict[str, Any]) -> dict[str, Any]:
+    """``index`` when the one already at ``path`` is the same (a retried commit); else refuse."""
+    existing = read_participants_index(path.parent.parent)
+    if existing != index:
+        raise InvalidCheckpointState(
+            f"{path} already lists another set of participants (checkpoint "
+            f"{existing['checkpoint_id'] if existing else None!r}); refusing to replace it"
+        )
+    return index
+
+
+def _create_object_index(path: ObjectPath, index: dict[str, Any]) -> dict[str, Any]:
+    """The index on an object store: created exclusively (the commit point), never replaced."""
+    from .objstore_put import check_exclusive_create, create_exclusive
+
+    check_exclusive_create(path.parent.parent)
+    if create_exclusive(path, orjson.dumps(index) + b"\n"):
+        return index
+    return _same_index(path, index)

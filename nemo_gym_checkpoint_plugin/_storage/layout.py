@@ -2,15 +2,19 @@
 
 ``<checkpoint_dir>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and
 ``<checkpoint_dir>/gym/<kind>/<instance>/manifest.json``, and the controller's
-``<checkpoint_dir>/gym/participants.json``.
+``<checkpoint_dir>/gym/participants.json``. ``checkpoint_dir`` is a filesystem path or an fsspec
+URL (``location``); the names are the same in both.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from .._errors import InvalidCheckpointState
+from .location import Location, location
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -52,5 +56,29 @@ def records_name(sha256_hex: str) -> str:
     return f"records-{sha256_hex}.jsonl"
 
 
-def participant_dir(checkpoint_dir: str | Path, kind: str, instance: str) -> Path:
-    return Path(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)
+def participant_dir(checkpoint_dir: str | Path | Location, kind: str, instance: str) -> Location:
+    """``<checkpoint_dir>/gym/<kind>/<instance>``: a ``Path``, or an ``ObjectPath`` when ``checkpoint_dir`` is a URL."""
+    return location(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)
+
+
+def build_manifest(
+    kind: str, instance: str, checkpoint_id: str, digest: str, count: int, extras: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest of one participant's records (the protocol's fields, then ``extras`` under their own keys).
+
+    ``InvalidCheckpointState`` when an extra would replace a protocol field.
+    """
+    manifest: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": kind,
+        "instance": instance,
+        "checkpoint_id": checkpoint_id,
+        "records_file": records_name(digest),
+        "records_sha256": digest,
+        "record_count": count,
+    }
+    for key, value in (extras or {}).items():
+        if key in manifest:
+            raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
+        manifest[key] = value
+    return manifest

@@ -1,7 +1,9 @@
-"""The built-in storage backend: a local or shared POSIX filesystem.
+"""The built-in storage backends: ``local`` (a local or shared POSIX filesystem) and ``fsspec``.
 
 Registered by the plugin manager as a core plugin (``trylast``), so a plugin that
-answers ``storage_backend`` for the same name first replaces it.
+answers ``storage_backend`` for the same name first replaces it. ``local`` refuses a
+``checkpoint_dir`` that is a URL (``s3://...``), naming the backend that writes one:
+``fsspec`` (``objstore_backend``), loaded only when selected.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from .._errors import WriteFailed
 from .._markers import hookimpl
 from .layout import DEFAULT_MAX_RECORD_BYTES, participant_dir
+from .objstore import is_url
 from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
 from .writer import CheckpointWriter
 
@@ -37,6 +41,7 @@ class LocalStorage:
         return backend
 
     def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
+        _path_only(checkpoint_dir)
         return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
 
     def read(
@@ -48,23 +53,45 @@ class LocalStorage:
         scope: Collection[str] | None = None,
         validate: Callable[[dict[str, Any]], None] | None = None,
     ) -> RestoredCheckpoint:
+        _path_only(checkpoint_dir)
         return read_checkpoint(
             checkpoint_dir, kind, instance, scope=scope, validate=validate, max_record_bytes=self.max_record_bytes
         )
 
     def read_manifest(self, checkpoint_dir: str | Path, kind: str, instance: str) -> dict[str, Any]:
+        _path_only(checkpoint_dir)
         return load_manifest(participant_dir(checkpoint_dir, kind, instance), kind=kind, instance=instance)
 
 
+def _path_only(checkpoint_dir: object) -> None:
+    """``local`` writes filesystem paths; a URL would become a relative directory named ``s3:``."""
+    if is_url(checkpoint_dir):
+        # A WriteFailed: the export is kept, so a retried commit into a path (or after a fix) still works.
+        raise WriteFailed(
+            f"{checkpoint_dir} is a URL: the storage backend 'local' writes filesystem paths only; set "
+            "checkpoint.storage.backend: fsspec (and install the URL's filesystem, e.g. s3fs) to use an object store",
+            path=str(checkpoint_dir), cause="url needs the fsspec backend",
+        )
+
+
 class LocalStoragePlugin:
-    """Core plugin answering ``storage_backend("local")``."""
+    """Core plugin answering ``storage_backend("local")`` and ``storage_backend("fsspec")``."""
 
     # Listed when a configured backend name is unknown (plugins.storage_backend_names).
-    storage_backend_names = (LocalStorage.name,)
+    storage_backend_names = (LocalStorage.name, "fsspec")
 
     def __init__(self) -> None:
         self._backend = LocalStorage()
+        self._fsspec: LocalStorage | None = None
 
     @hookimpl(trylast=True)
     def storage_backend(self, name: str) -> LocalStorage | None:
-        return self._backend if name == LocalStorage.name else None
+        if name == LocalStorage.name:
+            return self._backend
+        if name == "fsspec":
+            if self._fsspec is None:
+                from .objstore_backend import FsspecStorage
+
+                self._fsspec = FsspecStorage()
+            return self._fsspec
+        return None

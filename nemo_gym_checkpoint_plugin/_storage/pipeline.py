@@ -65,8 +65,10 @@ class HashingWriter:
     error or ``abort()`` the writer is unusable; the caller removes the file.
     """
 
-    def __init__(self, out: BinaryIO) -> None:
+    def __init__(self, out: BinaryIO, *, durable: bool = True) -> None:
+        # durable=False: a spool file, uploaded and removed afterwards; no writeback, no fsync.
         self._out = out
+        self._durable = durable
         self._sha = hashlib.sha256()
         self._queue: queue.Queue[object] = queue.Queue(maxsize=_DEPTH)
         self._batch: list[bytes] = []
@@ -90,7 +92,7 @@ class HashingWriter:
                 self._sha.update(data)
                 self._out.write(data)
                 unsynced += len(data)
-                if unsynced >= SYNC_BYTES:
+                if self._durable and unsynced >= SYNC_BYTES:
                     self._out.flush()
                     _start_writeback(fd, synced_to, unsynced)
                     synced_to += unsynced
@@ -125,7 +127,8 @@ class HashingWriter:
         if self._error is not None:
             raise self._error
         self._out.flush()
-        os.fsync(self._out.fileno())
+        if self._durable:
+            os.fsync(self._out.fileno())
         return self._sha.hexdigest()
 
     def abort(self) -> None:

@@ -24,7 +24,7 @@ import orjson
 
 from .._errors import InvalidCheckpointState
 from .codec import decode_line
-from .files import open_regular, read_regular
+from .files import open_regular
 from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_FIELDS,
@@ -35,6 +35,8 @@ from .layout import (
     SCHEMA_VERSION,
     participant_dir,
 )
+from .location import Location, lexists, open_stream, read_small
+from .objstore import ObjectPath
 from .pipeline import hashed_lines
 
 __all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkpoint", "iter_verified_lines"]
@@ -73,16 +75,16 @@ def capture_key_of(episode_id: Any) -> str:
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
 
-def _bad(directory: Path, why: str, **data: Any) -> InvalidCheckpointState:
+def _bad(directory: Location, why: str, **data: Any) -> InvalidCheckpointState:
     return InvalidCheckpointState(f"{directory}: {why}", directory=str(directory), **data)
 
 
-def load_manifest(directory: Path, *, kind: str | None = None, instance: str | None = None) -> dict[str, Any]:
-    """Read and check ``manifest.json`` of a participant directory."""
+def load_manifest(directory: Location, *, kind: str | None = None, instance: str | None = None) -> dict[str, Any]:
+    """Read and check ``manifest.json`` of a participant directory (a path, or an object-store prefix)."""
     path = directory / MANIFEST_NAME
-    if not os.path.lexists(path):
+    if not lexists(path):
         raise _bad(directory, "no manifest.json: the checkpoint was never published (incomplete write?)")
-    raw = read_regular(path, directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    raw = read_small(path, directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     try:
         manifest = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -111,8 +113,11 @@ def load_manifest(directory: Path, *, kind: str | None = None, instance: str | N
     return manifest
 
 
-def _open_records(directory: Path, name: str) -> BinaryIO:
+def _open_records(directory: Location, name: str) -> BinaryIO:
     """Open the records file, refusing one that resolves outside the participant directory."""
+    if isinstance(directory, ObjectPath):
+        # The name matched RECORDS_FILE (no separator): the object lies under the participant's prefix.
+        return open_stream(directory / name, f"records file {name}")  # type: ignore[return-value]
     path = directory / name
     real_dir = os.path.realpath(directory)
     real = os.path.realpath(path)
@@ -127,7 +132,7 @@ def _open_records(directory: Path, name: str) -> BinaryIO:
 
 
 def iter_verified_lines(
-    directory: Path, manifest: Mapping[str, Any], *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    directory: Location, manifest: Mapping[str, Any], *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> Iterator[bytes]:
     """Yield each line of the records file (without its newline); after the last one, check count and digest.
 
@@ -158,7 +163,7 @@ def iter_verified_lines(
 
 
 def read_checkpoint(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | Path | Location,
     kind: str,
     instance: str,
     *,

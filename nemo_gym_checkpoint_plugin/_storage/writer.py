@@ -44,10 +44,10 @@ from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_NAME,
     SAFE_COMPONENT,
-    SCHEMA_VERSION,
+    build_manifest,
     participant_dir,
-    records_name,
 )
+from .location import location
 from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
 
@@ -78,13 +78,17 @@ def _episode_key(record: Any) -> str:
 class CheckpointWriter:
     """Writes one participant's records and publishes its manifest last. One use per instance."""
 
+    # Whether the records file is flushed to disk as it is written and fsynced (a spool that is
+    # uploaded and removed, ``ObjectStoreWriter``'s, is not).
+    _durable = True
+
     def __init__(
         self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str, *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
             raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
-        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir = location(checkpoint_dir)
         self.kind = kind
         self.instance = instance
         self.checkpoint_id = checkpoint_id
@@ -130,19 +134,7 @@ class CheckpointWriter:
             manifest_tmp: Path | None = None
             try:
                 digest, count = self._write_records(tmp, records)
-                manifest = {
-                    "schema_version": SCHEMA_VERSION,
-                    "kind": self.kind,
-                    "instance": self.instance,
-                    "checkpoint_id": self.checkpoint_id,
-                    "records_file": records_name(digest),
-                    "records_sha256": digest,
-                    "record_count": count,
-                }
-                for key, value in (extras or {}).items():
-                    if key in manifest:
-                        raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
-                    manifest[key] = value
+                manifest = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
                 manifest_tmp = self._manifest_tmp(manifest)
                 self._fsync_parents(created_up_to, include_self=False)
                 return self._publish(manifest, tmp, manifest_tmp)
@@ -208,7 +200,7 @@ class CheckpointWriter:
         limit = self.max_record_bytes
         with create_private(tmp, buffering=_BUFFER) as out:
             # This thread encodes; the sink hashes, writes and syncs in its own thread.
-            sink = HashingWriter(out)
+            sink = HashingWriter(out, durable=self._durable)
             try:
                 for record in records:
                     self._check_stop()

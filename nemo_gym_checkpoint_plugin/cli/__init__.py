@@ -6,8 +6,9 @@ top-level server blocks with host/port), ``--url`` (repeatable), or else the Gym
 ``NG_CHECKPOINT_CONFIG`` names. The control token comes from ``--token-file`` or
 ``--token-env`` (explicit), else the config's ``checkpoint.control_auth_token_env``, else
 ``NG_CHECKPOINT_TOKEN``; it is never printed (see ``where``). ``inspect DIR`` and
-``verify DIR`` read a checkpoint directory offline; ``enable GYM_YAML`` prepares a Gym config and
-its server venvs for Gym's own launcher (``enable.py``). Every command has ``--help`` and
+``verify DIR`` read a checkpoint directory offline (a path or an object-store URL); ``gc DIR
+--keep K`` removes old checkpoints of a directory (a dry run unless ``--yes``); ``enable GYM_YAML``
+prepares a Gym config and its server venvs for Gym's own launcher (``enable.py``). Every command has ``--help`` and
 ``--json`` (before or after the command; errors are JSON documents too); ``--version``.
 
 Exit status: 0 success; 1 a server failed or a checkpoint does not verify; 2 bad usage;
@@ -31,12 +32,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._errors import InvalidCheckpointState
+from .._storage.location import Location, is_dir, location
+from .._storage.objstore import is_url
 from ..coordination import DEFAULT_TIMEOUT
 from ._collect import add_collect_parser, run_collect
+from ._gc import add_gc_parser, run_gc
 from ._live import run_live
 from ._offline import inspect_checkpoint, verify_checkpoint
 from ._output import print_error, print_json, table
-from ._scope import CheckpointUnreadable
+from ._scope import CheckpointUnreadable, dir_argument
 from ._where import CONFIG_ENV, TOKEN_ENV, UsageError
 
 __all__ = ["build_parser", "main"]
@@ -171,10 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the token's variable, when the config names none (default {TOKEN_ENV})")
 
     add_collect_parser(sub, offline[0], _positive, _count)
+    add_gc_parser(sub, offline[0], _count)
     return parser
 
 
-def _offline_dir(args: argparse.Namespace) -> Path:
+def _offline_dir(args: argparse.Namespace) -> Location:
+    if is_url(args.dir):
+        where = location(dir_argument(args.dir, "DIR"))
+        if not is_dir(where):
+            raise CheckpointUnreadable(f"{where} holds nothing (no object under that prefix)")
+        return where
     directory = Path(args.dir)
     if not directory.exists():
         raise CheckpointUnreadable(f"{args.dir} does not exist")
@@ -260,12 +271,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _enable(args)
         if args.command == "collect":
             return run_collect(args)
+        if args.command == "gc":
+            return run_gc(args)
         return asyncio.run(run_live(args))
     except UsageError as exc:
         print_error(args.command, str(exc), as_json=args.json, code="usage")
         return USAGE_ERROR
     except CheckpointUnreadable as exc:
         print_error(args.command, str(exc), as_json=args.json, code="checkpoint_unreadable", dir=args.dir)
+        return 1
+    except InvalidCheckpointState as exc:
+        # The store itself failed (its filesystem is not installed, a listing refused): named, never a traceback.
+        print_error(args.command, exc.detail, as_json=args.json, code="checkpoint_unreadable",
+                    dir=getattr(args, "dir", None))
         return 1
     except (FileNotFoundError, NotADirectoryError) as exc:
         # find_participants: a directory without gym/ is not a checkpoint directory.

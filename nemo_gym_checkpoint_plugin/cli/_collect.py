@@ -3,7 +3,8 @@
 The configuration is exactly ``ng_collect_rollouts``' (Gym's ``+key=value`` overrides:
 ``+config_paths=[...]``, ``+input_jsonl_fpath=...``, ``+output_jsonl_fpath=...``, ...), read by
 Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subclassed, see
-``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute),
+``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute, or an
+object-store URL such as ``s3://bucket/run``: the deployment's ``checkpoint.storage.backend`` is then ``fsspec``),
 ``--keep``, ``--resume`` (Gym's ``resume_from_cache`` plus a restore of the last published
 checkpoint that verifies; a damaged one falls back to the one before, and says so).
 
@@ -27,6 +28,9 @@ from typing import Any
 
 import orjson
 
+from .._errors import InvalidCheckpointState
+from .._storage.objstore import ObjectPath, is_url
+from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
 from ._collect_progress import CollectProgress, summary_table
@@ -51,7 +55,8 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                "exit status: 0 done, 1 the collection or the deployment failed, 2 usage",
     )
     parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
-                        help="absolute directory holding the checkpoints (its parent must exist)")
+                        help="absolute directory holding the checkpoints (its parent must exist), or an "
+                             "object-store URL (s3://bucket/run; the servers need checkpoint.storage.backend: fsspec)")
     parser.add_argument("--checkpoint-every", type=positive, default=DEFAULT_EVERY, metavar="SECONDS",
                         help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
     parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
@@ -72,8 +77,21 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
                         help="ng_collect_rollouts' configuration (Gym's overrides)")
 
 
-def check_checkpoint_dir(raw: str) -> Path:
-    """The checkpoint directory, or ``UsageError`` saying why it cannot be one (nothing is created)."""
+def check_checkpoint_dir(raw: str) -> Path | ObjectPath:
+    """The checkpoint directory, or ``UsageError`` saying why it cannot be one (nothing is created).
+
+    A URL must name a store that refuses a second exclusive create (probed now, before any row
+    or server is touched); its credentials come from the store's own environment and config.
+    """
+    if is_url(raw):
+        try:
+            where = ObjectPath(raw)
+            check_exclusive_create(where)
+        except ValueError as exc:
+            raise UsageError(f"--checkpoint-dir: {exc}") from None
+        except InvalidCheckpointState as exc:
+            raise UsageError(f"--checkpoint-dir {where}: {exc.detail}") from None
+        return where
     path = Path(raw)
     if not path.is_absolute():
         raise UsageError(f"--checkpoint-dir {raw} is relative; give an absolute path (every server writes "
@@ -149,8 +167,8 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     return asyncio.run(_collect(args, root, store, plain, token, collection, observe))
 
 
-async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore, plain: dict[str, Any], token: str,
-                   collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None) -> int:
+async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: CheckpointStore, plain: dict[str, Any],
+                   token: str, collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
@@ -222,7 +240,7 @@ async def _collect(args: argparse.Namespace, root: Path, store: CheckpointStore,
         return 0 if failed is None else 1
 
 
-def _summary(root: Path, helper: Any, checkpointer: Any, plan: Any, elapsed: float) -> dict[str, Any]:
+def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, elapsed: float) -> dict[str, Any]:
     published = [c for c in checkpointer.checkpoints if c.published]
     pauses = [c.paused_s for c in checkpointer.checkpoints]
     return {

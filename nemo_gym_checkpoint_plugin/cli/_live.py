@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..coordination import CoordinationError, Coordinator, discover
 from ._failures import explain, explain_error
 from ._output import print_error, print_json, words
 from ._progress import ProgressDisplay, showing_progress
-from ._scope import commit_all_scope, read_episodes, restore_scope
+from ._scope import commit_all_scope, dir_argument, read_episodes, restore_scope
 from ._status import lease, run_status
 from ._where import Deployment, UsageError, resolve_deployment, suggest
 
@@ -128,7 +127,7 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         left_out: list[str] = []
         if args.all:
             scope, left_out = await _commit_all_scope(args, coordinator)
-        result = await coordinator.commit(checkpoint_id, str(Path(args.dir).resolve()), scope,
+        result = await coordinator.commit(checkpoint_id, dir_argument(args.dir), scope,
                                           stop=args.stop, deadline_ts=deadline_ts)
         counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
         text = f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
@@ -137,7 +136,7 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
                      f"{words(left_out, limit=50)}")
         return 0, {**result.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
-        result = await coordinator.restore(checkpoint_id, str(Path(args.dir).resolve()), scope or [],
+        result = await coordinator.restore(checkpoint_id, dir_argument(args.dir), scope or [],
                                            deadline_ts=deadline_ts)
         return 0, result.to_json(), (f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
                                      f"{words(result.restored(), limit=20)}; to continue them, resume:\n"

@@ -8,20 +8,20 @@ the participant directory, only regular files read) and that all participants ho
 same checkpoint id. When the directory has a participants index (``gym/participants.json``)
 every participant it lists must be there with the records digest it lists; without one,
 ``verify`` warns. Files a participant directory holds that no manifest references (left
-by a crashed or aborted write) are warned about, never a failure.
+by a crashed or aborted write) are warned about, never a failure. The directory may be a
+path or an object-store URL (``s3://bucket/run/step-120``): both are read the same way.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidCheckpointState
 from .._storage import MANIFEST_NAME, capture_key_of, decode_line, load_manifest, read_checkpoint
 from .._storage.index import index_problems, read_participants_index
 from .._storage.layout import INDEX_NAME, MANIFEST_FIELDS
+from .._storage.location import Location, child_dirs, is_dir, lexists, names, size
 from .._storage.reader import iter_verified_lines
 
 __all__ = ["ParticipantCheck", "find_participants", "inspect_checkpoint", "verify_checkpoint"]
@@ -33,7 +33,7 @@ class ParticipantCheck:
 
     kind: str
     instance: str
-    directory: Path
+    directory: Location
     ok: bool = True
     problem: str | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
@@ -55,26 +55,23 @@ class ParticipantCheck:
         }
 
 
-def find_participants(checkpoint_dir: Path) -> list[tuple[str, str, Path]]:
+def find_participants(checkpoint_dir: Location) -> list[tuple[str, str, Location]]:
     """Every ``gym/<kind>/<instance>`` directory, sorted. ``FileNotFoundError`` when there is no ``gym/``."""
     root = checkpoint_dir / "gym"
-    if not root.is_dir():
+    if not is_dir(root):
         raise FileNotFoundError(f"{checkpoint_dir} holds no gym/ directory: not a checkpoint directory")
     found = []
-    for kind_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for instance_dir in sorted(p for p in kind_dir.iterdir() if p.is_dir()):
-            found.append((kind_dir.name, instance_dir.name, instance_dir))
+    for kind in child_dirs(root):
+        for instance in child_dirs(root / kind):
+            found.append((kind, instance, root / kind / instance))
     return found
 
 
-def _records_size(directory: Path, manifest: dict[str, Any]) -> int | None:
-    try:
-        return (directory / manifest["records_file"]).stat().st_size
-    except OSError:
-        return None
+def _records_size(directory: Location, manifest: dict[str, Any]) -> int | None:
+    return size(directory / manifest["records_file"])
 
 
-def inspect_checkpoint(checkpoint_dir: Path, *, episodes: bool = False) -> list[ParticipantCheck]:
+def inspect_checkpoint(checkpoint_dir: Location, *, episodes: bool = False) -> list[ParticipantCheck]:
     """Read every participant's manifest (cheap); with ``episodes``, list record capture keys too."""
     checks = []
     for kind, instance, directory in find_participants(checkpoint_dir):
@@ -96,16 +93,12 @@ def _unreferenced(checks: list[ParticipantCheck]) -> list[str]:
     found = []
     for check in checks:
         expected = {MANIFEST_NAME, check.manifest.get("records_file")}
-        try:
-            names = sorted(os.listdir(check.directory))
-        except OSError:
-            continue
         found += [f"{check.directory / name}: not referenced by any manifest (left by a crashed or aborted "
-                  "write?)" for name in names if name not in expected]
+                  "write?)" for name in names(check.directory) if name not in expected]
     return found
 
 
-def _check_index(checkpoint_dir: Path, checks: list[ParticipantCheck], warnings: list[str]) -> None:
+def _check_index(checkpoint_dir: Location, checks: list[ParticipantCheck], warnings: list[str]) -> None:
     """Fail the participants the index lists and the directory lacks; warn when there is no index."""
     try:
         index = read_participants_index(checkpoint_dir)
@@ -129,7 +122,7 @@ def _check_index(checkpoint_dir: Path, checks: list[ParticipantCheck], warnings:
                  for c in checks if (c.kind, c.instance) not in listed and c.kind != "(index)"]
 
 
-def verify_checkpoint(checkpoint_dir: Path, warnings: list[str] | None = None) -> list[ParticipantCheck]:
+def verify_checkpoint(checkpoint_dir: Location, warnings: list[str] | None = None) -> list[ParticipantCheck]:
     """Verify every participant fully (one streaming pass each, no record kept).
 
     ``warnings`` (when given) receives what does not fail the checkpoint: unreferenced files, a
@@ -139,7 +132,7 @@ def verify_checkpoint(checkpoint_dir: Path, warnings: list[str] | None = None) -
     checks = []
     for kind, instance, directory in find_participants(checkpoint_dir):
         check = ParticipantCheck(kind, instance, directory)
-        if not os.path.lexists(directory / MANIFEST_NAME) and not any(directory.iterdir()):
+        if not lexists(directory / MANIFEST_NAME) and not names(directory):
             check.ok, check.problem = False, f"{directory}: empty participant directory (no manifest.json)"
             checks.append(check)
             continue

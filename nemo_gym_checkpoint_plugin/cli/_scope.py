@@ -16,6 +16,8 @@ from typing import Any
 
 from .._errors import InvalidCheckpointState
 from .._storage import capture_key_of, decode_line, load_manifest
+from .._storage.location import Location, is_dir, location
+from .._storage.objstore import is_url, normalize_url
 from .._storage.reader import iter_verified_lines
 from ._offline import find_participants
 from ._where import UsageError
@@ -45,8 +47,25 @@ def read_episodes(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def existing_dir(path: str, option: str = "--dir") -> Path:
-    """``path`` as a directory that exists, else a ``UsageError`` saying it does not."""
+def dir_argument(value: str, option: str = "--dir") -> str:
+    """A checkpoint directory as the servers receive it: an absolute path (resolved), or a URL
+    (``s3://...``) normalized; ``UsageError`` for a URL that cannot name one (never repeating it:
+    it may carry credentials)."""
+    if is_url(value):
+        try:
+            return normalize_url(value)
+        except ValueError as exc:
+            raise UsageError(f"{option}: {exc}") from None
+    return str(Path(value).resolve())
+
+
+def existing_dir(path: str, option: str = "--dir") -> Location:
+    """``path`` as a directory that exists (a URL: a prefix holding objects), else a ``UsageError``."""
+    if is_url(path):
+        where = location(dir_argument(path, option))
+        if not is_dir(where):
+            raise UsageError(f"{option} {where} holds nothing (no object under that prefix)")
+        return where
     directory = Path(path)
     if not directory.exists():
         raise UsageError(f"{option} {path} does not exist")
@@ -55,7 +74,7 @@ def existing_dir(path: str, option: str = "--dir") -> Path:
     return directory
 
 
-def checkpoint_episodes(checkpoint_dir: Path) -> set[str]:
+def checkpoint_episodes(checkpoint_dir: Location) -> set[str]:
     """Every capture key some participant of the checkpoint holds (each participant fully verified)."""
     try:
         participants = find_participants(checkpoint_dir)

@@ -159,7 +159,8 @@ class CollectionCheckpointer:
             self.checkpoints.append(record)
         await self._emit("resumed", checkpoint=checkpoint_id, record=record)
         if record.published:
-            for path in self.store.prune(self.keep):
+            # Off the loop: on an object store, listing and removing are network calls.
+            for path in await asyncio.to_thread(self.store.prune, self.keep):
                 logger.info("removed checkpoint %s", path)
         return record
 

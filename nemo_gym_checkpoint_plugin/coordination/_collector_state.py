@@ -15,6 +15,8 @@ deployment it belongs to, the rows finished and where (the output file and its l
 checkpoint's pause times. Records are streamed, fsynced and named by their digest, the
 manifest is hard-linked into place after every parent directory was fsynced, so a crash
 leaves a published checkpoint or one without a collector manifest, which is never used.
+``--checkpoint-dir`` may be an object-store URL (``s3://bucket/run``): the records are then
+uploaded under their digest name and the manifest created exclusively, as a participant's are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,10 @@ from .._storage.codec import decode_line, encode_line
 from .._storage.files import create_private, make_private_dirs, write_failed
 from .._storage.index import check_participants_index
 from .._storage.layout import MANIFEST_NAME, SCHEMA_VERSION, records_name
+from .._storage.location import Location, child_dirs, lexists, location
+from .._storage.objstore import ObjectPath
 from .._storage.reader import capture_key_of, iter_verified_lines, load_manifest, read_checkpoint
+from .._storage.retention import plan_retention, remove_checkpoint
 
 __all__ = [
     "COLLECTOR_DIR",
@@ -75,7 +79,7 @@ class CollectorState:
     rows: list[RowState] = field(default_factory=list)
     finished: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    path: Path | None = None
+    path: Location | None = None
 
     def by_state(self, state: str) -> list[RowState]:
         return [row for row in self.rows if row.state == state]
@@ -90,10 +94,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 class CheckpointStore:
-    """The checkpoints of one collection under ``root`` (absolute): naming, writing, reading, pruning."""
+    """The checkpoints of one collection under ``root`` (absolute, or a URL): naming, writing, reading, pruning."""
 
-    def __init__(self, root: str | Path, run: str | None = None) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | Path | ObjectPath, run: str | None = None) -> None:
+        self.root = location(root)
         # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
         self.run = run or uuid.uuid4().hex[:8]
 
@@ -107,21 +111,24 @@ class CheckpointStore:
         match = _CHECKPOINT_NAME.match(name)
         return None if match is None else int(match["seq"])
 
-    def path(self, checkpoint_id: str) -> Path:
+    def path(self, checkpoint_id: str) -> Location:
         return self.root / checkpoint_id
 
-    def entries(self) -> list[tuple[int, Path]]:
+    def entries(self) -> list[tuple[int, Location]]:
         """Every checkpoint directory (published or not), oldest first."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return []
+        if isinstance(self.root, ObjectPath):
+            names = child_dirs(self.root)
+        else:
+            try:
+                names = os.listdir(self.root)
+            except FileNotFoundError:
+                return []
         found = [(seq, self.root / name) for name in names if (seq := self.seq_of(name)) is not None]
         return sorted(found)
 
-    def published(self) -> list[tuple[int, Path]]:
+    def published(self) -> list[tuple[int, Location]]:
         """Checkpoints whose collector manifest exists, oldest first (not yet verified)."""
-        return [(seq, p) for seq, p in self.entries() if os.path.lexists(p / COLLECTOR_DIR / MANIFEST_NAME)]
+        return [(seq, p) for seq, p in self.entries() if lexists(p / COLLECTOR_DIR / MANIFEST_NAME)]
 
     def next_seq(self) -> int:
         entries = self.entries()
@@ -132,6 +139,10 @@ class CheckpointStore:
     def write_records(self, state: CollectorState) -> tuple[str, int]:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
         directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
+        if isinstance(directory, ObjectPath):
+            from .._storage.objstore_put import put_records
+
+            return put_records(directory, (encode_line(row.record()) for row in state.rows))
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
             make_private_dirs(directory)
@@ -153,8 +164,9 @@ class CheckpointStore:
             raise write_failed(exc, directory, "cannot store the collector state") from None
         return hexdigest, count
 
-    def publish(self, state: CollectorState, digest: str, count: int) -> Path:
-        """Create the collector manifest last (hard link, never replacing one), after fsyncing every parent."""
+    def publish(self, state: CollectorState, digest: str, count: int) -> Location:
+        """Create the collector manifest last (hard link, never replacing one), after fsyncing every parent;
+        on an object store, created exclusively."""
         checkpoint = self.path(state.checkpoint_id)
         directory = checkpoint / COLLECTOR_DIR
         manifest = {
@@ -163,6 +175,8 @@ class CheckpointStore:
             "record_count": count,
             "collector": {"deployment": state.deployment, "finished": state.finished, "timings": state.timings},
         }
+        if isinstance(directory, ObjectPath):
+            return _publish_object(directory, manifest)
         tmp = directory / f".manifest.{uuid.uuid4().hex}.tmp"
         try:
             with create_private(tmp) as out:
@@ -181,29 +195,27 @@ class CheckpointStore:
             tmp.unlink(missing_ok=True)
         return directory / MANIFEST_NAME
 
-    def prune(self, keep: int) -> list[Path]:
-        """Remove every checkpoint older than the ``keep`` newest published ones; returns what was removed.
+    def prune(self, keep: int) -> list[Location]:
+        """Remove what ``keep`` retires (``_storage.retention``, the rule ``ng-checkpoint gc`` applies to
+        this collection's checkpoints); returns what was removed.
 
-        Called only after a publish, so nothing is removed before a newer checkpoint exists; an
-        unpublished directory newer than the newest published one (a write in progress) stays.
+        Called only after a publish: the ``keep`` newest published checkpoints stay, so do an
+        unpublished one newer than the oldest kept (a write in progress) and any under a live lease
+        (a restore or commit using it); a removal that fails is left for the next prune.
         """
-        published = [seq for seq, _ in self.published()]
-        if len(published) <= keep:
-            oldest_kept = published[0] if published else None
-        else:
-            oldest_kept = published[-keep]
-        if oldest_kept is None:
-            return []
+        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None)
         removed = []
-        for seq, path in self.entries():
-            if seq < oldest_kept:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+        for checkpoint in plan.remove:
+            try:
+                if remove_checkpoint(checkpoint):
+                    removed.append(checkpoint.path)
+            except InvalidCheckpointState:
+                continue
         return removed
 
     # -- reading --------------------------------------------------------------------------------
 
-    def read(self, path: Path) -> CollectorState:
+    def read(self, path: Location) -> CollectorState:
         """Read and fully verify a checkpoint: the collector's records and manifest, the participants
         index, and every participant's records. ``InvalidCheckpointState`` naming what is wrong."""
         directory = path / COLLECTOR_DIR
@@ -247,6 +259,18 @@ class CheckpointStore:
             except InvalidCheckpointState as exc:
                 skipped.append((path.name, exc.detail))
         return None, skipped
+
+
+def _publish_object(directory: ObjectPath, manifest: dict[str, Any]) -> ObjectPath:
+    """The collector manifest on an object store: created exclusively (the commit point), never replaced."""
+    from .._errors import WriteFailed
+    from .._storage.objstore_put import check_exclusive_create, create_exclusive
+
+    check_exclusive_create(directory.parent.parent)
+    if not create_exclusive(directory / MANIFEST_NAME, orjson.dumps(manifest) + b"\n"):
+        raise WriteFailed(f"{directory / MANIFEST_NAME}: cannot publish the collector state: already exists",
+                          path=str(directory / MANIFEST_NAME), cause="already exists")
+    return directory / MANIFEST_NAME
 
 
 def deployment_identity(participants: Iterable[Any], output_path: str | Path) -> dict[str, Any]:

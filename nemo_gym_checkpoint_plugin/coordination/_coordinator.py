@@ -13,15 +13,17 @@ participant replies at its deadline at the latest; the grace covers the trip).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._collector import heap_frozen
 from .._errors import InvalidCheckpointState
 from .._storage.index import check_participants_index, write_participants_index
+from .._storage.retention import hold_lease
 from ._discovery import Participant
 from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
 from ._order import stages_for
@@ -229,6 +231,15 @@ class Coordinator:
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
         stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
     ) -> CommitResult:
+        """``_commit`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile."""
+        deadline = self._deadline(deadline_ts, timeout)
+        async with _leased(checkpoint_dir, "commit", checkpoint_id, deadline):
+            return await self._commit(checkpoint_id, checkpoint_dir, episode_ids, stop=stop, deadline_ts=deadline)
+
+    async def _commit(
+        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
+        stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
+    ) -> CommitResult:
         """Commit on every participant at once; ``episode_ids`` is the scope (None: everything held).
 
         When all committed, writes ``<checkpoint_dir>/gym/participants.json`` (the participants the
@@ -317,6 +328,15 @@ class Coordinator:
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
         deadline_ts: float | None = None, timeout: float | None = None,
     ) -> RestoreResult:
+        """``_restore`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile."""
+        deadline = self._deadline(deadline_ts, timeout)
+        async with _leased(checkpoint_dir, "restore", checkpoint_id, deadline):
+            return await self._restore(checkpoint_id, checkpoint_dir, episode_ids, deadline_ts=deadline)
+
+    async def _restore(
+        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
+        deadline_ts: float | None = None, timeout: float | None = None,
+    ) -> RestoreResult:
         """Restore on every participant at once, all or nothing.
 
         ``checkpoint_id`` is the restore operation's own id; ``episode_ids`` name the
@@ -391,3 +411,14 @@ class Coordinator:
             cleanup.extend(exc.failures)
             logger.warning("restore %s: resuming failed: %s", checkpoint_id, exc)
         return cleanup
+
+
+@contextlib.asynccontextmanager
+async def _leased(checkpoint_dir: str, operation: str, checkpoint_id: str, deadline: float) -> AsyncIterator[None]:
+    """A retention lease on ``checkpoint_dir`` for the operation (written and removed off the loop)."""
+    lease = hold_lease(checkpoint_dir, operation, checkpoint_id, deadline)
+    await asyncio.to_thread(lease.__enter__)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(lease.__exit__, None, None, None)

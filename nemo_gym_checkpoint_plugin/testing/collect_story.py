@@ -14,7 +14,9 @@ On a started deployment (``crash_scenario.new_deployment``: every server a parti
    servers (seeds at the resources server, completed calls at the fake backend).
 
 Each collector is its own process (``python -m nemo_gym_checkpoint_plugin.cli collect``), its
-output in ``<work>/logs/collect-*.log``; a cancelled story kills it before returning.
+output in ``<work>/logs/collect-*.log``; a cancelled story kills it before returning. The
+checkpoints go under ``<work>`` or, with ``checkpoint_root``, under that directory or object-store
+URL (``s3://bucket/demo``; the deployment must then use the ``fsspec`` storage backend).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._storage.location import Location, location
 from .._storage.reader import read_checkpoint
 from ..coordination._collector_state import CheckpointStore
 from .deployment import BACKEND, ENVIRONMENT, RESOURCES, TOKEN_ENV, Deployment, DeploymentError, rollout_body
@@ -75,7 +78,7 @@ def _comparable(record: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
 class _Collector:
     """One ``ng-checkpoint collect`` process in its own group; killed, never left behind."""
 
-    def __init__(self, deployment: Deployment, work: Path, token: str, name: str, output: Path, ckpt: Path,
+    def __init__(self, deployment: Deployment, work: Path, token: str, name: str, output: Path, ckpt: Location,
                  every: float, parallel: int, resume: bool = False) -> None:
         self.log = work / "logs" / f"collect-{name}.log"
         argv = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "collect", "--json",
@@ -132,7 +135,7 @@ async def _held_checkpoint(
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
     while collector.proc.poll() is None and time.monotonic() < deadline:
-        for _seq, path in store.published():
+        for _seq, path in await asyncio.to_thread(store.published):
             if path.name not in seen:
                 seen.add(path.name)
                 state = await asyncio.to_thread(store.read, path)
@@ -144,22 +147,23 @@ async def _held_checkpoint(
 
 async def run_collect_story(deployment: Deployment, work: Path, token: str, rows: int, *, every: float = 2.0,
                             parallel: int = 4, say: Callable[[str], None] = lambda _m: None,
-                            timeout: float = 600.0) -> dict[str, Any]:
+                            timeout: float = 600.0, checkpoint_root: str | None = None) -> dict[str, Any]:
     """The story of the module docstring on a started ``deployment``; the demo's summary."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     deployment.write_config(work / "gym_config.yaml")
     _write_inputs(work / "in.jsonl", rows)
-    ckpt = work / "ckpt"
+    root = work if checkpoint_root is None else location(checkpoint_root)
+    ckpt = root / "ckpt"
     reference_out, output = work / "uninterrupted" / "rollouts.jsonl", work / "collected" / "rollouts.jsonl"
     collectors: list[_Collector] = []
 
-    def start(name: str, out: Path, directory: Path, resume: bool = False) -> _Collector:
+    def start(name: str, out: Path, directory: Location, resume: bool = False) -> _Collector:
         collectors.append(_Collector(deployment, work, token, name, out, directory, every, parallel, resume))
         return collectors[-1]
 
     try:
         say(f"collecting {rows} rows without interruption (the reference), with Gym's rollout collection")
-        await start("uninterrupted", reference_out, work / "uninterrupted-ckpt").wait(timeout)
+        await start("uninterrupted", reference_out, root / "uninterrupted-ckpt").wait(timeout)
         hold = _held_rows(rows, parallel)
         for index in hold:
             # The row's second model call (its answer after the tool call) waits at the backend until the crash.

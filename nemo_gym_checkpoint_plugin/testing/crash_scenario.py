@@ -49,20 +49,26 @@ _POLL = 0.05
 
 def new_deployment(
     work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None,
-    model: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None, storage: dict[str, Any] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
-    ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block.
+    ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block;
+    ``storage`` is the ``checkpoint.storage`` block (``{"backend": "fsspec"}`` for an object store);
+    ``extra_env`` reaches every server (an object store's standard variables, e.g. ``AWS_*``).
     """
+    block: dict[str, Any] = {**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}
+    if storage:
+        block["storage"] = dict(storage)
     return Deployment(
         free_port_base() if port_base is None else port_base,
         work_dir,
         entrypoints=wrapped_entrypoints(),
         own_process_groups=True,
         log_dir=work_dir / "logs",
-        extra_env={TOKEN_ENV: token},
-        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode},
+        extra_env={**(extra_env or {}), TOKEN_ENV: token},
+        checkpoint=block,
         model=model,
     )
 

@@ -26,6 +26,12 @@ that ran again. ``prepare_s`` and ``commit_s``: what the restored checkpoint cos
 deployment; ``restore_s``: the restore. Exit status 0 only when nothing was lost or repeated
 and the output is identical to the uninterrupted one.
 
+Checkpoints: under the work directory, or ``--checkpoint-dir`` (a directory, or an object-store URL
+such as ``s3://bucket/demo``, reached through the store's standard environment: ``AWS_*`` for S3;
+the servers then use ``checkpoint.storage.backend: fsspec``). ``--local-s3`` starts a real
+S3-compatible server on 127.0.0.1 for the run (moto's server mode, from the ``test`` extras) and
+checkpoints into it; it is stopped at the end.
+
 Ports: ``PORT_BASE`` when set (five consecutive ports from it; busy or invalid is exit 2
 before anything starts), else free ports picked at random.
 
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -50,16 +57,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import orjson
 
+from .._storage.objstore import is_url, normalize_url
 from .collect_story import run_collect_story
 from .crash_scenario import new_deployment
 from .deployment import Deployment, DeploymentAborted, DeploymentError, parse_port_base, port_is_free
 from .gym_config import PORT_OFFSETS
+from .s3_server import LocalS3Server, S3ServerError
 
 __all__ = ["main"]
 
@@ -92,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="work directory, kept (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary work directory (also NG_DEMO_KEEP=1)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--checkpoint-dir", metavar="DIR_OR_URL",
+                       help="where the checkpoints go: an absolute directory or an object-store URL (s3://bucket/"
+                            "prefix; credentials from the store's own environment); default: the work directory")
+    where.add_argument("--local-s3", action="store_true",
+                       help="start a local S3-compatible server (moto, 127.0.0.1) and checkpoint into it")
     args = parser.parse_args(argv)
     if args.rollouts < 2:
         parser.error("--rollouts must be at least 2")
@@ -106,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="ng-checkpoint-demo-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        summary = _run(work, args.rollouts, args.checkpoint_every, port_base)
-    except DeploymentError as failed:
+        with _checkpoint_store(args, work) as (checkpoint_root, store_env):
+            summary = _run(work, args.rollouts, args.checkpoint_every, port_base, checkpoint_root, store_env)
+    except (DeploymentError, S3ServerError) as failed:
         print(f"demo: {failed}; work directory kept: {work}", file=sys.stderr, flush=True)
         return 1
+    except ValueError as bad:
+        print(f"demo: --checkpoint-dir: {bad}", file=sys.stderr)
+        return 2
     if summary is None:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -128,7 +148,33 @@ def main(argv: list[str] | None = None) -> int:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _run(work: Path, rollouts: int, every: float, port_base: int | None) -> dict[str, Any] | None:
+@contextlib.contextmanager
+def _checkpoint_store(args: argparse.Namespace, work: Path) -> Iterator[tuple[str | None, dict[str, str]]]:
+    """``(checkpoint root or None for the work directory, environment the servers need to reach it)``."""
+    if args.local_s3:
+        (work / "logs").mkdir(parents=True, exist_ok=True)
+        with LocalS3Server(log=work / "logs" / "s3-server.log") as server:
+            root = server.url(f"demo-{secrets.token_hex(4)}")
+            _say(f"started a local S3 server on {server.endpoint} (moto); checkpoints go to {root}")
+            saved = server.apply()  # the collectors this process starts reach it the same way
+            try:
+                yield root, server.env
+            finally:
+                LocalS3Server.restore(saved)
+        return
+    if args.checkpoint_dir is None:
+        yield None, {}
+        return
+    if is_url(args.checkpoint_dir):
+        yield normalize_url(args.checkpoint_dir), {}
+        return
+    if not os.path.isabs(args.checkpoint_dir):
+        raise ValueError(f"{args.checkpoint_dir} is relative; give an absolute directory or a URL")
+    yield args.checkpoint_dir, {}
+
+
+def _run(work: Path, rollouts: int, every: float, port_base: int | None, checkpoint_root: str | None = None,
+         store_env: dict[str, str] | None = None) -> dict[str, Any] | None:
     """Start the deployment, run the scenario, stop every server; the summary, or None after Ctrl-C/SIGTERM.
 
     Ctrl-C never raises ``KeyboardInterrupt`` here: raised at an arbitrary point (while asyncio
@@ -143,10 +189,11 @@ def _run(work: Path, rollouts: int, every: float, port_base: int | None) -> dict
     for sig in _STOP_SIGNALS:
         signal.signal(sig, flag)
     token = secrets.token_urlsafe(24)
-    deployment = new_deployment(work, token, port_base=port_base)
+    storage = {"backend": "fsspec"} if checkpoint_root is not None and is_url(checkpoint_root) else None
+    deployment = new_deployment(work, token, port_base=port_base, storage=storage, extra_env=store_env)
     try:
         # asyncio.run returns only once its worker threads are done (a start under way included).
-        return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop))
+        return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop, checkpoint_root))
     finally:
         # Closing the loop reset the handlers; nothing may cut the stop short (servers have their own groups).
         for sig in _STOP_SIGNALS:
@@ -156,6 +203,7 @@ def _run(work: Path, rollouts: int, every: float, port_base: int | None) -> dict
 
 async def _scenario(
     deployment: Deployment, work: Path, token: str, rollouts: int, every: float, stop: threading.Event,
+    checkpoint_root: str | None = None,
 ) -> dict[str, Any] | None:
     task = asyncio.current_task()
     assert task is not None
@@ -176,7 +224,8 @@ async def _scenario(
         ports = sorted(int(url.rsplit(":", 1)[1]) for url in deployment.urls.values())
         _say(f"5 processes ready in {time.monotonic() - started:.1f}s on 127.0.0.1:{ports[0]}-{ports[-1]}: "
              f"{', '.join(sorted(deployment.urls))}")
-        return await run_collect_story(deployment, work, token, rollouts, every=every, say=_say)
+        return await run_collect_story(deployment, work, token, rollouts, every=every, say=_say,
+                                       checkpoint_root=checkpoint_root)
     except (asyncio.CancelledError, DeploymentAborted):
         if stop.is_set():
             return None

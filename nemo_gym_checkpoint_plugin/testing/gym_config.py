@@ -156,6 +156,7 @@ def build_gym_config(
     gym_settings: Mapping[str, Any] | None = None,
     replicas: int = 1,
     environment: Mapping[str, Any] | None = None,
+    hosts: Mapping[str, str] | None = None,
 ) -> Any:
     """The full Gym global config (an OmegaConf ``DictConfig``) for the deployment at ``port_base``.
 
@@ -170,6 +171,8 @@ def build_gym_config(
     here, for tests that fail fast; Gym ships 180).
     ``replicas`` runs that many model -> agent -> environment chains (see the module docstring);
     ``entrypoints``, ``model`` and ``environment`` apply to every replica of the server they name.
+    ``hosts`` (``{name: address}``) puts servers (the fake backend included) on other addresses than
+    127.0.0.1: a deployment split across hosts (each server binds, and is called at, its own).
     """
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
     from omegaconf import OmegaConf
@@ -177,7 +180,7 @@ def build_gym_config(
     offsets = replica_port_offsets(replicas)
 
     def port(name: str) -> dict[str, Any]:
-        return {"host": HOST, "port": port_base + offsets[name]}
+        return {"host": (hosts or {}).get(name, HOST), "port": port_base + offsets[name]}
 
     chosen = {**_DEFAULT_ENTRYPOINTS, **(entrypoints or {})}
     unknown = set(chosen) - set(GYM_SERVERS)
@@ -188,7 +191,7 @@ def build_gym_config(
     implementation = str(resources_block.pop("implementation", "example_single_tool_call"))
     initial: dict[str, Any] = {
         "config_paths": list(_SHIPPED_CONFIGS),
-        "policy_base_url": f"http://{HOST}:{port_base + PORT_OFFSETS[BACKEND]}/v1",
+        "policy_base_url": f"http://{(hosts or {}).get(BACKEND, HOST)}:{port_base + PORT_OFFSETS[BACKEND]}/v1",
         "policy_api_key": "fake-key",
         "policy_model_name": FAKE_MODEL_NAME,
         MODEL: {
