@@ -18,6 +18,10 @@ first piece of answer data waits for resume. What does not start a response (doc
   lines (``:`` first, e.g. Gym's ``: keep-alive``) and blank lines: they go out at once, so a
   long generation keeps its connection alive.
 
+With generation cuts on, the request body is kept as it arrives (its digest names the call a
+cut belongs to) and the call is the route's current model call (``model.current_call``), so the
+worker client the cuts wrap knows whose generation it streams.
+
 Anything else is answer data, and so is the end of a response (the last body message, even
 empty): the caller would see a complete reply. Once a response started, every later message
 passes untouched: an event stream that already started finishes whatever admission does.
@@ -147,6 +151,8 @@ class HeldResponses:
             return
         call = self._calls.begin(attempt_from_path(scope["path"]))
         delivery = _Delivery(send, call, self._calls)
+        if self._calls.cuts is not None and call.key is not None:
+            receive = _kept_body(receive, call)
         # Registered before the first suspension: a retire marking this attempt after the gate let the
         # request in finds it here, and its task (which cancelling stops wherever it is).
         task = asyncio.ensure_future(self._run(call, scope, receive, delivery.send))
@@ -165,8 +171,24 @@ class HeldResponses:
 
 
     async def _run(self, call: ModelCall, scope: Scope, receive: Receive, send: Send) -> None:
+        from nemo_gym_checkpoint_plugin.builtin_participants.model import _CURRENT_CALL
+
+        _CURRENT_CALL.set(call)  # this task's own context: the route's calls to the worker see it
         await self._calls.arrived(call)
         await self._app(scope, receive, send)
+
+
+def _kept_body(receive: Receive, call: ModelCall) -> Receive:
+    """``receive`` that also keeps the request body in ``call.body`` as the route reads it."""
+    call.body = bytearray()
+
+    async def kept() -> Message:
+        message = await receive()
+        if message["type"] == "http.request" and call.body is not None:
+            call.body += message.get("body", b"")
+        return message
+
+    return kept
 
 
 async def _refuse(send: Send, call: ModelCall) -> None:

@@ -23,6 +23,11 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   the restored rows it answers again (a call whose answer had not reached the agent). Such a
   server refuses to restore once it has served a call (``invalid_phase``): its capture files may
   belong to live episodes.
+- With ``checkpoint_generation_cuts`` on (``cut_book.py``): the server streams each cuttable
+  generation from the worker, a commit exports each in-scope episode's cut (merged into its
+  capture record, field ``generation_cut``), a prepare that finds cuts generating freezes the
+  workers within its share of the deadline (readiness waits for that, never for a generation),
+  and the agent's re-sent call continues its restored cut.
 
 One registry per model server process; used from its event loop only.
 """
@@ -30,24 +35,39 @@ One registry per model server process; used from its event loop only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.capture_book import CaptureBook
+from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CUT_FIELD, CutBook
+from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import cut_settings
 from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
 
+from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
-__all__ = ["ModelCall", "ModelCalls", "install_model_calls"]
+__all__ = ["ModelCall", "ModelCalls", "current_call", "install_model_calls"]
+
+logger = logging.getLogger(__name__)
+
+# The model call whose route runs in this context (set by the held-responses middleware).
+_CURRENT_CALL: ContextVar[ModelCall | None] = ContextVar("ng_checkpoint_model_call", default=None)
+
+
+def current_call() -> ModelCall | None:
+    return _CURRENT_CALL.get()
 
 
 class ModelCall:
     """One data request to the model server, from the gate to its last response message."""
 
-    __slots__ = ("rollout_id", "attempt", "task", "held", "started", "retired", "finished", "capture_call_id")
+    __slots__ = ("rollout_id", "attempt", "task", "held", "started", "retired", "finished", "capture_call_id",
+                 "body", "generation")
 
     def __init__(self, rollout_id: str | None, attempt: int) -> None:
         self.rollout_id = rollout_id  # None: a call outside any rollout (never retired)
@@ -58,6 +78,8 @@ class ModelCall:
         self.retired = False
         self.finished = asyncio.Event()
         self.capture_call_id: str | None = None  # Gym's model call id, when token capture records it
+        self.body: bytearray | None = None  # the request body as received (generation cuts only)
+        self.generation: Any = None  # its streamed generation (``cut_stream.Generation``), generation cuts only
 
     @property
     def key(self) -> str | None:
@@ -92,6 +114,11 @@ class ModelCalls:
         captures = captures if captures is not None or server is None else token_captures_for(server)
         self.captures = captures
         self.book = CaptureBook(captures) if captures is not None else None
+        self.cuts: CutBook | None = None
+        if server is not None and getattr(server, "server_client", None) is not None:
+            settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
+            if settings.enabled:
+                self.cuts = CutBook(settings, server, current_call)
         self._open = asyncio.Event()
         self._open.set()
         self._by_rollout: dict[str | None, set[ModelCall]] = {}
@@ -165,15 +192,39 @@ class ModelCalls:
         self._open.clear()
 
     @hookimpl
+    def preparing(self, checkpoint_id: str, deadline_ts: float) -> None:
+        cuts = self.cuts
+        if cuts is not None and cuts.freeze is not None and cuts.cuttable(self._calls()):
+            cuts.freeze.start(deadline_ts)
+
+    @hookimpl
     def open_admission(self, checkpoint_id: str) -> None:
         self._open.set()
         if self.book is not None:
             self.book.ended(checkpoint_id)
+        if self.cuts is not None and self.cuts.freeze is not None:
+            self.cuts.freeze.thaw()
 
     @hookimpl
     def ready(self, checkpoint_id: str | None) -> Readiness:
-        # Never a blocker: a generation in flight runs on, and its response is held if not started.
-        return Readiness(counts={"model_calls_in_flight": self.in_flight, "model_responses_held": self.held})
+        # A generation in flight runs on, and its response is held if not started: it never blocks. Only
+        # freezing the workers does, within its share of the prepare's deadline (cut_freeze.py).
+        counts = {"model_calls_in_flight": self.in_flight, "model_responses_held": self.held}
+        cuts = self.cuts
+        if cuts is not None and cuts.freeze is not None and cuts.freeze.freezing:
+            return Readiness(blockers=cuts.cuttable(self._calls()), counts=counts)
+        return Readiness(counts=counts)
+
+    @hookimpl
+    async def wait_ready(self, checkpoint_id: str) -> None:
+        cuts = self.cuts
+        task = cuts.freeze.task if cuts is not None and cuts.freeze is not None else None
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+            return
+        # Nothing of ours to wait for; another plugin's blockers may lack a wait_ready: re-ask soon, as the
+        # control plane does when no plugin implements it.
+        await asyncio.sleep(POLL_SECONDS)  # wait-ok: the control plane's own poll interval
 
     @hookimpl
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
@@ -192,58 +243,108 @@ class ModelCalls:
             # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
             # finished call's wait returns at once (no task per call: a retire may name thousands).
             await call.finished.wait()
+        if self.cuts is not None:
+            self.cuts.retired(episode_ids)
         if self.book is not None:
             freed = self.book.retired(episode_ids)
             if freed:
                 await self.delete_restored(freed)
 
+    def _calls(self) -> Iterator[ModelCall]:
+        for calls in self._by_rollout.values():
+            yield from calls
+
     # -- token capture (capture_book.py, model_capture.py) -----------------------------------------
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport | None:
-        if self.book is None:
-            return None
-        # Calls held or still generating are owned by no one: their rows are never exported. None can
-        # start while the checkpoint is open, so ownership cannot change during the export.
-        running = {call.key for calls in self._by_rollout.values() for call in calls if call.key is not None}
-        return self.book.export(scope, running)
+        cuts = self.cuts.snapshot(self._calls(), scope) if self.cuts is not None else {}
+        captured = None
+        if self.book is not None:
+            # Calls held or still generating are owned by no one: their rows are never exported. None can
+            # start while the checkpoint is open, so ownership cannot change during the export.
+            running = {call.key for call in self._calls() if call.key is not None}
+            captured = self.book.export(scope, running)
+        if not cuts:
+            return captured
+        return ParticipantExport(
+            records=_with_cuts(captured.records if captured is not None else (), cuts),
+            manifest_extras=captured.manifest_extras if captured is not None else {},
+            reply_extras=captured.reply_extras if captured is not None else {},
+        )
 
     @hookimpl
     async def install(
         self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
     ) -> None:
+        cut_records = {r.replacement.capture_key: (r.checkpointed.capture_key, r.record[CUT_FIELD])
+                       for r in records if CUT_FIELD in r.record}
+        captured = [r for r in records if "token_entries" in r.record or "ledger_entries" in r.record]
+        cuts = self.cuts.checked(cut_records) if self.cuts is not None else {}  # a refused cut installs nothing
         if self.book is None:
-            if records:
+            if captured:
                 raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
+        else:
+            if self.served_total or self.in_flight:
+                raise InvalidPhase(
+                    f"this model server has served {self.served_total + self.in_flight} model calls: its token "
+                    "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
+                )
+            await self.book.install(checkpoint_id, captured, scope)
+        if self.cuts is None:
+            if cut_records:
+                # A cut only saves generating again: without cuts on here, those calls are generated from scratch.
+                logger.warning("%d generation cuts in the checkpoint are ignored: checkpoint_generation_cuts is off "
+                               "here", len(cut_records))
             return
-        if self.served_total or self.in_flight:
-            raise InvalidPhase(
-                f"this model server has served {self.served_total + self.in_flight} model calls: its token "
-                "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
-            )
-        await self.book.install(checkpoint_id, records, scope)
+        self.cuts.keep(cuts)
+        if self.cuts.freeze is not None:
+            await self.cuts.freeze.resume_all()  # a crashed model server may have left a worker frozen
 
     @hookimpl
     def restored_pending(self) -> list[str]:
-        return self.book.pending() if self.book is not None else []
+        pending = set(self.book.pending()) if self.book is not None else set()
+        if self.cuts is not None:
+            pending.update(self.cuts.pending())
+        return sorted(pending)
 
     @hookimpl
     async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        if self.cuts is not None:
+            self.cuts.drop(episode.capture_key for episode in episode_ids)
         # Only attempts this server installed: a refused install must not touch a live attempt's files.
         if self.book is not None:
             await self.book.delete(episode.capture_key for episode in episode_ids)
 
     @hookimpl
     def status_fields(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             "model_calls": {
                 "in_flight": self.in_flight,
                 "held": self.held,
                 "served_total": self.served_total,
                 "held_total": self.held_total,
                 "stopped_total": self.stopped_total,
-            }
+            },
+            "generation_cuts": {"enabled": False} if self.cuts is None else self.cuts.status(self._calls()),
         }
+        return fields
+
+
+def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The capture records with each episode's cut added, then a record for each cut left (in the writer's thread)."""
+    left = dict(cuts)
+    for record in records:
+        episode = record["episode_id"]
+        rollout, attempt = episode["rollout_id"], episode["attempt"]
+        source = left.pop(rollout if attempt == 0 else f"{rollout}-a{attempt}", None)
+        cut = CutBook.record(source) if source is not None else None
+        yield record if cut is None else {**record, CUT_FIELD: cut}
+    for key in sorted(left):
+        cut = CutBook.record(left[key])
+        if cut is not None:
+            episode = from_capture_key(key)
+            yield {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt}, CUT_FIELD: cut}
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

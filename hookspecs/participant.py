@@ -66,6 +66,19 @@ def close_admission(checkpoint_id: str) -> None:
 
 
 @hookspec
+def preparing(checkpoint_id: str, deadline_ts: float) -> None:
+    """A prepare of ``checkpoint_id`` just closed admission; ``deadline_ts`` is its deadline.
+
+    Called once per checkpoint, under the transition lock, right after ``close_admission``
+    and before readiness is first asked (never for a restore). Must not wait: start here the
+    bounded work this participant's readiness then waits for (report blockers until it is
+    done, return from ``wait_ready`` when it is), and leave the later stages of the
+    coordination order their share of the deadline. Raising aborts the prepare like
+    ``close_admission`` does.
+    """
+
+
+@hookspec
 def open_admission(checkpoint_id: str) -> None:
     """Admission reopened after ``checkpoint_id`` (resume, lease expiry, or an aborted prepare/restore).
 

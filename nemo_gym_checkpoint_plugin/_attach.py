@@ -103,7 +103,7 @@ def _server_name(server: Any) -> str | None:
 def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_config: Any = None) -> None:
     """Raise ``SettingsError`` (naming the keys) for a server config checkpointing does not support.
 
-    Only with checkpointing enabled: a disabled block changes nothing. Two cases are refused:
+    Only with checkpointing enabled: a disabled block changes nothing. These are refused:
 
     - ``expose_tools_over_mcp: true``. Gym's MCP auto-exposure dispatches tool calls straight to
       the route handlers, past every middleware, so MCP calls would bypass the admission gate and
@@ -111,7 +111,9 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
       once the app is built, which does not say why it is there;
     - on a model or agent server, a token-capturing agent naming a model server that is not a
       participant (``builtin_participants/capture_config.py``): its capture rows would fall
-      outside every checkpoint. ``global_config`` is Gym's (default ``get_global_config_dict()``).
+      outside every checkpoint. ``global_config`` is Gym's (default ``get_global_config_dict()``);
+    - on a model server, a bad ``checkpoint_generation_cuts`` value or a server the cuts cannot
+      serve (``builtin_participants/cut_settings.py``).
     """
     if not settings.enabled:
         return
@@ -130,6 +132,10 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
     block = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
     if not hasattr(block, "keys") or not {"responses_api_models", "responses_api_agents"} & set(block.keys()):
         return
+    if "responses_api_models" in block.keys():
+        from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import refuse_bad_cuts
+
+        refuse_bad_cuts(server_config, global_config)
     from nemo_gym_checkpoint_plugin.builtin_participants.capture_config import PARTICIPANT_KEY, uncheckpointed_capture
 
     outside = uncheckpointed_capture(global_config, str(name))

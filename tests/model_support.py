@@ -79,9 +79,10 @@ class ModelServers:
         self._backend: uvicorn.Server | None = None
         self._serving: asyncio.Future[None] | None = None
 
-    async def start(self) -> None:
+    async def start(self, **backend: Any) -> None:
+        """Serve the fake backend (``backend``: more ``create_app`` options, e.g. ``reasoning_parser``)."""
         server_utils.set_global_aiohttp_client(server_utils.GlobalAIOHTTPAsyncClientConfig())
-        app = create_app(self.state, staging_dir=self.staging_dir)
+        app = create_app(self.state, staging_dir=self.staging_dir, **backend)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self._backend = uvicorn.Server(config)
         self._serving = asyncio.ensure_future(self._backend.serve())

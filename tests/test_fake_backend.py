@@ -208,17 +208,33 @@ async def test_a_generating_call_whose_client_goes_away_is_abandoned(tmp_path: P
 async def test_token_ids_when_asked_chain_across_the_calls_of_a_turn(client: httpx.AsyncClient) -> None:
     plain = (await client.post("/v1/chat/completions", json=first_turn("tokens"))).json()
     assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
-    first = (await client.post("/v1/chat/completions", json={**first_turn("tokens"), "logprobs": True})).json()
+    asked = {"logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    first = (await client.post("/v1/chat/completions", json={**first_turn("tokens"), **asked})).json()
     choice = first["choices"][0]
     generated = choice["token_ids"]
     assert [f"token_id:{t}" for t in generated] == [e["token"] for e in choice["logprobs"]["content"]]
     call = choice["message"]["tool_calls"][0]
     second_body = after_tool("tokens", call["id"])
     second_body["messages"][2]["tool_calls"][0]["function"] = call["function"]
-    second = (await client.post("/v1/chat/completions", json={**second_body, "logprobs": True})).json()
+    second = (await client.post("/v1/chat/completions", json={**second_body, **asked})).json()
     # The first call's prompt and generation are a prefix of the next call's prompt, as a chat template makes them.
     chained = first["prompt_token_ids"] + generated
     assert second["prompt_token_ids"][: len(chained)] == chained
+    # /tokenize renders the same prompt (Gym asks it when an answer carries no prompt ids), as vLLM's does.
+    tokenized = (await client.post("/tokenize", json=second_body)).json()
+    assert tokenized["tokens"] == second["prompt_token_ids"] and tokenized["count"] == len(tokenized["tokens"])
+
+
+async def test_token_ids_and_logprobs_only_when_asked_as_vllm_answers(client: httpx.AsyncClient) -> None:
+    logprobs_only = (await client.post("/v1/chat/completions", json={**first_turn("lp"), "logprobs": True})).json()
+    choice = logprobs_only["choices"][0]
+    assert "prompt_token_ids" not in logprobs_only and "token_ids" not in choice
+    # Without return_tokens_as_token_ids a logprob names its token's text.
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == "<tool_call> " + json.dumps(
+        {"id": choice["message"]["tool_calls"][0]["id"], "name": "get_weather", "arguments": {"city": "San Francisco"}}
+    ) + " </tool_call>"
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == [] for e in entries)
 
 
 async def test_a_multi_call_turn_calls_its_tool_n_times_then_answers(client: httpx.AsyncClient) -> None:

@@ -165,6 +165,9 @@ class Participants:
     async def close_admission(self, checkpoint_id: str) -> None:
         await _all(self._hook.close_admission(checkpoint_id=checkpoint_id))
 
+    async def preparing(self, checkpoint_id: str, deadline_ts: float) -> None:
+        await _all(self._hook.preparing(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts))
+
     async def open_admission(self, checkpoint_id: str) -> None:
         await _all(self._hook.open_admission(checkpoint_id=checkpoint_id))
 

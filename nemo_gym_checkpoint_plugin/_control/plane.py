@@ -273,6 +273,11 @@ class ControlPlane(CommitMixin, RestoreMixin):
             else:
                 active = Active(checkpoint_id, "checkpoint")
                 await self._begin(active, deadline_ts, Phase.PREPARING)
+                try:
+                    await self.participants.preparing(checkpoint_id, deadline_ts)
+                except BaseException:
+                    await self._back_to_idle(active)
+                    raise
                 active.prepare_task = self._spawn(self._await_readiness(active), active)
             task = active.prepare_task
         assert task is not None

@@ -29,7 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -196,14 +196,15 @@ class Deployment:
         return None if self.log_dir is None else self.log_dir / f"{name}.log"
 
     def start(self, timeout: float = 120.0, abort: threading.Event | None = None) -> None:
-        """Start every process and return once each answers its readiness probe.
+        """Start every process not running (all of them, unless ``kill(only=...)`` spared some); return once ready.
 
         Raises ``DeploymentError`` (every child stopped first) if a port is taken, a child
         exits, or ``timeout`` passes; ``DeploymentAborted`` when ``abort`` is set meanwhile.
         """
-        if self._procs:
+        specs = [spec for spec in self.specs if spec.name not in self._procs]
+        if not specs:
             raise DeploymentError("deployment already started; stop() or kill() it first")
-        taken = [spec.url for spec in self.specs if not port_is_free(int(spec.url.rsplit(":", 1)[1]))]
+        taken = [spec.url for spec in specs if not port_is_free(int(spec.url.rsplit(":", 1)[1]))]
         if taken:
             raise DeploymentError(f"ports already in use: {taken}")
         # The backend's cwd.
@@ -211,9 +212,9 @@ class Deployment:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for spec in self.specs:
+            for spec in specs:
                 self._procs[spec.name] = self._spawn(spec)
-            self._wait_ready(time.monotonic() + timeout, abort)
+            self._wait_ready(specs, time.monotonic() + timeout, abort)
         except BaseException:
             self.kill()
             raise
@@ -246,8 +247,8 @@ class Deployment:
             if log is not None:
                 log.close()
 
-    def _wait_ready(self, deadline: float, abort: threading.Event | None) -> None:
-        pending = list(self.specs)
+    def _wait_ready(self, specs: list[ProcessSpec], deadline: float, abort: threading.Event | None) -> None:
+        pending = list(specs)
         while pending:
             if abort is not None and abort.is_set():
                 raise DeploymentAborted("start aborted before every server was ready")
@@ -295,9 +296,14 @@ class Deployment:
                 pass
         self.kill()
 
-    def kill(self) -> None:
-        """SIGKILL every child (its whole group when groups are owned) and reap it. Safe to call twice."""
-        procs = list(self._procs.values())
+    def kill(self, only: Iterable[str] | None = None) -> None:
+        """SIGKILL every child (its whole group when groups are owned) and reap it. Safe to call twice.
+
+        ``only`` names the children to kill (e.g. every Gym server, ``GYM_SERVERS``, so the inference
+        worker outlives the crash as a real one does); ``start`` then starts those again.
+        """
+        names = set(self._procs) if only is None else set(only) & set(self._procs)
+        procs = [self._procs[name] for name in names]
         for proc in procs:
             # Also after the leader exited: anything it left in its group goes with it.
             self._signal(proc, signal.SIGKILL)
@@ -306,7 +312,8 @@ class Deployment:
                 proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
                 pass
-        self._procs.clear()
+        for name in names:
+            del self._procs[name]
 
     def dead(self) -> dict[str, int]:
         """``{name: exit status}`` of children that exited while the deployment should be running."""

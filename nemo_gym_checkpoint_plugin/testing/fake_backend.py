@@ -1,34 +1,31 @@
-"""A deterministic OpenAI-compatible fake inference backend that can hold calls.
+"""A deterministic OpenAI-compatible fake inference backend that can hold calls, pause and generate at a set rate.
 
 Run it with ``python -m nemo_gym_checkpoint_plugin.testing.fake_backend --port N``; it stands
 in for vLLM in the testing kit's deployment, the demo and ``serve``.
 
-Gym's ``vllm_model`` server talks to it exactly as to vLLM: ``GET /v1/models`` and
-``POST /v1/chat/completions`` (OpenAI chat format). The answer depends only on the
-messages, so a rollout replayed after a crash gets the same answers:
+Gym's ``vllm_model`` server talks to it exactly as to vLLM (the fields it serves are vLLM's, see
+``fake_generation.py``): ``GET /v1/models``, ``POST /v1/chat/completions`` (OpenAI chat format,
+whole or ``stream: true``), ``POST /v1/completions`` with a token-id ``prompt`` (a prompt its
+chat template rendered, optionally followed by tokens of a partial answer, which it continues),
+``POST /tokenize`` (chat messages) and ``POST /detokenize``. The answer depends only on the
+messages (``fake_answers.py``), so a rollout replayed after a crash gets the same answers; its
+tokens come from ``fake_tokens.py`` (one per word, a chat template whose prompts chain across the
+calls of a turn). With ``--reasoning-parser`` it splits ``<think>`` reasoning off as vLLM's
+``--reasoning-parser`` does; tool calls are always parsed (vLLM's ``--tool-call-parser hermes``).
 
-- fewer ``tool`` messages than the turn's tool rounds and the request offers tools: one
-  call of the first tool (``finish_reason: "tool_calls"``), with arguments filled from its
-  JSON schema (``city`` is ``"San Francisco"``, other strings ``"x"``), which earns
-  ``example_single_tool_call`` its reward 1.0. A turn has one tool round, or N when its
-  conversation contains ``[tool_rounds=N]`` (a multi-call turn: tools called N times);
-- otherwise: a final text answer (``finish_reason: "stop"``): one sentence, followed by N
-  more words when the conversation contains ``[answer_words=N]`` (a long answer: its stream
-  outlasts the socket buffers of a caller that stops reading).
-
-A request asking for ``logprobs`` or ``return_tokens_as_token_ids`` (both sent by Gym's
-``vllm_model`` with ``return_token_id_information: true``) also gets token ids
-as vLLM returns them (``fake_tokens.py``: ``prompt_token_ids``, the choice's ``token_ids``
-and ``token_id:<n>`` logprobs), chained across the calls of a turn.
+vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) are served unless ``--no-dev-routes``:
+``POST /pause?mode=keep`` freezes every generation in place (only ``keep`` is offered),
+``POST /resume`` lets them go on, ``GET /is_paused``.
 
 A request carrying Gym's token-staging admission (``ng_capture``: ``token_id_capture`` with
 ``external_staging: true``) is staged as a vLLM worker with Gym's capture installed stages it
 (``fake_staging.py``: the staged calls go to ``--staging-dir``, default ``$NG_FAKE_STAGING_DIR``
 or ``./fake-staging``) and acknowledged with ``ng_commit_coords``.
 
-A **conversation** is named by the text of its first ``user`` message (tests put the
-rollout id in it); its **step** is the number of ``assistant`` messages already in the
-request (0 for the first call of a turn, 1 after one tool round trip...).
+A **conversation** is named by the text of its first ``user`` message (tests put the rollout id
+in it; a token-id prompt's is its words one space apart); its **step** is the number of
+``assistant`` messages already in the request (0 for the first call of a turn, 1 after one tool
+round trip...).
 
 Control routes (for tests; never part of a real backend):
 
@@ -44,134 +41,55 @@ Control routes (for tests; never part of a real backend):
 - ``GET /_fake/stats``: ``held`` (count of calls waiting now), ``held_calls``, ``rules``,
   ``calls_total``, ``completed_total``, ``abandoned_total``, ``calls`` and ``completed``
   (``{conversation: {step: count}}``; arrivals and answers sent), ``repeated`` (every
-  conversation/step that arrived more than once).
-- ``POST /_fake/reset``: drop counters, rules, the delay, and release every held call.
-- ``POST /_fake/delay {"seconds": 0}``: every call generates for that long before it
-  answers (a held call after its release), like a real worker; ``generating`` in stats
-  counts the calls inside that time now.
+  conversation/step that arrived more than once), ``generated`` (``{conversation: tokens
+  generated}``) and ``generated_total``, ``paused``, ``tokens_per_second``.
+- ``GET /_fake/generated``: ``{"generated_total", "generated", "paused"}`` alone.
+- ``POST /_fake/reset``: drop counters, rules, the delay and the rate, resume, and release every
+  held call.
+- ``POST /_fake/delay {"seconds": 0}``: every call waits that long before its first token (a held
+  call after its release); ``generating`` in stats counts the calls inside that time now.
+- ``POST /_fake/rate {"tokens_per_second": 0}``: generate tokens one by one at that rate (0: as
+  fast as the event loop goes).
+- ``POST /_fake/pause_behavior {"hang": false}``: with ``hang`` true, ``/pause`` freezes and then
+  never answers (a worker whose pause hangs).
+- ``POST /_fake/pause_at {"match": "", "tokens": N}``: once a conversation containing ``match`` has
+  generated N tokens (counted since the last reset), the backend pauses itself as ``/pause?mode=keep``
+  does, right after that token (a test's cut at an exact point); used once.
 
 A held call whose client disconnects (its caller was killed) is dropped from ``held``
 and counted in ``abandoned_total``, so a test can wait for a crash to be noticed; so is a
-call whose client disconnects while it generates (the worker sees the request dropped).
+call whose client disconnects while it generates (the worker sees the request dropped), and a
+stream whose client goes away stops generating.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
+import itertools
 import os
-import re
-import time
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from .fake_answers import FINAL_ANSWER, answer_for, conversation_of, tool_rounds
 from .fake_backend_state import FakeBackendState, HeldCall
+from .fake_controls import add_control_routes, add_dev_routes, bad_request, disconnected, gone
+from .fake_generation import ChatGeneration, CompletionGeneration
 from .fake_staging import StagingDir, stage_completion
+from .fake_tokens import decode_prompt
+
+__all__ = ["DEFAULT_MODEL", "FINAL_ANSWER", "FakeBackendState", "HeldCall", "conversation_of", "create_app",
+           "tool_rounds"]
 
 DEFAULT_MODEL = "fake-model"
 # The directory the backend stages admitted calls into when --staging-dir is not given.
 STAGING_DIR_ENV = "NG_FAKE_STAGING_DIR"
-_ROUNDS = re.compile(r"\[tool_rounds=(\d+)\]")
-_ANSWER_WORDS = re.compile(r"\[answer_words=(\d+)\]")
-FINAL_ANSWER = "It is cold in San Francisco today."
-
-
-def _text(content: Any) -> str:
-    """The text of a chat message's content, whether a string or a list of parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return ""
-
-
-def conversation_of(messages: list[dict[str, Any]]) -> tuple[str, int]:
-    """``(conversation, step)`` of a chat request: first user text, count of assistant messages."""
-    users = [m for m in messages if m.get("role") == "user"]
-    conversation = _text(users[0].get("content")) if users else ""
-    step = sum(1 for m in messages if m.get("role") == "assistant")
-    return conversation, step
-
-
-def _arguments_for(schema: dict[str, Any]) -> dict[str, Any]:
-    properties = schema.get("properties") or {}
-    arguments: dict[str, Any] = {}
-    for name in schema.get("required") or list(properties):
-        kind = (properties.get(name) or {}).get("type")
-        if name == "city":
-            arguments[name] = "San Francisco"
-        elif kind in ("integer", "number"):
-            arguments[name] = 1
-        elif kind == "boolean":
-            arguments[name] = True
-        else:
-            arguments[name] = "x"
-    return arguments
-
-
-def tool_rounds(conversation: str) -> int:
-    """How many tool calls a turn of ``conversation`` makes before its answer (``[tool_rounds=N]``, else 1)."""
-    found = _ROUNDS.search(conversation)
-    return int(found.group(1)) if found else 1
-
-
-def completion_for(body: dict[str, Any], conversation: str, step: int) -> dict[str, Any]:
-    """The deterministic chat completion for a request (see the module docstring)."""
-    messages = body.get("messages") or []
-    tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
-    tool_results = sum(1 for m in messages if m.get("role") == "tool")
-    if tools and tool_results < tool_rounds(conversation):
-        function = tools[0]["function"]
-        # Stable across processes (unlike hash()), so a replayed step gets the same call id.
-        call_id = "call_" + hashlib.sha256(f"{step}:{conversation}".encode()).hexdigest()[:16]
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {
-                        "name": function["name"],
-                        "arguments": json.dumps(_arguments_for(function.get("parameters") or {})),
-                    },
-                }
-            ],
-        }
-        finish_reason = "tool_calls"
-    else:
-        extra = _ANSWER_WORDS.search(conversation)
-        words = " ".join(f"word{i}" for i in range(int(extra.group(1)))) if extra else ""
-        message = {"role": "assistant", "content": f"{FINAL_ANSWER} {words}".rstrip()}
-        finish_reason = "stop"
-    prompt_tokens = sum(len(_text(m.get("content")).split()) for m in messages)
-    completion_tokens = 8
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-    completion: dict[str, Any] = {
-        "id": f"chatcmpl-fake-{step}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.get("model") or DEFAULT_MODEL,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
-    }
-    if body.get("logprobs") or body.get("return_tokens_as_token_ids"):
-        # Asked as vLLM is asked for token ids (Gym's return_token_id_information): answer as vLLM does.
-        from .fake_tokens import token_fields
-
-        completion["prompt_token_ids"], fields = token_fields(messages, message)
-        choice.update(fields)
-    return completion
+T = TypeVar("T")
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
@@ -180,7 +98,7 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
     Event-driven (a disconnect is the request's next ASGI message), so a thousand held calls cost nothing.
     """
     released = asyncio.ensure_future(call.released.wait())
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({released, gone}, return_when=asyncio.FIRST_COMPLETED)
         if released.done():
@@ -192,41 +110,72 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
     return False
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the client went away (the body was read already: only a disconnect can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _generate(request: Request, state: FakeBackendState) -> bool:
-    """Spend ``delay_seconds`` generating; False when the client went away first (the call is abandoned)."""
-    if state.delay_seconds <= 0:
-        return True
-    state.generating += 1
-    # The delay is the simulated generation time itself, not a stand-in for a condition.
-    work = asyncio.ensure_future(asyncio.sleep(state.delay_seconds))  # wait-ok: simulated generation
-    gone = asyncio.ensure_future(_disconnected(request))
+async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """``(True, result)`` of ``work``, or ``(False, None)`` when the client went away first (``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finished = work.done()
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return True, task.result()
+        return False, None
+    finally:
+        task.cancel()
+        gone.cancel()
+
+
+async def _delay(state: FakeBackendState) -> None:
+    if state.delay_seconds <= 0:
+        return
+    state.generating += 1
+    try:
+        # The delay is the simulated time to the first token, not a stand-in for a condition.
+        await asyncio.sleep(state.delay_seconds)  # wait-ok: simulated generation
     finally:
         state.generating -= 1
-        work.cancel()
-        gone.cancel()
+
+
+async def _admitted(request: Request, state: FakeBackendState, conversation: str, step: int) -> bool:
+    """Count the call, wait out a hold and the delay; False when the client went away meanwhile (abandoned)."""
+    call = state.arrive(conversation, step)
+    if call is not None and not await _wait_released(request, state, call):
+        return False
+    finished, _ = await _unless_gone(request, _delay(state))
     if not finished:
         state.abandoned_total += 1
-        return False
-    return True
+    return finished
+
+
+async def _stream(
+    state: FakeBackendState, chunks: AsyncIterator[bytes], conversation: str, step: int
+) -> AsyncIterator[bytes]:
+    """The chunks of a stream; a stream its client leaves stops generating (Starlette cancels it) and is abandoned."""
+    finished = False
+    try:
+        async for chunk in chunks:
+            yield chunk
+        finished = True
+    finally:
+        if finished:
+            state.answered(conversation, step)
+        else:
+            state.abandoned_total += 1
+
+
+def _event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream")
 
 
 def create_app(
-    state: FakeBackendState | None = None, model: str = DEFAULT_MODEL, staging_dir: str | Path | None = None
+    state: FakeBackendState | None = None, model: str = DEFAULT_MODEL, staging_dir: str | Path | None = None,
+    *, reasoning_parser: bool = False, dev_routes: bool = True,
 ) -> FastAPI:
     """The backend's ASGI app; ``state`` is exposed as ``app.state.fake`` for in-process tests."""
     state = state or FakeBackendState()
     app = FastAPI(title="fake inference backend")
     app.state.fake = state
     staging = StagingDir(staging_dir or os.environ.get(STAGING_DIR_ENV) or "fake-staging")
+    serials = itertools.count(1)
 
     @app.get("/")
     @app.get("/health")
@@ -237,85 +186,85 @@ def create_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fake"}]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _bad_request("body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _bad_request("body must be an object with a messages list")
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        body = await _json_object(request)
+        if body is None or not isinstance(body.get("messages"), list):
+            return bad_request("body must be an object with a messages list")
+        messages, tools = body["messages"], body.get("tools") or []
+        conversation, step = conversation_of(messages)
+        if not await _admitted(request, state, conversation, step):
+            return gone()
+        answer = answer_for(state.vocabulary, messages, tools, conversation, step)
+        generation = ChatGeneration(state, body, answer, conversation, step, reasoning_parser)
         if body.get("stream"):
-            return _bad_request("streaming is not supported by the fake backend")
-        conversation, step = conversation_of(body["messages"])
-        call = state.arrive(conversation, step)
-        if call is not None and not await _wait_released(request, state, call):
-            return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
-        if not await _generate(request, state):
-            return JSONResponse({"error": {"message": "client went away"}}, status_code=499)
+            return _event_stream(_stream(state, generation.stream(), conversation, step))
+        finished, completion = await _unless_gone(request, generation.whole())
+        if not finished or completion is None:
+            state.abandoned_total += 1
+            return gone()
         state.answered(conversation, step)
-        completion = completion_for(body, conversation, step)
-        stage_completion(body, completion, staging)
+        stage_completion(body, completion, staging, generation.worker_view)
         return JSONResponse(completion)
 
-    @app.post("/_fake/hold")
-    async def hold(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        if body is None:
-            return _bad_request("body must be a JSON object")
-        match, count, step = body.get("match", ""), body.get("count", 1), body.get("step")
-        if not isinstance(match, str) or not isinstance(count, int) or count < 1:
-            return _bad_request("hold takes match (string) and count (int >= 1)")
-        if step is not None and not isinstance(step, int):
-            return _bad_request("step must be an int or null")
-        rule = state.add_rule(match, count, step)
-        return JSONResponse({"rule_id": rule.rule_id})
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+        body = await _json_object(request)
+        prompt = None if body is None else body.get("prompt")
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return bad_request("the fake backend takes a prompt of token ids only (a list of ints)")
+        assert body is not None
+        try:
+            messages, tools, generated = decode_prompt(state.vocabulary, prompt)
+        except ValueError as exc:
+            return bad_request(str(exc))
+        conversation, step = conversation_of(messages)
+        answer = answer_for(state.vocabulary, messages, tools, conversation, step)
+        if answer.tokens[: len(generated)] != generated:
+            return bad_request("the prompt ends with tokens that are not the start of this fake model's answer")
+        if not await _admitted(request, state, conversation, step):
+            return gone()
+        generation = CompletionGeneration(state, body, answer, conversation, len(generated), prompt, next(serials))
+        if body.get("stream"):
+            return _event_stream(_stream(state, generation.stream(), conversation, step))
+        finished, completion = await _unless_gone(request, generation.whole())
+        if not finished:
+            state.abandoned_total += 1
+            return gone()
+        state.answered(conversation, step)
+        return JSONResponse(completion)
 
-    @app.post("/_fake/release")
-    async def release(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        if body is None:
-            return _bad_request("body must be a JSON object")
-        match = body.get("match")
-        if match is not None and not isinstance(match, str):
-            return _bad_request("match must be a string or null")
-        rules_dropped = state.drop_rules(match)
-        return JSONResponse({"released": state.release(match), "rules_dropped": rules_dropped})
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        if body is None or not isinstance(body.get("messages"), list):
+            return bad_request("the fake backend tokenizes chat messages only (a messages list)")
+        tokens = state.vocabulary.render(body["messages"], body.get("tools") or [])
+        return JSONResponse({"count": len(tokens), "max_model_len": 1_000_000, "tokens": tokens})
 
-    @app.post("/_fake/delay")
-    async def delay(request: Request) -> JSONResponse:
-        body = await _control_body(request)
-        seconds = None if body is None else body.get("seconds", 0)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 3600:
-            return _bad_request("delay takes seconds (a number from 0 to 3600)")
-        state.delay_seconds = float(seconds)
-        return JSONResponse({"delay_seconds": state.delay_seconds})
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _json_object(request)
+        tokens = None if body is None else body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return bad_request("detokenize takes tokens (a list of ints)")
+        try:
+            return JSONResponse({"prompt": state.vocabulary.text(tokens)})
+        except KeyError as exc:
+            return bad_request(f"token id {exc.args[0]} is not in this fake backend's vocabulary")
 
-    @app.get("/_fake/stats")
-    async def stats(brief: bool = False) -> dict[str, Any]:
-        return state.counts() if brief else state.stats()
-
-    @app.post("/_fake/reset")
-    async def reset() -> dict[str, int]:
-        return {"released": state.reset()}
-
+    if dev_routes:
+        add_dev_routes(app, state)
+    add_control_routes(app, state)
     return app
 
 
-async def _control_body(request: Request) -> dict[str, Any] | None:
-    """The JSON object of a control call (empty body: ``{}``); None when it is not an object."""
-    raw = await request.body()
-    if not raw:
-        return {}
+async def _json_object(request: Request) -> dict[str, Any] | None:
     try:
-        body = json.loads(raw)
+        body = await request.json()
     except ValueError:
         return None
     return body if isinstance(body, dict) else None
-
-
-def _bad_request(detail: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": detail, "type": "BadRequestError", "code": 400}}, status_code=400)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -326,8 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--staging-dir", default=None,
                         help=f"where calls admitted for external token staging are staged (default ${STAGING_DIR_ENV} "
                              "or ./fake-staging)")
+    parser.add_argument("--reasoning-parser", action="store_true",
+                        help="split <think> reasoning off the answer, as vLLM's --reasoning-parser does")
+    parser.add_argument("--no-dev-routes", action="store_true",
+                        help="serve no /pause, /resume, /is_paused (vLLM without VLLM_SERVER_DEV_MODE)")
+    parser.add_argument("--tokens-per-second", type=float, default=0.0,
+                        help="generate tokens one by one at this rate (default 0: as fast as possible)")
     args = parser.parse_args(argv)
-    app = create_app(model=args.model, staging_dir=args.staging_dir)
+    state = FakeBackendState()
+    state.tokens_per_second = args.tokens_per_second
+    app = create_app(state, model=args.model, staging_dir=args.staging_dir, reasoning_parser=args.reasoning_parser,
+                     dev_routes=not args.no_dev_routes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

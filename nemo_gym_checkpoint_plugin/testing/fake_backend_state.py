@@ -1,4 +1,10 @@
-"""The fake inference backend's counters, hold rules and held calls (``fake_backend.py`` serves them)."""
+"""The fake inference backend's counters, hold rules, held calls and generation clock (``fake_backend.py`` serves them).
+
+Generation runs token by token (``fake_generation.py``): at ``tokens_per_second`` (0: as fast as
+the loop goes), frozen in place while the backend is paused (``/pause?mode=keep``, vLLM's dev-mode
+route), and every token generated is counted per conversation, delivered or not, so a test sees
+exactly what was generated again after a crash.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from .fake_tokens import Vocabulary
 
 __all__ = ["FakeBackendState", "HeldCall", "HoldRule"]
 
@@ -38,6 +46,10 @@ class FakeBackendState:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.held: dict[int, HeldCall] = {}
+        # Kept across resets: a reset drops counters and rules, not what the tokenizer knows.
+        self.vocabulary = Vocabulary()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.reset()
 
     def reset(self) -> int:
@@ -51,7 +63,56 @@ class FakeBackendState:
         self.rules: list[HoldRule] = []
         self.delay_seconds = 0.0
         self.generating = 0
+        self.tokens_per_second = 0.0
+        self.generated: dict[str, int] = defaultdict(int)
+        self.generated_total = 0
+        self.pause_hangs = False
+        self.pauses_total = 0
+        # (match, tokens): the backend pauses itself once a conversation containing match generated that many.
+        self.pause_at: tuple[str, int] | None = None
+        self.resume()
         return released
+
+    # -- the generation clock ----------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def pause(self) -> None:
+        self.pauses_total += 1
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    async def token_turn(self, due: float) -> float:
+        """Wait until the next token of a generation is due and the backend is not paused; its due time.
+
+        ``due`` is when the previous token was due: the rate is kept without drift. A pause that
+        arrives while a token is due freezes it too (no token is produced once ``/pause`` answered),
+        and time spent paused does not count.
+        """
+        loop = asyncio.get_running_loop()
+        if self.tokens_per_second > 0:
+            due += 1.0 / self.tokens_per_second
+            delay = due - loop.time()
+            if delay > 0:
+                # The rate is the simulated generation itself, not a stand-in for a condition.
+                await asyncio.sleep(delay)  # wait-ok: simulated token generation
+        while not self._resumed.is_set():
+            await self._resumed.wait()
+            due = loop.time()
+        return due
+
+    def count_token(self, conversation: str) -> None:
+        self.generated[conversation] += 1
+        self.generated_total += 1
+        rule = self.pause_at
+        if rule is not None and rule[0] in conversation and self.generated[conversation] >= rule[1]:
+            # Frozen right after this token, as /pause?mode=keep would: a test's cut at an exact point.
+            self.pause_at = None
+            self.pause()
 
     def add_rule(self, match: str, count: int, step: int | None) -> HoldRule:
         rule = HoldRule(rule_id=next(self._ids), match=match, step=step, remaining=count)
@@ -119,6 +180,10 @@ class FakeBackendState:
             "abandoned_total": self.abandoned_total,
             "generating": self.generating,
             "delay_seconds": self.delay_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "paused": self.paused,
+            "generated_total": self.generated_total,
+            "generated": dict(self.generated),
             "calls": table(self.calls),
             "completed": table(self.completed),
             "repeated": [

@@ -67,8 +67,14 @@ class StagingDir:
         return [token for snapshot in self.fetch(list(staging_chain)) for token in snapshot.token_ids_delta]
 
 
-def stage_completion(body: Mapping[str, Any], completion: dict[str, Any], staging: StagingDir) -> None:
-    """Stage ``completion`` when ``body`` carries Gym's admission, and acknowledge it in ``completion``."""
+def stage_completion(
+    body: Mapping[str, Any], completion: dict[str, Any], staging: StagingDir, worker_view: Any = None
+) -> None:
+    """Stage ``completion`` when ``body`` carries Gym's admission, and acknowledge it in ``completion``.
+
+    ``worker_view`` makes the completion as the worker sees it (its prompt and generated token ids,
+    whatever the request asked back), called only for an admitted call.
+    """
     from nemo_gym.token_id_capture import NG_CAPTURE_FIELD, NG_COMMIT_COORDS_FIELD
     from nemo_gym.token_id_capture.adapters.vllm import VLLMCaptureAdapter
     from nemo_gym.token_id_capture.staging import CaptureAdmission, RolloutTokenCapture
@@ -82,5 +88,5 @@ def stage_completion(body: Mapping[str, Any], completion: dict[str, Any], stagin
     if admission.mode == "token_in" and not admission.required_prefix_token_ids:
         prefix = staging.prefix(admission.staging_chain)
     call = capture.begin_call(admission, prefix_token_ids=prefix)
-    coords = capture.complete_call_from_response(call, completion)
+    coords = capture.complete_call_from_response(call, worker_view(completion) if worker_view else completion)
     completion[NG_COMMIT_COORDS_FIELD] = coords.model_dump(mode="json")

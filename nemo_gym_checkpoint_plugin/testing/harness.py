@@ -139,6 +139,18 @@ class FakeBackend:
     async def reset(self) -> None:
         await self._call("POST", "/_fake/reset")
 
+    async def rate(self, tokens_per_second: float) -> None:
+        """Generate every later token at this rate (0: as fast as the backend goes)."""
+        await self._call("POST", "/_fake/rate", {"tokens_per_second": tokens_per_second})
+
+    async def pause_at(self, match: str, tokens: int) -> None:
+        """Pause the backend (as ``/pause?mode=keep``) once a conversation containing ``match`` generated ``tokens``."""
+        await self._call("POST", "/_fake/pause_at", {"match": match, "tokens": tokens})
+
+    async def generated(self) -> dict[str, Any]:
+        """``{"generated_total", "generated": {conversation: tokens}, "paused"}``: what the backend generated."""
+        return await self._call("GET", "/_fake/generated")
+
     async def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
         """Poll stats until ``predicate(stats)``; returns those stats."""
 
