@@ -51,6 +51,7 @@ import math
 import os
 import resource
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -210,6 +211,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
         replicas=replicas, environment=ENVIRONMENT_SETTINGS,
         model={"return_token_id_information": True} if token_capture else None,
     )
+    _LIVE.append(deployment)
     ids = [f"scale-{i}" for i in range(rollouts)]
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
@@ -334,6 +336,7 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 await control.close()
     finally:
         deployment.stop()
+        _LIVE.remove(deployment)
         overflows_after = listen_overflows()
         if overflows_before is not None and overflows_after is not None:
             # Shared by every process of this network namespace: other work on the machine counts too.
@@ -414,6 +417,19 @@ async def _dispatch(ids: list[str], start: Any, started: list[asyncio.Future[Any
         await asyncio.sleep(_POLL)  # wait-ok: poll interval of a bounded wait on a condition
 
 
+# The deployment of the run under way: a SIGTERM or Ctrl-C kills it before the benchmark exits.
+_LIVE: list[Deployment] = []
+
+
+def _stop_on_signal(signum: int, _frame: Any) -> None:
+    for other in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(other, signal.SIG_IGN)  # a second signal must not cut this short
+    for deployment in list(_LIVE):
+        deployment.kill()
+    _say(f"stopped by {signal.Signals(signum).name}; every server of the run killed")
+    os._exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, nargs="+", default=[1000], help="N per run (default 1000)")
@@ -447,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--profile-rate must be at least 1")
     if args.dispatch_window < 1:
         parser.error("--dispatch-window must be at least 1")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stop_on_signal)
     fd_limit = _raise_fd_limit()
     plans = {}
     for n in args.rollouts:
