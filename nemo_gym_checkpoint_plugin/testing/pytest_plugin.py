@@ -24,6 +24,10 @@ A ``GymHarness`` gives the servers' URLs, ``fake`` (hold, release and count the 
 model calls), ``crash()`` (SIGKILL every process group) and ``restart()`` (fresh processes,
 same config and ports). The rest of ``harness`` (``send_rollout``, ``send_wave``,
 ``wait_until``...) is imported from there.
+
+Loading the plugin also loads ``reaper``: every process the run starts (servers, their
+children, Ray's daemons under ``ng_run``) is killed at the end of the session, and by a
+watchdog when pytest itself is killed, so no server outlives the run.
 """
 
 from __future__ import annotations
@@ -34,10 +38,32 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from . import reaper
 from .deployment import Deployment
 from .harness import GymHarness, new_deployment
 
 __all__ = ["gym_deployment", "gym_deployment_factory", "participant_servers"]
+
+_RUN = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test starts a process: each inherits the run's mark (``reaper``).
+    run = config.stash[_RUN] = reaper.new_run()
+    reaper.start_watchdog(run)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run = session.config.stash.get(_RUN, None)
+    if run is None:
+        return
+    killed = reaper.sweep(run)
+    if killed:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"reaper: killed {len(killed)} process(es) the tests left running: {killed}"
+        if reporter is not None:
+            reporter.write_line(message, yellow=True)
 
 
 @pytest.fixture(scope="module")
