@@ -79,7 +79,7 @@ async def test_the_continued_call_is_one_capture_row_and_gym_rebuilds_the_turn(
     (records,) = [path.read_text().splitlines() for path in (tmp_path / "ck").rglob("records-*.jsonl")]
     (record,) = [json.loads(line) for line in records]
     # One record per episode: the answered call's row and the generating call's cut together.
-    assert [row["model_call_id"] for row in record["token_entries"]] == [answered]
+    assert [call_id for call_id, _line in record["token_rows"]] == [answered]
     assert len(record["generation_cut"]["token_ids"]) == cut
     pending.cancel()
     await asyncio.gather(pending, return_exceptions=True)

@@ -26,7 +26,6 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -72,18 +71,17 @@ def sweep(run: str) -> list[int]:
     return sorted(set(killed))
 
 
-def start_watchdog(run: str, pid: int | None = None) -> subprocess.Popen[bytes]:
+def start_watchdog(run: str, pid: int | None = None) -> int:
     """Start the watchdog of ``pid`` (this process by default): it sweeps ``run`` once ``pid`` has exited.
 
     It runs in a session of its own, so a signal to pytest's process group does not reach it, and
-    without the marker, so no sweep kills it.
+    without the marker, so no sweep kills it. Spawned without a ``Popen`` (which would warn at exit
+    about a child still running: the watchdog outlives pytest by design); returns its pid.
     """
     environment = {key: value for key, value in os.environ.items() if key != MARKER}
-    return subprocess.Popen(
-        [sys.executable, "-m", __name__, "--watch", str(os.getpid() if pid is None else pid), "--run", run],
-        env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
-    )
+    argv = [sys.executable, "-m", __name__, "--watch", str(os.getpid() if pid is None else pid), "--run", run]
+    quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    return os.posix_spawn(sys.executable, argv, environment, file_actions=quiet, setsid=True)
 
 
 def new_run() -> str:
