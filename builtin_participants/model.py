@@ -279,7 +279,8 @@ class ModelCalls:
     ) -> None:
         cut_records = {r.replacement.capture_key: (r.checkpointed.capture_key, r.record[CUT_FIELD])
                        for r in records if CUT_FIELD in r.record}
-        captured = [r for r in records if "token_entries" in r.record or "ledger_entries" in r.record]
+        # This release's rows (``token_rows``, ``ledger_rows``) and an earlier release's (``*_entries``).
+        captured = [r for r in records if not _CAPTURE_FIELDS.isdisjoint(r.record)]
         cuts = self.cuts.checked(cut_records) if self.cuts is not None else {}  # a refused cut installs nothing
         if self.book is None:
             if captured:
@@ -329,6 +330,9 @@ class ModelCalls:
             "generation_cuts": {"enabled": False} if self.cuts is None else self.cuts.status(self._calls()),
         }
         return fields
+
+
+_CAPTURE_FIELDS = frozenset({"token_rows", "ledger_rows", "token_entries", "ledger_entries"})
 
 
 def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> Iterator[Mapping[str, Any]]:
