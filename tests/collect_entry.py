@@ -2,7 +2,8 @@
 
 ``python tests/collect_entry.py EVENTS PAUSE_AT -- <collect arguments>``: every checkpointer event
 is appended to EVENTS as a JSON line; at the ``PAUSE_AT``-th occurrence of an event
-(``published:2``; ``-`` never) the line is written and the collector blocks until it is killed; a
+(``published:2``; ``-`` never) the line is written and the collector blocks until it is killed (or
+until the test creates ``EVENTS.continue``: it then goes on); a
 ``published`` event counts only when the checkpoint holds rows in flight (``continued``).
 At ``restored`` the environment's boundary of every restored row is logged from the checkpoint,
 so a test can tell which steps a continued row had completed before the crash; at ``resumed``
@@ -53,7 +54,10 @@ def main() -> int:
         log(entry)
         if event == event_name and seen[event] == int(nth or 1):
             log({"event": "paused", "at": pause_at})
-            await asyncio.Event().wait()  # until the test SIGKILLs this process
+            go = Path(f"{events_path}.continue")
+            while not go.exists():  # until the test SIGKILLs this process, or lets it go on
+                await asyncio.sleep(0.05)  # wait-ok: the test bounds its own wait for what follows
+            log({"event": "continued", "at": pause_at})
 
     args = build_parser().parse_args(["collect", *argv])
     root = args.checkpoint_dir

@@ -8,7 +8,9 @@ each time fresh servers start and ``--resume`` continues it (once past a damaged
 the one before). The output holds every row exactly
 once with the baseline's rewards and outputs, and no step a continued row had completed before
 its checkpoint runs again (counted at the servers: seeds at resources, completed model calls at
-the backend). A checkpoint directory of another deployment is refused before anything runs.
+the backend). Every fourth row is a restart: each resume retires the restarts and uncaptured rows of
+its checkpoint and sends them as their next attempt (the output row's attempt is past every one
+retired). A checkpoint directory of another deployment is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 
 from nemo_gym_checkpoint_plugin._storage.index import write_participants_index
 from nemo_gym_checkpoint_plugin.coordination._collector_state import CheckpointStore, CollectorState, RowState
-from nemo_gym_checkpoint_plugin.testing.crash_scenario import new_deployment
+from nemo_gym_checkpoint_plugin.testing.crash_scenario import RESTART_TASK_DATA, new_deployment
 from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, RESOURCES, TOKEN_ENV, rollout_body
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until
 
@@ -45,6 +47,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Any:
     rows = []
     for i in range(ROWS):
         body = rollout_body(f"row{i}")
+        if i % 4 == 3:  # a restart: the resources participant cannot capture it (declared when it seeds)
+            body["task"]["task_input"]["task_data"] = dict(RESTART_TASK_DATA)
         rows.append({"task_id": body["task"]["task_id"], "task_input": body["task"]["task_input"]})
     deployment.inputs = work / "in.jsonl"
     deployment.inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -152,6 +156,7 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
     run.crash(proc)
     continued = repeated = 0
     unpublished = damaged = None
+    retired: list[dict[str, int]] = []  # each leg's restarts and uncaptured rows retired before dispatch
     # During a prepare; between the collector's records and its manifest; right after a publish.
     for pause in ("prepared:2", "records:2", "published:2"):
         if pause.startswith("published"):
@@ -177,6 +182,7 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
             assert f"from {damaged.name} " not in log
         leg_continued, leg_repeated = run.repeated_steps(events)
         continued, repeated = continued + leg_continued, repeated + leg_repeated
+        retired += [e["episodes"] for e in _events(events) if e["event"] == "retired"]
         run.crash(proc)
     # Killed right after publishing a checkpoint holding rows in flight (the deployment still paused):
     # every one of them continues from it now.
@@ -188,6 +194,9 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
     continued, repeated = continued + leg_continued, repeated + leg_repeated
     summary = json.loads((run.work / f"collector-{run.leg}.log").read_text().strip().splitlines()[-1])
     assert summary["restored_from"] == held["checkpoint"] and summary["continued"] == held["continued"]
+    last = [e["episodes"] for e in _events(events) if e["event"] == "retired"]
+    assert summary["retired_restarts"] == sum(len(r) for r in last)
+    retired += last
 
     got = _by_row(run.output)
     assert sorted(got) == list(range(ROWS))
@@ -196,6 +205,12 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
         assert record["reward"] == want["reward"], index
         assert _output(record) == _output(want), index
     assert repeated == 0, f"{repeated} steps of {continued} continued rows ran twice"
+    # Every restart or uncaptured row a resume retired ran again as a later attempt, never the same one.
+    assert sum(len(r) for r in retired) > 0, "no leg retired a restart"
+    for episodes in retired:
+        for rollout, attempt in episodes.items():
+            record = got[int(rollout.split("-")[0])]
+            assert record.get("_ng_attempt_index", 0) > attempt, (rollout, attempt, record.get("_ng_attempt_index"))
     assert summary["finished"] == ROWS and summary["rollouts"] == ROWS
 
 

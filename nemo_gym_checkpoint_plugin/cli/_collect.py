@@ -273,11 +273,20 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         )
         plan = RestorePlan()
         if state is not None:
-            plan = await checkpointer.restore_from(state, finished_rollouts(Path(collection.output_jsonl_fpath)))
-            helper.set_attempts(plan.attempts)
+            try:
+                plan = await checkpointer.restore_from(state, finished_rollouts(Path(collection.output_jsonl_fpath)))
+            except CoordinationError as exc:
+                # Nothing dispatched yet: a rerun of --resume retires and restores again.
+                print(f"ng-checkpoint collect: error: resuming from {state.checkpoint_id}: {exc}", file=sys.stderr)
+                await give_back(coordinator, args.checkpoint_timeout)
+                return 1
+            helper.set_attempts(plan.attempts, restored=[f"{rollout_id}-a{plan.attempts[rollout_id]}"
+                                                         for rollout_id in plan.continued])
             progress.say(f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
                          f"{len(plan.restarted)} start over" + (f" (restore failed: {plan.problem})"
-                                                                if plan.problem else ""))
+                                                                if plan.problem else "")
+                         + (f"; {len(plan.retired)} restarts and uncaptured rows retired everywhere, sent as "
+                            "their next attempt" if plan.retired else ""))
         elif args.resume:
             progress.say("no published checkpoint to restore; Gym's resume_from_cache alone")
         plan.fallbacks = fallbacks
@@ -344,6 +353,7 @@ def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any,
         "finished_before": helper.done_before,
         "continued": len(plan.continued),
         "restarted": len(plan.restarted),
+        "retired_restarts": len(plan.retired),
         "restored_from": plan.source,
         "restore_s": round(plan.restore_s, 3),
         "restore_problem": plan.problem,

@@ -94,6 +94,7 @@ def summary_table(summary: dict[str, Any]) -> str:
         ["finished before this run", summary["finished_before"]],
         ["continued from a checkpoint", summary["continued"]],
         ["started over", summary["restarted"]],
+        ["of them retired, sent as the next attempt", summary.get("retired_restarts") or None],
         ["checkpoints published", f"{summary['checkpoints']} of {summary['checkpoint_attempts']}"],
         ["deployment paused per checkpoint", (f"mean {pauses['mean']:.2f}s, max {pauses['max']:.2f}s"
                                               if summary["checkpoints"] else None)],

@@ -15,7 +15,7 @@
 
 ``observe(event, data)`` (optional, may be async) is called at each step: ``prepare``,
 ``prepared``, ``committed``, ``records``, ``published``, ``resumed``, ``restored``,
-``restore_failed``, ``forgot``, ``skipped``; progress displays and tests hook there.
+``restore_failed``, ``retired``, ``forgot``, ``skipped``; progress displays and tests hook there.
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ class RestorePlan:
     restore_s: float = 0.0
     problem: str | None = None
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    # Restarts and uncaptured rows retired everywhere at their checkpointed attempt, sent as the next one.
+    retired: list[str] = field(default_factory=list)
 
 
 class CollectionCheckpointer:
@@ -223,15 +225,41 @@ class CollectionCheckpointer:
 
         Continued rows go out as the replacement attempt the restore installed; on a failed
         restore they start over as the attempt the coordination library names (past the
-        retired ones), never lost. Every other row starts over from its input.
+        retired ones), never lost. Every other row (a restart, one no participant captured)
+        starts over from its input as its next attempt, once its checkpointed attempt is
+        retired everywhere (``retire_starting_over``); a failed retire raises ``CoordinationError``
+        before anything is dispatched.
         """
         done = set(finished)
         plan = RestorePlan(source=state.checkpoint_id)
         wanted = [row for row in state.by_state("continued") if row.rollout_id not in done]
-        plan.restarted = [row.rollout_id for row in state.rows
-                          if row.state != "continued" and row.rollout_id not in done]
-        if not wanted:
-            return plan
+        starting_over = [row for row in state.rows if row.state != "continued" and row.rollout_id not in done]
+        plan.restarted = [row.rollout_id for row in starting_over]
+        if wanted:
+            await self._restore_continued(state, wanted, plan)
+        if starting_over:
+            await self.retire_starting_over(starting_over, plan)
+        return plan
+
+    async def retire_starting_over(self, rows: list[RowState], plan: RestorePlan) -> None:
+        """Retire ``rows`` at their checkpointed attempt everywhere; each goes out as the next one.
+
+        The same attempt again would share its capture key with the dead execution: a harness that
+        outlived the crash could write into the rerun, and with token capture on the rerun's rows
+        would land beside the dead one's, so Gym's rebuild masks the sample. A retire that fails
+        anywhere raises: sending the rows without their marks would give up that guarantee.
+        """
+        retire_id = f"retire-{self.seq:06d}-{self.store.run}"
+        self.seq += 1
+        scope = [{"rollout_id": row.rollout_id, "attempt": row.attempt} for row in rows]
+        await self.coordinator.retire(retire_id, scope, timeout=self.timeout)
+        for row in rows:
+            plan.attempts[row.rollout_id] = max(plan.attempts.get(row.rollout_id, 0), row.attempt + 1)
+        plan.retired = [row.rollout_id for row in rows]
+        await self._emit("retired", checkpoint=plan.source,
+                         episodes={row.rollout_id: row.attempt for row in rows})
+
+    async def _restore_continued(self, state: CollectorState, wanted: list[RowState], plan: RestorePlan) -> None:
         restore_id = f"restore-{self.seq:06d}-{self.store.run}"
         self.seq += 1
         started = time.monotonic()
@@ -246,7 +274,7 @@ class CollectionCheckpointer:
                 plan.attempts[row.rollout_id] = int(next_attempts.get(row.rollout_id, row.attempt + 2))
                 plan.restarted.append(row.rollout_id)
             await self._emit("restore_failed", checkpoint=state.checkpoint_id, why=plan.problem)
-            return plan
+            return
         await self.coordinator.resume(restore_id, timeout=self.timeout)
         plan.restore_s = time.monotonic() - started
         back = set(restored.restored())
@@ -258,7 +286,6 @@ class CollectionCheckpointer:
         # Their marks are forgotten once they are final, like every other row's.
         await self._emit("restored", checkpoint=state.checkpoint_id, path=str(state.path),
                          continued=list(plan.continued), restarted=list(plan.restarted))
-        return plan
 
 
 def _size(path: Path) -> int:

@@ -19,14 +19,20 @@ changes only what a checkpoint controller must (everything else, preprocessing,
 - ``_load_from_cache`` (Gym's ``resume_from_cache``) then sets each row's attempt: a row the
   checkpoint continued goes out as the replacement attempt the restore installed, a row a
   failed restore retired starts over past the retired attempts.
+- ``run_from_config`` keeps the token capture the restore installed: before dispatch Gym
+  clears the token capture of every row it is about to send (a reused key would merge two
+  attempts), which for a continued row is the replacement attempt's restored calls; Gym's
+  trainer rebuild would then miss them and mask the sample. Every other row is cleared as
+  Gym clears it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import nemo_gym.rollout_collection as gym_collection
 import orjson
 from nemo_gym.failure_kinds import CANCELLED
 from nemo_gym.global_config import (
@@ -102,6 +108,14 @@ def row_rollout_id(row: Mapping[str, Any]) -> str:
     base = {**row, ATTEMPT_INDEX_KEY_NAME: 0}
     key = maybe_rollout_id_from_run_body(base) or f"{row[TASK_INDEX_KEY_NAME]}-{row[ROLLOUT_INDEX_KEY_NAME]}"
     return from_capture_key(key).rollout_id
+
+
+def _capture_key(row: Any) -> str | None:
+    """The capture key Gym gives a row (as its clear before dispatch computes it), or None."""
+    try:
+        return maybe_rollout_id_from_run_body(row)
+    except (TypeError, ValueError):
+        return None
 
 
 class RunTracker:
@@ -220,6 +234,7 @@ class CheckpointingCollectionHelper(RolloutCollectionHelper):
 
     _tracker: RunTracker = PrivateAttr(default_factory=RunTracker)
     _attempts: dict[str, int] = PrivateAttr(default_factory=dict)
+    _restored: set[str] = PrivateAttr(default_factory=set)
     _total: int = PrivateAttr(default=0)
     _done_before: int = PrivateAttr(default=0)
     _started_at: float = PrivateAttr(default_factory=time.monotonic)
@@ -236,9 +251,25 @@ class CheckpointingCollectionHelper(RolloutCollectionHelper):
     def done_before(self) -> int:
         return self._done_before
 
-    def set_attempts(self, attempts: Mapping[str, int]) -> None:
-        """Rollout id -> the attempt its row goes out as (rows not named keep Gym's)."""
+    def set_attempts(self, attempts: Mapping[str, int], restored: Iterable[str] = ()) -> None:
+        """Rollout id -> the attempt its row goes out as (rows not named keep Gym's); ``restored``: the
+        capture keys whose token capture a restore installed (kept when Gym clears before dispatch)."""
         self._attempts = dict(attempts)
+        self._restored = set(restored)
+
+    async def run_from_config(self, config: Any) -> Any:
+        gym_clear = gym_collection.clear_token_captures_for_rollouts
+        restored = self._restored
+
+        def clear(records: list[Any], directories: list[Any]) -> None:
+            gym_clear([r for r in records if _capture_key(r) not in restored], directories)
+
+        # Gym's run looks the function up in its module at the call: swapped for this run only.
+        gym_collection.clear_token_captures_for_rollouts = clear
+        try:
+            return await super().run_from_config(config)
+        finally:
+            gym_collection.clear_token_captures_for_rollouts = gym_clear
 
     def setup_server_client(self, head_server_config: BaseServerConfig | None = None) -> ServerClient:
         try:
