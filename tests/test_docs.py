@@ -242,3 +242,21 @@ def test_the_citation_check_refuses_a_pre_rename_module() -> None:
     # What the check is for: ``control`` became ``_control``; the old name must not resolve.
     assert not _resolves("control.facade.Participants", [PACKAGE, ""])
     assert _resolves("_control.facade.Participants", [PACKAGE, ""])
+
+
+# --- CHANGELOG.md: one line per user-visible change ---------------------------------------------------------
+
+
+def test_the_changelog_has_one_line_per_change_and_one_heading_of_each_kind_per_release() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.split(r"^## ", text, flags=re.M)[1:]
+    assert releases and releases[0].startswith("[Unreleased]")
+    for release in releases:
+        name = release.splitlines()[0]
+        kinds = re.findall(r"^### (.+)$", release, re.M)
+        assert len(kinds) == len(set(kinds)), f"{name}: a heading repeated: {kinds}"
+        assert set(kinds) <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, name
+        body = release.split("\n### ", 1)[1] if kinds else ""
+        # Under a heading, every line is the heading, a blank, or a whole entry: no continued paragraphs.
+        strays = [line for line in body.splitlines()[1:] if line and not line.startswith(("- ", "### "))]
+        assert strays == [], f"{name}: entries continued over several lines: {strays[:3]}"
