@@ -57,7 +57,7 @@ Rules kept here:
   racing for one attempt cannot both pass.
 - **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
   before keeping any; a restored episode is handed to the ``/run`` of its replacement
-  attempt by ``begin`` (``episode.restored``), and is pending until then.
+  attempt by ``begin`` (``episode.Episode.restored``), and is pending until then.
 
 The record and retire hooks (``export``, ``install``, ``restored_pending``, ``delete_restored``,
 ``retire``) are ``EpisodeRecords`` (``episode_records.py``), a base class of ``EpisodeBook``.

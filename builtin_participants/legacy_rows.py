@@ -5,7 +5,7 @@ from a flat row as ``EpisodeId(rollout_id=<_ng_rollout_id>, attempt=<_ng_attempt
 An explicit id ending in ``-aN`` (how a controller names attempt N of a rollout; Gym's capture
 key and the protocol's explicit-id rule) is refused there, since Gym reserves that suffix. With
 checkpointing on (an episode book bound), this mixin decodes it first, as the admission gate
-already does for the same row (``gate.episode_of_run_body``): the row becomes attempt N of
+already does for the same row (``_gate.episode_of_run_body``): the row becomes attempt N of
 ``<id>``. A suffix together with a non-zero attempt index is ambiguous and refused with a 422
 naming both. Without a book the row goes to Gym's method untouched.
 """

@@ -13,7 +13,7 @@ nothing of it reachable at a step boundary:
   built-in participant: not ``single_agent_turn``, not the ``legacy_agent`` relay).
 
 What attributes such a ``/run``: its JSON body, read as the gate reads it
-(``gate.episode_of_run_body``): an ``episode_id`` object, or, for the legacy rows an
+(``_gate.episode_of_run_body``): an ``episode_id`` object, or, for the legacy rows an
 agent's ``/run`` takes, the capture key Gym derives from ``_ng_rollout_id`` or
 ``_ng_task_index``/``_ng_rollout_index`` (plus ``_ng_attempt_index``). ``RunTracker``,
 a pure ASGI middleware inside the gate (installed only on those servers; other paths

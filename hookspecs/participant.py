@@ -4,7 +4,7 @@ A server process has one control plane; every plugin registered on its manager
 that implements these hooks is part of that participant (the built-in
 participant of its kind, plus e.g. a third-party verifier). All hooks here are
 *collected* (every implementation is called, answers merged) and called with
-keyword arguments through the typed facade ``control.facade.Participants``.
+keyword arguments through the typed facade ``_control.facade.Participants``.
 
 Any hook may be ``async def``: the control plane awaits what it returns. Hooks
 are called from the server's event loop thread. Raising a ``CheckpointError``

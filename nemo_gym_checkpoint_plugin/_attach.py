@@ -8,8 +8,8 @@ installs nothing at all. When enabled it:
 1. builds the plugin manager, lets every plugin learn its server through the ``attach``
    hook (a plugin answering ``False`` is unregistered), and builds this process's
    ``ControlPlane`` (kind from the server class, instance = the server's config name);
-2. serves the control routes (``routes.attach``: router + error handler);
-3. adds the admission gate (``gate.install_gate``) as the outermost middleware so far, so
+2. serves the control routes (``_routes.attach``: router + error handler);
+3. adds the admission gate (``_gate.install_gate``) as the outermost middleware so far, so
    it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
    and Gym's cancellation middleware (added later) still wraps it; on environments and
    agents it also attributes ``POST /run`` by its body (only while something is to decide);

@@ -76,7 +76,7 @@ def builtin_plugins() -> tuple[Any, ...]:
     """The explicit tuple of a server's built-in core plugins (each ``trylast``).
 
     The local storage backend and the lease policy (``deadline_ts + lease_grace_seconds``,
-    retry every 30 s). The controller side has its own (``coordination.order_manager``):
+    retry every 30 s). The controller side has its own (``coordination._order.order_manager``):
     a server never loads the coordination package.
     """
     from ._control.lease import DefaultLeasePolicy

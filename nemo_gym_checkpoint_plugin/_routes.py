@@ -10,7 +10,7 @@ the token every answer is 401. The scheme is case-insensitive (RFC 7235: ``beare
 Bodies are strict (unknown fields: 422), ids match docs/protocol.md's pattern and length,
 ``deadline_ts`` is a finite number of seconds at most 24 hours ahead of the server's clock
 (``MAX_DEADLINE_AHEAD_SECONDS``; a millisecond timestamp is refused). Limits
-(``BodyLimits``, README "Control routes: limits"): a body over 64 MiB is refused with 413
+(``BodyLimits``, docs/protocol.md "Routes"): a body over 64 MiB is refused with 413
 (from ``Content-Length`` before reading, or while it streams in), a list over 200,000 ids
 with 422. Bodies are parsed with orjson (UTF-8 only) and validated in a worker thread, ids in
 bulk (``control/bodies.py``), so a large body never holds the event loop. A refused body is

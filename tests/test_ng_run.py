@@ -1,7 +1,7 @@
 """Gym's own launcher: ``ng-checkpoint enable`` then ``ng_run`` starts ``examples/gym_config.yaml`` as is.
 
 Ray stays on loopback twice over. Everything runs inside a network namespace holding only a
-loopback interface (``netns_support``), and Ray is the README's recipe: the test starts it with
+loopback interface (``netns_support``), and Ray is docs/ng_run.md's recipe: the test starts it with
 ``ray start --head --node-ip-address=127.0.0.1`` and ``ng_run`` joins it through Gym's own
 ``ray_head_node_address`` (it would otherwise start its own cluster on the address Ray picks).
 The test reads every listening socket of the namespace and checks it is on 127.0.0.1.
@@ -79,7 +79,7 @@ class NgRunDeployment:
         self.starts = 0
 
     def start_ray(self) -> None:
-        """The README's recipe: a Ray head bound to 127.0.0.1 (no dashboard), which ng_run joins."""
+        """docs/ng_run.md's recipe: a Ray head bound to 127.0.0.1 (no dashboard), which ng_run joins."""
         before = set(self.ns.processes())
         started = self.ns.command([sys.executable, RAY, "start", "--head", "--node-ip-address=127.0.0.1",
                                    f"--port={RAY_PORT}", "--include-dashboard=false", "--num-cpus=1",

@@ -1,6 +1,6 @@
 """Body limits of the control routes, and bodies parsed and validated off the event loop.
 
-Documented in README "Control routes: limits": a body over ``BodyLimits.max_body_bytes``
+Documented in docs/protocol.md "Routes": a body over ``BodyLimits.max_body_bytes``
 (64 MiB) is a 413, refused from ``Content-Length`` before it is read or while it streams in;
 a list over ``BodyLimits.max_ids`` (200,000) is a 422. Validation runs in a worker thread, so
 the server answers other requests meanwhile.

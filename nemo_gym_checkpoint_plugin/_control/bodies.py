@@ -50,7 +50,7 @@ _EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
 
 @dataclass(frozen=True)
 class BodyLimits:
-    """What one control call may send. Defaults are documented in README "Control routes: limits"."""
+    """What one control call may send. Defaults are documented in docs/protocol.md "Routes"."""
 
     # 64 MiB: about 1.4 million episode ids, far above max_ids' worth of any realistic id.
     max_body_bytes: int = 64 * 1024 * 1024

@@ -75,7 +75,7 @@ def merge_exports(answers: Iterable[Any]) -> ParticipantExport:
 
 
 def third_party_names(pm: pluggy.PluginManager) -> frozenset[str]:
-    """Registered names of ``pm``'s third-party plugins (``plugins.make_plugin_manager`` records them)."""
+    """Registered names of ``pm``'s third-party plugins (``_plugins.make_plugin_manager`` records them)."""
     return frozenset(getattr(pm, "third_party_names", ()))
 
 

@@ -8,7 +8,7 @@ top-level server blocks with host/port), ``--url`` (repeatable), or else the Gym
 ``NG_CHECKPOINT_TOKEN``; it is never printed (see ``where``). ``inspect DIR`` and
 ``verify DIR`` read a checkpoint directory offline (a path or an object-store URL); ``gc DIR
 --keep K`` removes old checkpoints of a directory (a dry run unless ``--yes``); ``enable GYM_YAML``
-prepares a Gym config and its server venvs for Gym's own launcher (``enable.py``). Every command has ``--help`` and
+prepares a Gym config and its server venvs for Gym's own launcher (``_enable.py``). Every command has ``--help`` and
 ``--json`` (before or after the command; errors are JSON documents too); ``--version``.
 
 Exit status: 0 success; 1 a server failed or a checkpoint does not verify; 2 bad usage;

@@ -3,7 +3,7 @@
 The configuration is exactly ``ng_collect_rollouts``' (Gym's ``+key=value`` overrides:
 ``+config_paths=[...]``, ``+input_jsonl_fpath=...``, ``+output_jsonl_fpath=...``, ...), read by
 Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subclassed, see
-``coordination.collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute, or an
+``coordination._collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute, or an
 object-store URL such as ``s3://bucket/run``: the deployment's ``checkpoint.storage.backend`` is then ``fsspec``),
 ``--keep``, ``--resume`` (Gym's ``resume_from_cache`` plus a restore of the last published
 checkpoint that verifies; a damaged one falls back to the one before, and says so).

@@ -5,7 +5,7 @@ CHECKPOINT, LEASE and NOTES (blockers, restarts, retired rollouts, an instance n
 that differs from the server's name, why a server is not a participant). Everything
 else (URLs, counts, the full reports) is in ``--json``. A failing server is one row
 (phase ERROR) and its error is told once, on stderr; a token every server refuses is
-one message naming where it was read from (see ``failures.explain``).
+one message naming where it was read from (see ``_failures.explain``).
 
 ``--watch [SECONDS]`` discovers and probes again every SECONDS (default 2) until
 Ctrl-C: on a terminal the table is redrawn in place, otherwise each refresh is printed

@@ -112,7 +112,7 @@ async def discover(
     (a server down or hung, an unknown kind, no model participant, a config block without
     host/port) raises ``CoordinationError`` naming each server and its code; otherwise the
     coordinator carries them in ``failures``. ``pm`` is the plugin manager whose
-    ``coordination_order`` hook gives the orders; by default ``order.order_manager()``
+    ``coordination_order`` hook gives the orders; by default ``_order.order_manager()``
     (the default order plus the ``nemo_gym_checkpoint`` entry-point group), so an installed
     plugin can reorder a deployment.
     """
@@ -164,43 +164,43 @@ async def discover(
 
 
 async def prepare(coordinator: Coordinator, checkpoint_id: str, **kwargs: Any) -> PrepareResult:
-    """``coordinator.prepare``: staged prepare, stopping at the first stage not ready."""
+    """``Coordinator.prepare``: staged prepare, stopping at the first stage not ready."""
     return await coordinator.prepare(checkpoint_id, **kwargs)
 
 
 async def commit(
     coordinator: Coordinator, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, **kwargs: Any
 ) -> CommitResult:
-    """``coordinator.commit``: every participant at once."""
+    """``Coordinator.commit``: every participant at once."""
     return await coordinator.commit(checkpoint_id, checkpoint_dir, episode_ids, **kwargs)
 
 
 async def resume(coordinator: Coordinator, checkpoint_id: str, **kwargs: Any) -> dict[str, dict[str, Any]]:
-    """``coordinator.resume``: reverse order, past failures, reporting them all."""
+    """``Coordinator.resume``: reverse order, past failures, reporting them all."""
     return await coordinator.resume(checkpoint_id, **kwargs)
 
 
 async def restore(
     coordinator: Coordinator, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], **kwargs: Any
 ) -> RestoreResult:
-    """``coordinator.restore``: all or nothing."""
+    """``Coordinator.restore``: all or nothing."""
     return await coordinator.restore(checkpoint_id, checkpoint_dir, episode_ids, **kwargs)
 
 
 async def retire(
     coordinator: Coordinator, checkpoint_id: str, episode_ids: Iterable[Any], **kwargs: Any
 ) -> dict[str, dict[str, Any]]:
-    """``coordinator.retire``: environment, agent, then model and resources."""
+    """``Coordinator.retire``: environment, agent, then model and resources."""
     return await coordinator.retire(checkpoint_id, episode_ids, **kwargs)
 
 
 async def forget(
     coordinator: Coordinator, checkpoint_id: str, rollout_ids: Iterable[str], **kwargs: Any
 ) -> dict[str, dict[str, Any]]:
-    """``coordinator.forget``: retire's order."""
+    """``Coordinator.forget``: retire's order."""
     return await coordinator.forget(checkpoint_id, rollout_ids, **kwargs)
 
 
 async def renew(coordinator: Coordinator, checkpoint_id: str, **kwargs: Any) -> dict[str, float]:
-    """``coordinator.renew``: every participant."""
+    """``Coordinator.renew``: every participant."""
     return await coordinator.renew(checkpoint_id, **kwargs)

@@ -2,7 +2,7 @@
 
 A ``Coordinator`` holds the participants ``discover`` found and a reserved
 control pool. Each operation builds its body once, sends the same bytes to the
-participants stage by stage in the coordination order (``order.stages_for``),
+participants stage by stage in the coordination order (``_order.stages_for``),
 and either returns what the participants replied or raises one
 ``CoordinationError`` naming every failing server and its code.
 
