@@ -165,3 +165,30 @@ def test_collect_keep_prunes_by_the_same_rule_and_respects_leases(root: str) -> 
     # The same plan gc makes: the oldest kept because a restore reads it, the abandoned write (2) removed.
     assert removed == sorted([ids[2], ids[3]])
     assert names(root) == sorted([ids[1], ids[4], ids[5]])
+
+
+def test_a_lease_that_cannot_be_written_leaves_no_file_that_would_protect_for_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A full disk: the lease file is created, its write fails. An empty lease reads as unreadable,
+    # which protects a checkpoint for good: the failed attempt could then never be removed.
+    import errno
+    from contextlib import contextmanager
+
+    from nemo_gym_checkpoint_plugin._storage import files
+
+    real = files.create_private
+
+    @contextmanager
+    def full_disk(path, buffering=-1):  # noqa: ANN001, ANN202
+        with real(path, buffering):
+            pass
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(files, "create_private", full_disk)
+    checkpoint = tmp_path / "ckpt" / "collect-000002-0badc0de"
+    (checkpoint / "gym").mkdir(parents=True)
+    with hold_lease(checkpoint, "commit", "collect-000002-0badc0de", time.time() + 60):
+        assert list((checkpoint / LEASE_DIR).iterdir()) == []
+    assert [c.name for c in plan_retention(tmp_path / "ckpt", 1, unpublished_failed=True).remove] == [checkpoint.name]

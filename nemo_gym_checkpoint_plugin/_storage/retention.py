@@ -305,8 +305,14 @@ def _write_lease(path: Location, body: bytes) -> bool:
             return False
         with contextlib.suppress(FileExistsError):
             path.parent.mkdir(mode=DIRECTORY_MODE)
-        with create_private(path) as out:
-            out.write(body)
+        try:
+            with create_private(path) as out:
+                out.write(body)
+        except BaseException:
+            # Created but not written (a full disk): an unreadable lease counts as live for good, so it goes.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         return True
     except Exception:
         return False
