@@ -38,6 +38,7 @@ from nemo_gym.global_config import (
 from nemo_gym.rollout_collection import RolloutCollectionHelper
 from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
+from pydantic import PrivateAttr
 
 from .._identity import from_capture_key
 
@@ -67,9 +68,23 @@ class ControllerServerClient(ServerClient):
 
 
 class ControllerCollectionHelper(RolloutCollectionHelper):
-    """Gym's ``RolloutCollectionHelper``; its rows are dispatched through ``ControllerServerClient``."""
+    """Gym's ``RolloutCollectionHelper``; its rows are dispatched through ``ControllerServerClient``.
+
+    By default the client is Gym's own (``setup_server_client``: the head server's config);
+    ``using(client)`` dispatches through a ``ServerClient`` the controller already holds.
+    """
+
+    _server_client: ServerClient | None = PrivateAttr(default=None)
+
+    @classmethod
+    def using(cls, client: ServerClient) -> ControllerCollectionHelper:
+        helper = cls()
+        helper._server_client = ControllerServerClient.from_client(client)
+        return helper
 
     def setup_server_client(self, head_server_config: BaseServerConfig | None = None) -> ServerClient:
+        if self._server_client is not None:
+            return self._server_client
         return ControllerServerClient.from_client(super().setup_server_client(head_server_config))
 
 
