@@ -18,7 +18,9 @@ installs nothing at all. When enabled it:
 4. on agents, sets Gym's rollout context from the ``/ng-rollout/<key>`` prefix (agents
    route the prefix as a path parameter and never set the context themselves), so the
    plugin's client attributes the agent's model and resources calls;
-5. with ``num_workers > 1`` registers ``UnmanagedWorkers``: each worker would hold its own
+5. on environments, decodes an explicit ``"<id>-aN"`` rollout id of a typed ``/run`` body as
+   attempt N of ``<id>`` (``_explicit_ids.py``), outside the gate so the gate sees the attempt;
+6. with ``num_workers > 1`` registers ``UnmanagedWorkers``: each worker would hold its own
    state, so the server says ``unmanaged`` in ``status`` and refuses to prepare or restore.
 
 The plugin's server client (``_client.py``) is swapped in by ``install_client`` *before*
@@ -310,6 +312,11 @@ def attach_checkpointing(
     counters = install_gate(
         app, control.admission, control.marks, run_path="/run" if kind in ("environment", "agent") else None
     )
+    if kind == "environment":
+        from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
+
+        # Outside the gate: it attributes the decoded attempt (an explicit "<id>-aN" of Gym's typed path).
+        app.add_middleware(ExplicitAttemptIds)
     app.router.on_shutdown.append(control.aclose)
     attachment = Attachment(
         settings=settings, kind=kind, instance=instance, control=control, gate_counters=counters, unmanaged=unmanaged

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointParked",
     "RolloutIdRequired",
     "AttemptRunning",
+    "AmbiguousEpisode",
     "OwnerConflict",
     "OwnerFenced",
     "InvalidCheckpointState",
@@ -131,6 +132,18 @@ class AttemptRunning(CheckpointError):
         return body
 
 
+class AmbiguousEpisode(CheckpointError):
+    """A ``/run`` names its attempt twice: an explicit ``"<id>-aN"`` rollout id *and* a non-zero attempt.
+
+    Plugin code (docs/protocol.md "Episodes and their ids"). An explicit suffix with attempt 0 (how
+    Gym's ``_episode_request_body`` sends it) means attempt N of ``<id>``; with another attempt index
+    beside it the two would disagree, so the request is refused before anything runs.
+    """
+
+    code = "ambiguous_episode_id"
+    status = 422
+
+
 class OwnerConflict(CheckpointError):
     """Another controller owns this deployment (plugin code, docs/protocol.md "One controller per deployment").
 
@@ -188,6 +201,7 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         CheckpointParked,
         RolloutIdRequired,
         AttemptRunning,
+        AmbiguousEpisode,
         OwnerConflict,
         OwnerFenced,
         InvalidCheckpointState,

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE, RolloutAttribution, attach_checkpointing
 from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
+from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
 from nemo_gym_checkpoint_plugin._gate import AdmissionGate
 from nemo_gym_checkpoint_plugin._settings import SettingsError
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
@@ -99,7 +100,9 @@ async def test_enabled_serves_control_routes_behind_the_token_and_gates_outermos
     server = _build(derive_checkpointable(_server_class(config, name)), config, name)
     app = _app(server)
     # Outermost so far: Gym's exception and cancellation middleware are added after this by run_webserver.
-    assert _middleware(app)[0] is AdmissionGate
+    # On an environment only the explicit-id decoding is outside it, so the gate sees the decoded attempt.
+    outer = [ExplicitAttemptIds, AdmissionGate] if KINDS[name] == "environment" else [AdmissionGate]
+    assert _middleware(app)[: len(outer)] == outer
     assert (RolloutAttribution in _middleware(app)) is (name == AGENT)
     assert isinstance(server.server_client, CheckpointServerClient)
     async with _asgi(app) as http:

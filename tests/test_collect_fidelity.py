@@ -148,12 +148,12 @@ def test_the_legacy_row_wrapper_decodes_an_explicit_attempt_id() -> None:
 
 
 def test_the_legacy_row_wrapper_refuses_an_ambiguous_id_and_is_gyms_own_with_checkpointing_off() -> None:
-    from fastapi import HTTPException
+    from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
 
-    with pytest.raises(HTTPException) as refused:
+    with pytest.raises(AmbiguousEpisode) as refused:
         _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7-a2",
                                                              "_ng_attempt_index": 1})
-    assert refused.value.status_code == 422 and "already names attempt 2" in refused.value.detail
+    assert refused.value.status == 422 and "already names attempt 2" in refused.value.detail
     with pytest.raises(ValueError, match="reserved attempt suffix"):
         _legacy_server(book=False)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7-a2"})
 

@@ -14,6 +14,13 @@ CLI) drives a deployment with::
 Orders, pools, bounds and failure handling are those of docs/protocol.md's
 "Coordination order"; every failure is a ``CoordinationError`` naming each
 failing server and its code.
+
+A controller that dispatches rollouts through Gym's own client uses
+``ControllerServerClient`` (Gym's ``ServerClient``, never resending a ``/run``) or
+``ControllerCollectionHelper`` (Gym's ``RolloutCollectionHelper`` on that client), and
+``row_at_attempt`` / ``row_episode`` to send a restored rollout as its next attempt
+(``_gym_client.py``; docs/trainer.md). They are imported on first use: they load Gym's
+rollout collection.
 """
 
 from __future__ import annotations
@@ -38,11 +45,27 @@ from ._order import KINDS, DefaultCoordinationOrder, default_order, stages_for
 from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, wire_episode_id
 from ._transport import ControlTransport, Endpoint, encode_body
 
+# Loaded on first use (PEP 562): they import Gym's rollout collection, which the rest does not need.
+_GYM_CLIENT_NAMES = frozenset(
+    {"ControllerCollectionHelper", "ControllerServerClient", "is_run_call", "row_at_attempt", "row_episode"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GYM_CLIENT_NAMES:
+        from . import _gym_client
+
+        return getattr(_gym_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "KINDS",
     "CommitResult",
     "ControlTransport",
+    "ControllerCollectionHelper",
+    "ControllerServerClient",
     "CoordinationError",
     "DefaultCoordinationOrder",
     "Coordinator",
@@ -58,12 +81,15 @@ __all__ = [
     "discover",
     "encode_body",
     "forget",
+    "is_run_call",
     "load_config",
     "prepare",
     "renew",
     "restore",
     "resume",
     "retire",
+    "row_at_attempt",
+    "row_episode",
     "stages_for",
     "token_from_config",
     "wire_episode_id",

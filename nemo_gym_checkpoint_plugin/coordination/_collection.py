@@ -55,6 +55,7 @@ from pydantic import PrivateAttr
 
 from .._identity import from_capture_key, make_episode_id
 from ._errors import ATTEMPT_RUNNING
+from ._gym_client import ControllerServerClient, is_run_call
 
 __all__ = [
     "CheckpointingCollectionHelper",
@@ -193,8 +194,8 @@ async def _running_elsewhere(response: Any) -> str | None:
     return str(error.get("detail") or "the attempt is already running there")
 
 
-class CollectorServerClient(ServerClient):
-    """Gym's ``ServerClient``; ``/run`` made once, explicit ``-aN`` ids decoded, calls tracked."""
+class CollectorServerClient(ControllerServerClient):
+    """The public ``ControllerServerClient`` (``/run`` made once); explicit ``-aN`` ids decoded, calls tracked."""
 
     _tracker: RunTracker | None = PrivateAttr(default=None)
 
@@ -203,12 +204,10 @@ class CollectorServerClient(ServerClient):
         return self
 
     async def request(self, server_name: str, url_path: str, method: str, **kwargs: Any) -> Any:
-        if method.upper() != "POST" or url_path.partition("?")[0].rsplit("/", 1)[-1] != "run":
+        if not is_run_call(method, url_path):
             return await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
         body = decode_explicit_attempt(kwargs.get("json"))
         kwargs["json"] = body
-        # Gym's request loop gives up after this many connection failures: one, never a resend.
-        kwargs["_max_connection_retries"] = 1
         episode = episode_of_run(body)
         tracker = self._tracker
         if tracker is not None and episode is not None:
