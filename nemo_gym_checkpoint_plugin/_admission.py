@@ -16,6 +16,7 @@ been answered. Only parked requests pay for this registry, never the gate's fast
 from __future__ import annotations
 
 import asyncio
+import heapq
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -104,6 +105,14 @@ class RetiredMarks:
 
     def retired_up_to(self, rollout_id: str) -> int | None:
         return self._marks.get(rollout_id)
+
+    def named(self, limit: int) -> dict[str, int]:
+        """At most ``limit`` marks (rollout id -> highest retired attempt), the first rollout ids in order.
+
+        A controller names leftover marks from ``status`` (``retired_marks``); bounded so a
+        participant holding thousands of marks keeps a small reply (``retired_rollouts`` counts all).
+        """
+        return {rollout_id: self._marks[rollout_id] for rollout_id in heapq.nsmallest(limit, self._marks)}
 
     def forget(self, rollout_id: str) -> bool:
         """Remove the mark; returns whether there was one."""

@@ -110,3 +110,16 @@ def test_a_url_whose_filesystem_is_not_installed_is_named() -> None:
     done = run_cli("verify", "gs://some-bucket/run")
     assert done.returncode == 1
     assert "gs:// is not available" in done.stderr and "gcsfs" in done.stderr
+
+
+def test_a_commit_is_refused_an_object_store_prefix_holding_another_checkpoint(s3_dir) -> None:  # noqa: ANN001
+    from nemo_gym_checkpoint_plugin._storage.occupied import other_checkpoints
+
+    assert other_checkpoints(s3_dir, "step-8") == []  # an empty prefix holds nothing
+    good_checkpoint(s3_dir)
+    # The listing reads the store as the filesystem: the index and every manifest naming another id.
+    found = other_checkpoints(s3_dir, "step-8")
+    assert found[0] == f"{s3_dir}/gym/participants.json lists checkpoint 'step-7'"
+    assert sorted(found[1:]) == sorted(f"{s3_dir}/gym/{kind}/{instance}/manifest.json is of checkpoint 'step-7'"
+                                       for kind, instance in PARTICIPANTS)
+    assert other_checkpoints(s3_dir, "step-7") == []  # its own checkpoint: a retried commit goes on

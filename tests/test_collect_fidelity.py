@@ -181,6 +181,10 @@ class _Coordinator:
         self.calls.append(("resume", checkpoint_id))
         return {}
 
+    async def retire(self, checkpoint_id: str, episode_ids: list[Any], **_: Any) -> dict[str, Any]:
+        self.calls.append(("retire", list(episode_ids)))
+        return {}
+
 
 def _checkpointer(coordinator: Any, tracker: RunTracker, tmp_path: Any) -> CollectionCheckpointer:
     return CollectionCheckpointer(coordinator, CheckpointStore(tmp_path / "ckpt"), tracker, every=1.0, keep=2,
@@ -199,7 +203,8 @@ def test_a_final_rollout_is_forgotten_on_every_participant_and_restored_ones_too
 
     async def scenario() -> None:
         plan = await checkpointer.restore_from(_state(tmp_path), finished={"3-0"})
-        assert plan.continued == ["0-0", "1-0"] and plan.attempts == {"0-0": 1, "1-0": 2}
+        # The restart (2-0) is retired at its checkpointed attempt and goes out as the next one.
+        assert plan.continued == ["0-0", "1-0"] and plan.attempts == {"0-0": 1, "1-0": 2, "2-0": 1}
         for rollout, attempt in (("0-0", 1), ("1-0", 2), ("5-0", 0)):
             tracker.started(rollout, attempt)
         tracker.ended("0-0", ok=True)
@@ -215,6 +220,7 @@ def test_a_final_rollout_is_forgotten_on_every_participant_and_restored_ones_too
     # A row already in the output is not restored: it is final.
     (restore,) = [ids for name, ids in coordinator.calls if name == "restore"]
     assert restore == [{"rollout_id": "0-0", "attempt": 0}, {"rollout_id": "1-0", "attempt": 1}]
+    assert [ids for name, ids in coordinator.calls if name == "retire"] == [[{"rollout_id": "2-0", "attempt": 0}]]
 
 
 def test_a_failed_restore_starts_those_rows_over_past_the_retired_attempts(tmp_path: Any) -> None:
@@ -224,7 +230,7 @@ def test_a_failed_restore_starts_those_rows_over_past_the_retired_attempts(tmp_p
     checkpointer = _checkpointer(_Coordinator(restore_error=failure), RunTracker(), tmp_path)
     plan = asyncio.run(checkpointer.restore_from(_state(tmp_path), finished=()))
     assert plan.continued == [] and plan.problem and "restore failed" in plan.problem
-    assert plan.attempts == {"0-0": 2, "1-0": 3, "3-0": 2}
+    assert plan.attempts == {"0-0": 2, "1-0": 3, "3-0": 2, "2-0": 1}
     assert sorted(plan.restarted) == ["0-0", "1-0", "2-0", "3-0"]  # none lost: every row goes out again
 
 

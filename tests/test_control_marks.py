@@ -208,6 +208,16 @@ async def test_forget_removes_marks_and_counts_what_was_named(h: Harness) -> Non
     assert (await h.status())["retired_rollouts"] == 1
 
 
+async def test_status_names_the_first_100_marks_and_counts_them_all(h: Harness) -> None:
+    await h.call("retire", checkpoint_id="ops-1", episode_ids=[wire("r2-a2"), wire("r1")])
+    assert (await h.status())["retired_marks"] == {"r1": 0, "r2": 2}
+    await h.call("retire", checkpoint_id="ops-2", episode_ids=[wire(f"m{i:03d}-a1") for i in range(150)])
+    status = await h.status()
+    # Bounded by name (a controller names leftovers from it), counted in full.
+    assert status["retired_rollouts"] == 152
+    assert status["retired_marks"] == {f"m{i:03d}": 1 for i in range(100)}  # the first 100 rollout ids
+
+
 async def test_install_error_that_is_typed_keeps_its_code(tmp_path: Path) -> None:
     participant = Participant()
     harness = await make_harness(tmp_path, participant)

@@ -178,6 +178,7 @@ async def test_status_reply(h: Harness) -> None:
         "checkpoint_id": None,
         "lease_expires_at": None,
         "retired_rollouts": 0,
+        "retired_marks": {},
         "report": {"ready": False, "blockers": ["r2"], "blocker_count": 1, "counts": {"episodes": 2},
                    "restarts": ["r1"]},
         "held_episodes": 2,  # hook status_fields: a participant field; its "kind" did not replace ours

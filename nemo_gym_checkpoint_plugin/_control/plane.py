@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 # Marks set between two yields to the event loop: a retire of 200,000 ids never holds data traffic long.
 _MARKS_PER_YIELD = 4096
+# Marks named in ``status`` (``retired_marks``); ``retired_rollouts`` counts every one.
+RETIRED_MARKS_SHOWN = 100
 
 
 class ControlPlane(CommitMixin, RestoreMixin):
@@ -378,6 +380,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
             checkpoint_id=self.checkpoint_id,
             lease_expires_at=self.lease.expires_at,
             retired_rollouts=len(self.marks),
+            retired_marks=self.marks.named(RETIRED_MARKS_SHOWN),
             report=report.to_wire(),
         )
         if self.owners.owner is not None:

@@ -12,13 +12,15 @@ Everything that can be refused is refused before any row or server is touched: a
 ``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another user could
 change (``_collect_root.py``; ``--allow-shared-root`` to use it with a warning), one another collector
 holds (``collect.lock``, see ``coordination._collect_lock``), one holding checkpoints of an
-earlier collection (without ``--resume``) or of another deployment.
+earlier collection (without ``--resume``) or of another deployment. Once the collector owns the
+deployment, retired marks it did not make (a restore by hand) are refused, exit 2, naming the
+rollouts and the ``forget`` command (``_collect_marks.py``).
 
 The summary is read from Gym's files at the end (``_collect_tally.py``): ``finished`` counts the
 rows in the output, terminal failures are listed as such, and a row missing from the output or
 in it twice is an error naming the rows.
 Exit status: 0 done (every row once in the output or failed for good), 1 the collection or the
-deployment failed, or a row is missing or duplicated at the end, 2 usage.
+deployment failed, or a row is missing or duplicated at the end, 2 usage or leftover retired marks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
+from ._collect_marks import leftover_marks, marks_refusal, token_arguments
 from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
 from ._collect_progress import CollectProgress, summary_table
 from ._collect_root import untrusted
@@ -62,7 +65,8 @@ def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
         epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
                "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
                "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
-               "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage",
+               "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage, or the "
+               "deployment holds retired marks this collection did not make (named, with the forget command)",
     )
     parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
                         help="absolute directory holding the checkpoints (its parent must exist), or an "
@@ -250,10 +254,21 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
                                   say=progress.say, timeout=args.checkpoint_timeout)
             # A dead collector's checkpoint still open on live servers would park every row until its lease ends.
             await resume_left_open(coordinator, progress.say, args.checkpoint_timeout)
+            # Marks this collection did not make would refuse its rows: refused before anything is marked.
+            finished = finished_rollouts(Path(collection.output_jsonl_fpath)) if state is not None else set()
+            next_attempts = {row.rollout_id: row.attempt + 1 for row in state.rows} if state is not None else {}
+            leftovers = await leftover_marks(coordinator, args.checkpoint_timeout, resume=args.resume,
+                                             next_attempts=next_attempts, finished=finished)
         except CoordinationError as exc:
             print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
             await give_back(coordinator, args.checkpoint_timeout)
             return 1
+        if leftovers:
+            urls = [participant.url for participant in coordinator.participants]
+            print(f"ng-checkpoint collect: error: {marks_refusal(leftovers, urls, token_arguments(args))}",
+                  file=sys.stderr)
+            await give_back(coordinator, args.checkpoint_timeout)
+            return 2
         for checkpoint_id, why in fallbacks:
             progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
         helper = CheckpointingCollectionHelper()
@@ -274,7 +289,7 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         plan = RestorePlan()
         if state is not None:
             try:
-                plan = await checkpointer.restore_from(state, finished_rollouts(Path(collection.output_jsonl_fpath)))
+                plan = await checkpointer.restore_from(state, finished)
             except CoordinationError as exc:
                 # Nothing dispatched yet: a rerun of --resume retires and restores again.
                 print(f"ng-checkpoint collect: error: resuming from {state.checkpoint_id}: {exc}", file=sys.stderr)

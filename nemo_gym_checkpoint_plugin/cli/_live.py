@@ -90,6 +90,16 @@ def _what_next(args: argparse.Namespace, deployment: Deployment) -> str | None:
     return None
 
 
+def _occupied(args: argparse.Namespace, deployment: Deployment) -> str:
+    """A commit refused before anything was written: the directory holds another checkpoint, kept intact."""
+    new_dir = f"{args.dir.rstrip('/')}{RETRY_SUFFIX}"
+    return (f"what to do next: nothing was written and {args.dir}'s checkpoint is untouched (ng-checkpoint "
+            f"verify {args.dir} checks it). Commit {args.checkpoint_id} into a new directory (the participants "
+            f"still hold admission closed until then, or resume):\n"
+            f"  {suggest('commit', deployment, args.checkpoint_id, '--dir', new_dir, *_commit_scope_argv(args))}\n"
+            f"  {suggest('resume', deployment, args.checkpoint_id)}")
+
+
 def _owned_elsewhere(exc: CoordinationError, args: argparse.Namespace, deployment: Deployment) -> str | None:
     """Who owns the deployment and how to take it over, when the command was refused for that."""
     refused = [f for f in exc.failures if f.code == OWNER_CONFLICT]
@@ -204,6 +214,9 @@ async def run_live(args: argparse.Namespace) -> int:
             servers = exc.result.get("servers")
         message = explain_error(exc, deployment, servers)
         advice = _owned_elsewhere(exc, args, deployment) if deployment else None
+        if advice is None and args.command == "commit" and isinstance(exc.result, dict) \
+                and exc.result.get("other_checkpoints") and deployment:
+            advice = _occupied(args, deployment)
         if advice is None and exc.operation == args.command and deployment:
             advice = _what_next(args, deployment)
         if args.json:

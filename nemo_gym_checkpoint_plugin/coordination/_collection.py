@@ -15,7 +15,9 @@ changes only what a checkpoint controller must (everything else, preprocessing,
   refused ``409 attempt_running`` (that attempt already runs there: it lives elsewhere) resolves
   to Gym's own no-persist result, as a row drained by the dispatch budget does: written neither
   to the output nor to the failures sidecar (so never a terminal failure), noted by the tracker
-  (``elsewhere``), and dispatched again by a ``--resume``.
+  (``elsewhere``), and dispatched again by a ``--resume``. Any other typed refusal of any call
+  (``stale_attempt`` for a row a leftover mark refuses, ...) reaches Gym as ``Refused``: the
+  error Gym raises or records then reads ``<code>: <detail>``, never a bare ``409 Conflict``.
 - ``_load_from_cache`` (Gym's ``resume_from_cache``) then sets each row's attempt: a row the
   checkpoint continued goes out as the replacement attempt the restore installed, a row a
   failed restore retired starts over past the retired attempts.
@@ -34,6 +36,7 @@ from typing import Any
 
 import nemo_gym.rollout_collection as gym_collection
 import orjson
+from aiohttp import ClientError, ClientResponseError
 from nemo_gym.failure_kinds import CANCELLED
 from nemo_gym.global_config import (
     ATTEMPT_INDEX_KEY_NAME,
@@ -181,6 +184,51 @@ class LivesElsewhere:
         return None
 
 
+class Refused:
+    """A typed refusal (``{"error": {"code", "detail"}}``) as Gym's collection reads a failed reply.
+
+    Gym turns a failed reply into ``aiohttp``'s ``ClientResponseError``, whose text is the HTTP
+    reason alone (``409, message='Conflict'``): nothing says which rollout or why. This answers
+    ``raise_for_status`` with the same error class and status, its message ``<code>: <detail>``,
+    and the body for Gym's failure row, so the collection's error (or its failures sidecar) names
+    the refusal. Everything else is the response's own.
+    """
+
+    ok = False
+
+    def __init__(self, response: Any, body: bytes, code: str, detail: str) -> None:
+        self._response = response
+        self._body = body
+        self.status = response.status
+        self.reason = f"{code}: {detail}"
+        self.content = self  # Gym's raise_for_status reads ``response.content.read()``
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._response, name)
+
+    def raise_for_status(self) -> None:
+        raise ClientResponseError(self._response.request_info, self._response.history, status=self.status,
+                                  message=self.reason, headers=self._response.headers)
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        self._response.release()
+
+
+async def _typed_refusal(response: Any) -> Refused | None:
+    """A failed reply carrying the protocol's error body as a ``Refused``, else None (the body is cached)."""
+    try:
+        body = await response.read()
+        error = orjson.loads(body).get("error")
+    except (ValueError, AttributeError, ClientError):
+        return None
+    if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+        return None
+    return Refused(response, body, error["code"], str(error.get("detail") or ""))
+
+
 async def _running_elsewhere(response: Any) -> str | None:
     """The detail of a ``409 attempt_running`` refusal, else None (the response is left unread)."""
     if response.status != 409:
@@ -205,7 +253,10 @@ class CollectorServerClient(ControllerServerClient):
 
     async def request(self, server_name: str, url_path: str, method: str, **kwargs: Any) -> Any:
         if not is_run_call(method, url_path):
-            return await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
+            response = await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
+            if not response.ok and (refused := await _typed_refusal(response)) is not None:
+                return refused  # type: ignore[return-value]
+            return response
         body = decode_explicit_attempt(kwargs.get("json"))
         kwargs["json"] = body
         episode = episode_of_run(body)
@@ -222,6 +273,8 @@ class CollectorServerClient(ControllerServerClient):
             elif episode is not None and (detail := await _running_elsewhere(response)) is not None:
                 elsewhere = True
                 return LivesElsewhere(episode[0], detail)  # type: ignore[return-value]
+            elif (refused := await _typed_refusal(response)) is not None:
+                return refused  # type: ignore[return-value]
             return response
         finally:
             if tracker is not None and episode is not None:

@@ -23,6 +23,7 @@ from typing import Any
 from .._collector import heap_frozen
 from .._errors import InvalidCheckpointState
 from .._storage.index import check_participants_index, write_participants_index
+from .._storage.occupied import other_checkpoints
 from .._storage.retention import hold_lease
 from ._discovery import Participant
 from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, ParticipantFailure
@@ -238,8 +239,25 @@ class Coordinator(OwnershipMixin):
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
         stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
     ) -> CommitResult:
-        """``_commit`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile."""
+        """``_commit`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile.
+
+        A directory holding another checkpoint (a manifest or participants index naming another id)
+        is refused before any participant is called or the lease written (``invalid_checkpoint_state``,
+        ``result["other_checkpoints"]``): one participant alone would refuse, the others would write
+        beside the good checkpoint and break it (``_storage/occupied.py``).
+        """
         deadline = self._deadline(deadline_ts, timeout)
+        try:
+            others = await asyncio.to_thread(other_checkpoints, checkpoint_dir, checkpoint_id)
+        except (OSError, ValueError) as exc:
+            others = [f"{checkpoint_dir} cannot be listed ({exc})"]
+        if others:
+            shown = "; ".join(others[:5]) + (f"; and {len(others) - 5} more" if len(others) > 5 else "")
+            raise CoordinationError("commit", [ParticipantFailure(
+                "(checkpoint)", str(checkpoint_dir), "commit", InvalidCheckpointState.code,
+                f"{checkpoint_dir} holds another checkpoint ({shown}); nothing was written. Commit "
+                f"{checkpoint_id} into a new directory")],
+                result={"other_checkpoints": others, "written": False})
         async with _leased(checkpoint_dir, "commit", checkpoint_id, deadline):
             return await self._commit(checkpoint_id, checkpoint_dir, episode_ids, stop=stop, deadline_ts=deadline)
 
