@@ -46,7 +46,13 @@ def other_checkpoints(checkpoint_dir: str | os.PathLike[str] | ObjectPath, check
             if other is not None and other["checkpoint_id"] != checkpoint_id:
                 found.append(f"{index} lists checkpoint {other['checkpoint_id']!r}")
     gym = root / "gym"
-    for kind in child_dirs(gym):
+    try:
+        kinds = child_dirs(gym)
+    except (InvalidCheckpointState, OSError):
+        # Not listable (a file where a directory must go, no permission): it holds no checkpoint this
+        # check could find, and every participant's write fails there naming the cause.
+        return found
+    for kind in kinds:
         for instance in child_dirs(gym / kind):
             manifest = gym / kind / instance / MANIFEST_NAME
             if not lexists(manifest):

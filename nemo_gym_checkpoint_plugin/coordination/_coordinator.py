@@ -249,7 +249,9 @@ class Coordinator(OwnershipMixin):
         deadline = self._deadline(deadline_ts, timeout)
         try:
             others = await asyncio.to_thread(other_checkpoints, checkpoint_dir, checkpoint_id)
-        except (OSError, ValueError) as exc:
+        except OSError:
+            others = []  # not listable, so it holds nothing this check finds: each participant's write names why
+        except ValueError as exc:
             others = [f"{checkpoint_dir} cannot be listed ({exc})"]
         if others:
             shown = "; ".join(others[:5]) + (f"; and {len(others) - 5} more" if len(others) > 5 else "")
