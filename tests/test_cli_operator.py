@@ -103,6 +103,8 @@ def test_default_token_and_deployment_then_restore_all_and_paste_resume(four, tm
     restored = paste(f"ng-checkpoint restore restore-1 --dir {ckpt} --all", env)
     assert restored.returncode == 0, restored.stderr
     assert "restored step-1 as restore-1: r1-a1, r2-a2;" in restored.stdout
+    # It says how to continue them: each resent as the attempt it names (N+1), never as N.
+    assert "send each restored rollout's row again as the attempt named above, its attempt N+1" in restored.stdout
     # The suggested resume works as printed: the deployment comes from NG_CHECKPOINT_CONFIG.
     resume = suggested(restored.stdout, "resume")
     assert resume == "ng-checkpoint resume restore-1"
