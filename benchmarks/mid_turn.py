@@ -44,7 +44,7 @@ from nemo_gym_checkpoint_plugin.testing.deployment import BACKEND, ENVIRONMENT, 
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend, rollout_body, wait_until_async
 
-TOKEN = "mid-turn-bench"
+TOKEN = "mid-turn-bench-token"
 _STATUS = "/ng-control/v1/checkpoint/status"
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "RolloutIdRequired",
     "AttemptRunning",
     "AmbiguousEpisode",
+    "InvalidRunRequest",
     "OwnerConflict",
     "OwnerFenced",
     "InvalidCheckpointState",
@@ -144,6 +145,19 @@ class AmbiguousEpisode(CheckpointError):
     status = 422
 
 
+class InvalidRunRequest(CheckpointError):
+    """A ``/run`` body Gym's run logic cannot turn into an episode (plugin code).
+
+    Raised, with checkpointing on, where Gym would answer a 500 for bad input: a flat row whose
+    task identity cannot be derived (no ``task_id`` and no ``_ng_task_index``: a restored rollout
+    continued by hand with only its ``_ng_rollout_id``), a bad ``task_source`` or ``agent_ref``, an
+    invalid ``_ng_attempt_index``. The detail is Gym's own message and what the row needs; nothing runs.
+    """
+
+    code = "invalid_run_request"
+    status = 422
+
+
 class OwnerConflict(CheckpointError):
     """Another controller owns this deployment (plugin code, docs/protocol.md "One controller per deployment").
 
@@ -202,6 +216,7 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         RolloutIdRequired,
         AttemptRunning,
         AmbiguousEpisode,
+        InvalidRunRequest,
         OwnerConflict,
         OwnerFenced,
         InvalidCheckpointState,

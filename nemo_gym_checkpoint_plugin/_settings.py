@@ -14,6 +14,12 @@ that a typo fails before any server serves. Keys (defaults in brackets):
   being repeated in a message or log.
 - ``control_auth_token`` [unset]: the token itself, accepted for wire
   compatibility; logs a warning.
+
+Either way the token must be at least ``TOKEN_MIN_LENGTH`` (16) characters of printable
+ASCII without spaces (``check_token``): a server refuses to start otherwise, and the CLI
+refuses such a token before it sends it. ASCII because the two sides must agree on the
+bytes: an HTTP server decodes a header as Latin-1, so a non-ASCII token configured on a
+server would never match what a client sends.
 - ``lease_grace_seconds`` [600, > 0]: how long after a call's deadline the
   participant waits for the controller before resuming on its own.
 - ``storage`` (plugin key): ``backend`` ["local"], the storage backend a
@@ -50,8 +56,12 @@ __all__ = [
     "CheckpointSettings",
     "SettingsError",
     "StorageSettings",
+    "TOKEN_MIN_LENGTH",
+    "TOKEN_RULE",
+    "check_token",
     "load_settings",
     "settings_from_global_config",
+    "token_problem",
 ]
 
 logger = logging.getLogger(__name__)
@@ -61,6 +71,12 @@ CHECKPOINT_KEY = "checkpoint"
 
 # What a POSIX shell accepts as a variable name; anything else in control_auth_token_env is likely a token.
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Long enough not to be guessed by a caller that can reach the control port; a guess costs a request.
+TOKEN_MIN_LENGTH = 16
+# Printable ASCII without the space (0x21-0x7e): the bytes a header carries the same way both ends decode it.
+_TOKEN_CHARS = re.compile(r"[!-~]+")
+TOKEN_RULE = f"at least {TOKEN_MIN_LENGTH} characters of printable ASCII, without spaces"
 
 
 class SettingsError(ValueError):
@@ -147,13 +163,16 @@ class CheckpointSettings(BaseModel):
     def resolve_token(self, environ: Mapping[str, str] | None = None) -> str:
         """The bearer token: from ``control_auth_token_env`` first, else ``control_auth_token``.
 
-        Raises ``SettingsError`` naming the key when neither resolves to a non-empty token.
+        Raises ``SettingsError`` naming the key when neither resolves to a non-empty token, or when
+        the token does not follow the rule (``check_token``; the message names where it came from).
         """
         env = os.environ if environ is None else environ
         if self.control_auth_token_env:
             value = env.get(self.control_auth_token_env, "")
             if value:
-                return value
+                # The variable's name may be told here: it did resolve, so it is a name, not a pasted token.
+                return check_token(value, f"the variable {self.control_auth_token_env} "
+                                          "(checkpoint.control_auth_token_env)")
             if not self.control_auth_token:
                 # The name is not repeated: a token that happens to look like a name may have been pasted there.
                 raise SettingsError(
@@ -162,11 +181,29 @@ class CheckpointSettings(BaseModel):
                     "export the token in the variable it names"
                 )
         if self.control_auth_token:
-            return self.control_auth_token
+            return check_token(self.control_auth_token, "checkpoint.control_auth_token")
         raise SettingsError(
             "checkpoint.enabled is true but no token is configured: set checkpoint.control_auth_token_env "
             "to the name of an environment variable holding the token (or checkpoint.control_auth_token)"
         )
+
+
+def token_problem(token: str) -> str | None:
+    """What is wrong with ``token`` in words that never repeat it (None: it follows the rule)."""
+    if not _TOKEN_CHARS.fullmatch(token):
+        # Neither the token nor the offending character is told: a log would then hold part of it.
+        return f"holds a character outside printable ASCII or a space (the token must be {TOKEN_RULE})"
+    if len(token) < TOKEN_MIN_LENGTH:
+        return f"is {len(token)} characters long (the token must be {TOKEN_RULE})"
+    return None
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` when it follows the rule; else ``SettingsError`` naming ``source`` and the rule, not the token."""
+    problem = token_problem(token)
+    if problem is not None:
+        raise SettingsError(f"the control token from {source} {problem}")
+    return token
 
 
 def _plain(value: Any) -> Any:

@@ -22,7 +22,7 @@ from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
 __all__ = ["GymServers", "InProcessServer", "TOKEN"]
 
-TOKEN = "contract-token"
+TOKEN = "contract-test-token"
 STATUS = "/ng-control/v1/checkpoint/status"
 
 

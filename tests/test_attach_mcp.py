@@ -33,7 +33,7 @@ from nemo_gym_checkpoint_plugin.testing.gym_config import (
 from nemo_gym_checkpoint_plugin.testing.harness import free_port_base
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
-TOKEN = "mcp-test-token"
+TOKEN = "mcp-attach-test-token"
 BOTH_KEYS = r"expose_tools_over_mcp.*checkpoint\.enabled.*not supported yet"
 
 

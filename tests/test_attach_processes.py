@@ -163,19 +163,23 @@ def _start_wrapped_resources(tmp_path: Path, checkpoint: dict, env: dict[str, st
     [
         (
             {"enabled": True, "control_auth_token_env": TOKEN_ENV, "bogus_key": 1},
-            {TOKEN_ENV: "t"},
+            {TOKEN_ENV: "attach-processes-token"},
             "checkpoint.bogus_key",
         ),
-        ({"enabled": True, "lease_grace_seconds": 0, "control_auth_token": "t"}, {}, "checkpoint.lease_grace_seconds"),
+        (
+            {"enabled": True, "lease_grace_seconds": 0, "control_auth_token": "attach-processes-token"},
+            {},
+            "checkpoint.lease_grace_seconds",
+        ),
         (DEFAULT_CHECKPOINT_BLOCK, {}, "checkpoint.control_auth_token_env"),
         (
             {**DEFAULT_CHECKPOINT_BLOCK, "enabeld": True},
-            {TOKEN_ENV: "t"},
+            {TOKEN_ENV: "attach-processes-token"},
             "checkpoint.enabeld: unknown key (did you mean 'enabled'?)",
         ),
         (
             {**DEFAULT_CHECKPOINT_BLOCK, "storage": {"backend": "s3"}},
-            {TOKEN_ENV: "t"},
+            {TOKEN_ENV: "attach-processes-token"},
             "checkpoint.storage.backend: no storage backend named 's3'; the backends available: 'fsspec', 'local'",
         ),
     ],
@@ -189,6 +193,32 @@ def test_a_bad_block_makes_the_wrapped_server_refuse_to_start(
     # The message names the server, and it is the only thing said: no traceback.
     assert f"server {RESOURCES!r}: " in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "Uvicorn running" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "env", "token", "told"),
+    [
+        # A 1-character token used to start a server; a non-ASCII one started it and then refused every call.
+        (DEFAULT_CHECKPOINT_BLOCK, {TOKEN_ENV: "Q"}, "Q",
+         f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) is 1 characters long"),
+        ({"enabled": True, "control_auth_token": "short-but-15-ch"}, {}, "short-but-15-ch",
+         "the control token from checkpoint.control_auth_token is 15 characters long"),
+        (DEFAULT_CHECKPOINT_BLOCK, {TOKEN_ENV: "jeton-de-contrôle-0123456789"}, "jeton-de-contrôle-0123456789",
+         f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) holds a character "
+         "outside printable ASCII or a space"),
+    ],
+)
+def test_a_token_breaking_the_rule_stops_the_server_naming_the_rule_and_source(
+    tmp_path: Path, checkpoint: dict, env: dict[str, str], token: str, told: str
+) -> None:
+    done = _start_wrapped_resources(tmp_path, checkpoint, env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert f"server {RESOURCES!r}: {told} (the token must be at least 16 characters of printable ASCII, without " \
+           "spaces)" in done.stderr, done.stderr[-2000:]
+    assert "Uvicorn running" not in said and "Traceback" not in said
+    if len(token) > 1:  # a 1-character token is in any text; the longer ones must not be told
+        assert token not in said
 
 
 @pytest.mark.parametrize("pasted", ["sk-live-9f8e7d6c5b4a3210", "TokenThatLooksLikeAName42"])

@@ -103,6 +103,8 @@ def test_default_token_and_deployment_then_restore_all_and_paste_resume(four, tm
     restored = paste(f"ng-checkpoint restore restore-1 --dir {ckpt} --all", env)
     assert restored.returncode == 0, restored.stderr
     assert "restored step-1 as restore-1: r1-a1, r2-a2;" in restored.stdout
+    # It says how to continue them: each resent as the attempt it names (N+1), never as N.
+    assert "send each restored rollout's row again as the attempt named above, its attempt N+1" in restored.stdout
     # The suggested resume works as printed: the deployment comes from NG_CHECKPOINT_CONFIG.
     resume = suggested(restored.stdout, "resume")
     assert resume == "ng-checkpoint resume restore-1"
@@ -119,14 +121,14 @@ def test_default_token_and_deployment_then_restore_all_and_paste_resume(four, tm
 
 
 def test_wrong_token_is_one_message_naming_its_source(four, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "not-the-token")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "not-the-token-0123456789")
     code, out, err = run(capsys, "status", *urls(four))
     assert code == 1 and out == ""
     assert err == ("error: the control token was refused (HTTP 401 unauthorized) by every server (4): it was "
                    "read from the variable NG_CHECKPOINT_TOKEN, and it is not the token the servers were "
                    "started with\n")
     token_file = tmp_path / "token"
-    token_file.write_text("also-wrong\n")
+    token_file.write_text("also-wrong-0123456789\n")
     code, out, err = run(capsys, "prepare", "step-1", *urls(four), "--token-file", str(token_file))
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and f"read from --token-file {token_file}," in err

@@ -50,25 +50,25 @@ def gym_config(path: Path, token_env: str | None) -> Path:
 
 def test_token_precedence_explicit_then_config_then_ng_checkpoint_token(tmp_path, monkeypatch):
     token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
+    token_file.write_text("token-from-the-file\n")
     config = gym_config(tmp_path / "gym.yaml", "CLI_TEST_TOKEN")
-    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "from-default")
-    monkeypatch.setenv("CLI_TEST_TOKEN", "from-config")
-    monkeypatch.setenv("OTHER", "from-env")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "token-from-the-default")
+    monkeypatch.setenv("CLI_TEST_TOKEN", "token-from-the-config")
+    monkeypatch.setenv("OTHER", "token-from-the-env-var")
 
     explicit = resolve_deployment(args(config=str(config), token_file=str(token_file)))
-    assert explicit.token == "from-file" and explicit.token_source == f"--token-file {token_file}"
-    assert resolve_deployment(args(config=str(config), token_env="OTHER")).token == "from-env"
+    assert explicit.token == "token-from-the-file" and explicit.token_source == f"--token-file {token_file}"
+    assert resolve_deployment(args(config=str(config), token_env="OTHER")).token == "token-from-the-env-var"
     from_config = resolve_deployment(args(config=str(config)))
-    assert from_config.token == "from-config" and "CLI_TEST_TOKEN" in from_config.token_source
+    assert from_config.token == "token-from-the-config" and "CLI_TEST_TOKEN" in from_config.token_source
     # With --url too: NG_CHECKPOINT_TOKEN when nothing else gives a token.
     default = resolve_deployment(args(url=[NOWHERE]))
-    assert default.token == "from-default" and default.token_source == "the variable NG_CHECKPOINT_TOKEN"
+    assert default.token == "token-from-the-default" and default.token_source == "the variable NG_CHECKPOINT_TOKEN"
     # The config's variable unset: NG_CHECKPOINT_TOKEN still gives one.
     monkeypatch.delenv("CLI_TEST_TOKEN")
-    assert resolve_deployment(args(config=str(config))).token == "from-default"
+    assert resolve_deployment(args(config=str(config))).token == "token-from-the-default"
     # The token is never in what a Deployment shows of itself.
-    assert "from-default" not in repr(default)
+    assert "token-from-the-default" not in repr(default)
 
 
 def test_token_file_missing_or_empty_is_a_usage_error_naming_the_path(tmp_path, capsys):
@@ -85,6 +85,35 @@ def test_token_file_missing_or_empty_is_a_usage_error_naming_the_path(tmp_path, 
     assert both.value.code == 2
 
 
+RULE = "(the token must be at least 16 characters of printable ASCII, without spaces)"
+
+
+def test_a_token_breaking_the_rule_is_a_usage_error_naming_where_it_came_from(tmp_path, capsys, monkeypatch):
+    # Sent as it was, such a token could only earn a 401 from servers that would refuse to start with it.
+    short = tmp_path / "short-token"
+    short.write_text("abc\n")
+    assert main(["status", "--url", NOWHERE, "--token-file", str(short)]) == 2
+    assert capsys.readouterr().err == (f"ng-checkpoint status: error: the control token from --token-file {short} "
+                                       f"is 3 characters long {RULE}\n")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "jeton-de-contrôle-0123456789")
+    assert main(["status", "--url", NOWHERE]) == 2
+    err = capsys.readouterr().err
+    assert err == ("ng-checkpoint status: error: the control token from the variable NG_CHECKPOINT_TOKEN holds a "
+                   f"character outside printable ASCII or a space {RULE}\n")
+    monkeypatch.setenv("OTHER", "with a space 0123456789")
+    with pytest.raises(UsageError, match=r"from the variable OTHER \(--token-env\) holds a character"):
+        resolve_deployment(args(url=[NOWHERE], token_env="OTHER"))
+    # The config's variable holding a bad token, nothing else: the config's own message.
+    config = gym_config(tmp_path / "gym.yaml", "CLI_TEST_TOKEN")
+    monkeypatch.delenv("NG_CHECKPOINT_TOKEN")
+    monkeypatch.setenv("CLI_TEST_TOKEN", "too-short")
+    with pytest.raises(UsageError) as refused:
+        resolve_deployment(args(config=str(config)))
+    assert str(refused.value).startswith("the control token from the variable CLI_TEST_TOKEN "
+                                         f"(checkpoint.control_auth_token_env) is 9 characters long {RULE}")
+    assert "too-short" not in str(refused.value)
+
+
 def test_no_token_at_all_names_every_source(capsys):
     assert main(["status", "--url", NOWHERE]) == 2
     err = capsys.readouterr().err
@@ -92,7 +121,7 @@ def test_no_token_at_all_names_every_source(capsys):
 
 
 def test_no_deployment_is_one_line_exit_2(capsys, monkeypatch):
-    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "t")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "cli-usage-test-token")
     assert main(["resume", "step-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no deployment" in err and "NG_CHECKPOINT_CONFIG" in err
@@ -106,7 +135,7 @@ def test_default_deployment_from_ng_checkpoint_config(tmp_path, monkeypatch, cap
         f"ng-checkpoint status: error: NG_CHECKPOINT_CONFIG names {missing}, which does not exist\n")
     config = gym_config(tmp_path / "gym.yaml", "CLI_TEST_TOKEN")
     monkeypatch.setenv("NG_CHECKPOINT_CONFIG", str(config))
-    monkeypatch.setenv("CLI_TEST_TOKEN", "t")
+    monkeypatch.setenv("CLI_TEST_TOKEN", "cli-usage-test-token")
     deployment = resolve_deployment(args())
     # The variable names the deployment again in a pasted command: no options needed.
     assert deployment.source == str(config) and deployment.argv == []
@@ -149,7 +178,7 @@ def test_verify_a_missing_dir_says_it_does_not_exist(tmp_path, capsys):
 
 
 def test_restore_scope_is_checked_against_the_checkpoint(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "t")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "cli-usage-test-token")
     ckpt = checkpoint(tmp_path / "ckpt", {("model", "m"): ["r1", "r2-a1"], ("agent", "a"): ["r1"]})
     where = ["--url", NOWHERE, "--dir"]
     assert main(["restore", "x", *where, str(tmp_path / "nope"), "--all"]) == 2

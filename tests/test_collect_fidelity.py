@@ -251,3 +251,17 @@ def test_gyms_resume_from_cache_sends_continued_rows_as_their_next_attempt(tmp_p
     assert _episode_request_body(by_task[2])["episode_id"] == {"rollout_id": "2-0", "attempt": 1}
     assert by_task[3]["_ng_rollout_id"] == "x3-a2" and "_ng_attempt_index" not in by_task[3]
     assert (helper.total, helper.done_before) == (4, 1)
+
+
+def test_the_legacy_row_wrapper_types_gyms_refusal_of_a_row_without_task_identity() -> None:
+    from nemo_gym_checkpoint_plugin._errors import InvalidRunRequest
+
+    row = {k: v for k, v in LEGACY_ROW.items() if k != "_ng_task_index"}
+    with pytest.raises(InvalidRunRequest) as refused:
+        _legacy_server(book=True)._episode_request_from_row({**row, "_ng_rollout_id": "3-0-a1"})
+    assert refused.value.status == 422 and "requires a non-negative task_index" in refused.value.detail
+    with pytest.raises(InvalidRunRequest, match="names none of this Environment Server's instances"):
+        _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r1",
+                                                             "task_source": "elsewhere"})
+    with pytest.raises(ValueError, match="requires a non-negative task_index"):  # checkpointing off: Gym's own
+        _legacy_server(book=False)._episode_request_from_row({**row, "_ng_rollout_id": "3-0"})

@@ -116,7 +116,7 @@ def test_a_bad_checkpoint_dir_is_refused_before_anything_runs(tmp_path: Path, ca
 def test_a_fresh_collection_refuses_a_directory_holding_an_earlier_one(tmp_path: Path, capsys: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # Gym's parser (Hydra) writes outputs/ in the working directory
-    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "a-token")
+    monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "collect-store-token")
     store = CheckpointStore(tmp_path / "ckpt")
     _publish(store, 1)
     inputs = tmp_path / "in.jsonl"

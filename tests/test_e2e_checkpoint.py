@@ -17,7 +17,7 @@ from nemo_gym_checkpoint_plugin.testing.crash_scenario import ScenarioResult, ne
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "e2e-token"
+TOKEN = "e2e-checkpoint-token"
 CONTINUED = [f"cont-{i}" for i in range(4)]
 RESTARTS = [f"rest-{i}" for i in range(2)]
 

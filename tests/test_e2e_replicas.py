@@ -36,7 +36,7 @@ from nemo_gym_checkpoint_plugin.testing.harness import wait_until_async
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "replicas-token"
+TOKEN = "e2e-replicas-token"
 TIMEOUT = 90.0
 # Rollouts sent to each replica's environment server, by replica number.
 ROLLOUTS = {1: [f"one-{i}" for i in range(3)], 2: [f"two-{i}" for i in range(3)]}

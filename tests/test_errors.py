@@ -20,6 +20,7 @@ PROTOCOL_ERRORS = {
     "rollout_id_required": 400,
     "attempt_running": 409,
     "ambiguous_episode_id": 422,
+    "invalid_run_request": 422,
     "owner_conflict": 409,
     "owner_fenced": 409,
     "invalid_checkpoint_state": 422,

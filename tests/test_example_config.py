@@ -39,8 +39,8 @@ def test_gyms_parser_reads_the_example_and_its_checkpoint_block_validates() -> N
     assert settings.enabled is True
     assert settings.control_auth_token_env == TOKEN_ENV
     assert settings.control_auth_token is None  # the token is never written in the YAML
-    validated, token = load_settings(config, environ={TOKEN_ENV: "example-token"})
-    assert validated == settings and token == "example-token"
+    validated, token = load_settings(config, environ={TOKEN_ENV: "example-config-token"})
+    assert validated == settings and token == "example-config-token"
 
 
 def test_the_example_is_the_deployment_make_serve_runs(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend, wait_until_a
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "mid-turn-token"
+TOKEN = "model-mid-turn-token"
 COUNT = 4
 STATUS = "/ng-control/v1/checkpoint/status"
 

@@ -19,7 +19,7 @@ import pytest
 from multihost_support import Lan, lan_supported
 
 HERE = Path(__file__).parent
-TOKEN = "multihost-token"
+TOKEN = "multihost-s3-token"
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,7 +19,7 @@ from nemo_gym_checkpoint_plugin.testing.crash_scenario import new_deployment, ru
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "ownership-token"
+TOKEN = "plugin-ownership-token"
 CONTINUED = ["cont-own-0", "cont-own-1", "cont-own-2"]
 RESTARTS = ["rest-own-0"]
 

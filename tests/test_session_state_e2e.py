@@ -39,7 +39,7 @@ from nemo_gym_checkpoint_plugin.testing.harness import FakeBackend
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "state-e2e-token"
+TOKEN = "session-state-e2e-token"
 SERVER_DIR = Path(__file__).parent / "stateful_counter_server"
 TASK_DATA = {"initial_count": 3, "expected_count": 4}
 INCREMENT_TOOL = {

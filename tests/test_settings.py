@@ -18,16 +18,16 @@ def test_absent_block_is_disabled() -> None:
 
 def test_token_from_environment_variable() -> None:
     config = {"checkpoint": {"enabled": True, "control_auth_token_env": "MY_TOKEN"}}
-    settings, token = load_settings(config, environ={"MY_TOKEN": "s3cret"})
-    assert settings.enabled and token == "s3cret"
-    assert "s3cret" not in repr(settings)
+    settings, token = load_settings(config, environ={"MY_TOKEN": "s3cret-0123456789"})
+    assert settings.enabled and token == "s3cret-0123456789"
+    assert "s3cret-0123456789" not in repr(settings)
 
 
 def test_reads_gym_omegaconf_dict() -> None:
     block = {"enabled": True, "control_auth_token_env": "T", "lease_grace_seconds": 5}
     config = OmegaConf.create({"checkpoint": block})
-    settings, token = load_settings(config, environ={"T": "x"})
-    assert settings.lease_grace_seconds == 5 and token == "x"
+    settings, token = load_settings(config, environ={"T": "token-from-the-variable"})
+    assert settings.lease_grace_seconds == 5 and token == "token-from-the-variable"
 
 
 @pytest.mark.parametrize(
@@ -50,20 +50,21 @@ def test_disabled_needs_no_token() -> None:
 
 def test_plain_token_works_but_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="nemo_gym_checkpoint_plugin._settings"):
-        _, token = load_settings({"checkpoint": {"enabled": True, "control_auth_token": "plain"}}, environ={})
-    assert token == "plain"
+        block = {"enabled": True, "control_auth_token": "plain-token-0123456789"}
+        _, token = load_settings({"checkpoint": block}, environ={})
+    assert token == "plain-token-0123456789"
     assert "control_auth_token_env" in caplog.text and "unauthenticated" in caplog.text
 
 
 def test_env_token_preferred_over_plain() -> None:
-    block = {"enabled": True, "control_auth_token": "plain", "control_auth_token_env": "T"}
-    assert load_settings({"checkpoint": block}, environ={"T": "env"})[1] == "env"
+    block = {"enabled": True, "control_auth_token": "plain-token-0123456789", "control_auth_token_env": "T"}
+    assert load_settings({"checkpoint": block}, environ={"T": "env-token-0123456789"})[1] == "env-token-0123456789"
 
 
 @pytest.mark.parametrize(
     ("block", "key"),
     [
-        ({"enabled": True, "control_auth_token": "x", "lease_grace": 3}, "checkpoint.lease_grace"),
+        ({"enabled": True, "control_auth_token": "settings-test-token", "lease_grace": 3}, "checkpoint.lease_grace"),
         ({"lease_grace_seconds": 0}, "checkpoint.lease_grace_seconds"),
         ({"lease_grace_seconds": -1}, "checkpoint.lease_grace_seconds"),
         ({"lease_grace_seconds": float("inf")}, "checkpoint.lease_grace_seconds"),
@@ -136,3 +137,39 @@ def test_a_token_pasted_into_the_env_key_is_never_echoed(
             message = repr(settings) + str(settings)
     assert pasted not in message
     assert pasted not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("token", "problem"),
+    [
+        ("x", "is 1 characters long"),
+        ("fifteen-chars-!", "is 15 characters long"),
+        ("sixteen chars ok", "holds a character outside printable ASCII or a space"),
+        ("jeton-de-contrôle-0123456789", "holds a character outside printable ASCII or a space"),
+        ("tab\there-0123456789", "holds a character outside printable ASCII or a space"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("block", "source"),
+    [
+        ({"control_auth_token_env": "T"}, "the variable T (checkpoint.control_auth_token_env)"),
+        ({"control_auth_token": "<token>"}, "checkpoint.control_auth_token"),
+    ],
+)
+def test_a_token_breaking_the_rule_is_refused_naming_source_and_rule(
+    token: str, problem: str, block: dict, source: str
+) -> None:
+    block = {"enabled": True, **{k: token if v == "<token>" else v for k, v in block.items()}}
+    with pytest.raises(SettingsError) as refused:
+        load_settings({"checkpoint": block}, environ={"T": token})
+    message = str(refused.value)
+    assert message == (f"the control token from {source} {problem} "
+                       "(the token must be at least 16 characters of printable ASCII, without spaces)")
+    if len(token) > 1:
+        assert token not in message
+
+
+def test_a_sixteen_character_ascii_token_is_accepted() -> None:
+    token = "!0123456789abcd~"
+    assert load_settings({"checkpoint": {"enabled": True, "control_auth_token_env": "T"}}, environ={"T": token})[1] \
+        == token

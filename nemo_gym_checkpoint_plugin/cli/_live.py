@@ -50,6 +50,12 @@ def _check_scope(args: argparse.Namespace) -> list[str] | None:
     return None
 
 
+# What a controller must do with the restored rollouts once resumed (docs/trainer.md, rule 2).
+_RESEND = ("then send each restored rollout's row again as the attempt named above, its attempt N+1 (r1-a1: "
+           "_ng_rollout_id \"r1-a1\" with the row's task fields, or {\"rollout_id\": \"r1\", \"attempt\": 1}), "
+           "never as attempt N (refused stale_attempt); see docs/trainer.md")
+
+
 async def _discover(args: argparse.Namespace, deployment: Deployment) -> Coordinator:
     """Probe the deployment; any server failing is one ``CoordinationError`` (a refused token folded)."""
     coordinator = await discover(deployment.source, deployment.token, probe_timeout=args.probe_timeout,
@@ -165,11 +171,12 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
                      f"{words(left_out, limit=50)}")
         return 0, {**result.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
+        # Each key is the replacement attempt a rollout continues as (``r1-a1``): N+1 of the attempt that crashed.
         result = await coordinator.restore(checkpoint_id, dir_argument(args.dir), scope or [],
                                            deadline_ts=deadline_ts, take_over=args.take_over)
         return 0, result.to_json(), (f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
                                      f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
-                                     f"  {suggest('resume', deployment, checkpoint_id)}")
+                                     f"  {suggest('resume', deployment, checkpoint_id)}\n" + _RESEND)
     if command == "retire":
         replies = await coordinator.retire(checkpoint_id, scope or [], deadline_ts=deadline_ts)
         return 0, replies, f"retired {len(scope or [])} episode(s) on {len(replies)} participant(s)"

@@ -9,6 +9,9 @@ comes, first match wins, from:
 2. the config's ``checkpoint.control_auth_token_env`` (its variable must be set);
 3. ``NG_CHECKPOINT_TOKEN``.
 
+A token that does not follow the servers' rule (``_settings.TOKEN_RULE``: 16 or more printable
+ASCII characters, no spaces) is refused here, naming where it was read from: the servers would
+refuse to start with it, so sending it could only earn a 401 that hides the cause.
 The token itself is never printed: every message names where it was read from instead.
 """
 
@@ -26,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from .._settings import SettingsError
+from .._settings import SettingsError, token_problem
 from ..coordination import load_config, token_from_config
 
 __all__ = ["CONFIG_ENV", "TOKEN_ENV", "Deployment", "UsageError", "default_owner", "resolve_deployment", "suggest"]
@@ -91,8 +94,20 @@ def _load(path: str, named_by: str) -> dict[str, Any]:
         raise UsageError(f"{lead} is not a readable Gym config: {detail}") from None
 
 
+def _checked(token: str, source: str) -> str:
+    problem = token_problem(token)
+    if problem is not None:
+        raise UsageError(f"the control token from {source} {problem}")
+    return token
+
+
 def _token(args: argparse.Namespace, config: dict[str, Any] | None) -> tuple[str, str, list[str]]:
     """(token, where it came from in words, the options that name that source again)."""
+    token, source, argv = _found_token(args, config)
+    return _checked(token, source), source, argv
+
+
+def _found_token(args: argparse.Namespace, config: dict[str, Any] | None) -> tuple[str, str, list[str]]:
     if args.token_file:
         path = str(Path(args.token_file).resolve())
         return _read_token_file(args.token_file), f"--token-file {path}", ["--token-file", path]
