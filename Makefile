@@ -34,6 +34,7 @@ bench: setup
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf .venv .pytest_cache .hypothesis

@@ -60,9 +60,17 @@ def make_record(index: int) -> dict[str, Any]:
             "messages": [
                 {"role": "system", "content": "You are a helpful assistant with tools.", "name": None},
                 {"role": "user", "content": f"Task {index}: find the weather in city {index % 97} and summarize."},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": f"call_{index}", "type": "function",
-                                 "function": {"name": "get_weather", "arguments": '{"city": "x"}'}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": f"call_{index}",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "x"}'},
+                        }
+                    ],
+                },
                 {"role": "tool", "tool_call_id": f"call_{index}", "content": "sunny, 21 C, light wind"},
             ],
             "prompt_token_ids": [(index * 31 + i) % 151_000 for i in range(160)],
@@ -110,8 +118,10 @@ class BenchParticipant:
     def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[Any]) -> None:
         for restored in records:
             key = restored.replacement.capture_key
-            self.restored[key] = {**restored.record, "episode_id": {"rollout_id": restored.replacement.rollout_id,
-                                                                    "attempt": restored.replacement.attempt}}
+            self.restored[key] = {
+                **restored.record,
+                "episode_id": {"rollout_id": restored.replacement.rollout_id, "attempt": restored.replacement.attempt},
+            }
 
 
 def make_plane(participant: BenchParticipant) -> ControlPlane:
@@ -155,8 +165,12 @@ class Step:
         gc.callbacks.remove(self._collecting)
 
     def figures(self) -> dict[str, Any]:
-        return {"wall_s": round(self.wall, 4), "cpu_s": round(self.cpu, 4), "gc_s": round(self.gc, 4),
-                "cpu_us_per_record": round(self.cpu / max(1, self.records) * 1e6, 2)}
+        return {
+            "wall_s": round(self.wall, 4),
+            "cpu_s": round(self.cpu, 4),
+            "gc_s": round(self.gc, 4),
+            "cpu_us_per_record": round(self.cpu / max(1, self.records) * 1e6, 2),
+        }
 
     def top(self, count: int) -> str:
         assert self.profiler is not None
@@ -228,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                 steps[name] = step
     for name, step in steps.items():
         figures = step.figures()
-        print(f"{name:16s} {step.records:7d} records  wall {figures['wall_s']:7.3f} s  cpu {figures['cpu_s']:7.3f} s  "
-              f"{figures['cpu_us_per_record']:8.1f} us/record  (garbage collector {figures['gc_s']:.3f} s)")
+        print(
+            f"{name:16s} {step.records:7d} records  wall {figures['wall_s']:7.3f} s  cpu {figures['cpu_s']:7.3f} s  "
+            f"{figures['cpu_us_per_record']:8.1f} us/record  (garbage collector {figures['gc_s']:.3f} s)"
+        )
         if args.profile:
             print(step.top(args.top))
     per_step = {name: step.figures() for name, step in steps.items()}

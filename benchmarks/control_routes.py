@@ -54,8 +54,9 @@ SHAPES = {"agent": (8000, 8000), "environment": (8000, 8000), "model": (8000, 80
 
 async def _post(app: Any, route: str, body: dict[str, Any]) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {participants._TOKEN}", "content-type": "application/json"}
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://participant",
-                                 timeout=600) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://participant", timeout=600
+    ) as client:
         reply = await client.post(f"{CONTROL_PREFIX}/{route}", content=orjson.dumps(body), headers=headers)
     if reply.status_code != 200:
         raise RuntimeError(f"{route}: {reply.status_code} {reply.text[:300]}")
@@ -84,13 +85,18 @@ def _capture_rows(server: Any, plugin: Any, ids: list[Any]) -> None:
     for episode in ids:
         # Ids and digests as Gym makes them (uuid4 hex, sha256 hex), token ids of a real vocabulary's size.
         call_id = uuid.uuid4().hex
-        store.append(TokenEntry(
-            rollout_id=episode.capture_key, model_call_id=call_id,
-            prompt_token_ids=[random.randrange(150_000) for _ in range(120)],
-            generation_token_ids=[random.randrange(150_000) for _ in range(24)],
-            generation_log_probs=[-random.random() for _ in range(24)],
-            output_items=[{"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c"}],
-            continuation_context_len=3, continuation_context_digest=hashlib.sha256(call_id.encode()).hexdigest()))
+        store.append(
+            TokenEntry(
+                rollout_id=episode.capture_key,
+                model_call_id=call_id,
+                prompt_token_ids=[random.randrange(150_000) for _ in range(120)],
+                generation_token_ids=[random.randrange(150_000) for _ in range(24)],
+                generation_log_probs=[-random.random() for _ in range(24)],
+                output_items=[{"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c"}],
+                continuation_context_len=3,
+                continuation_context_digest=hashlib.sha256(call_id.encode()).hexdigest(),
+            )
+        )
         plugin.book.delivered(episode.capture_key, call_id)
 
 
@@ -101,8 +107,12 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
             server, plugin = servers.build(kind)
             app = servers.last_app
             ids = participants.episodes(episodes)
-            populate = {"agent": participants.populate_agent, "resources": participants.populate_resources,
-                        "environment": participants.populate_environment, "model": participants.populate_model}[kind]
+            populate = {
+                "agent": participants.populate_agent,
+                "resources": participants.populate_resources,
+                "environment": participants.populate_environment,
+                "model": participants.populate_model,
+            }[kind]
             done = populate(server, plugin, ids)
             if inspect.isawaitable(done):
                 await done
@@ -117,24 +127,50 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
 
             await _post(app, "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()})
             profiles = {route: cProfile.Profile() if top else None for route in ("commit", "restore")}
-            commit_s, commit_wall, committed = await _timed(app, "commit", {
-                "checkpoint_id": "c1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
-                "episode_ids": scope}, profiles["commit"])
+            commit_s, commit_wall, committed = await _timed(
+                app,
+                "commit",
+                {
+                    "checkpoint_id": "c1",
+                    "deadline_ts": deadline(),
+                    "checkpoint_dir": checkpoint_dir,
+                    "episode_ids": scope,
+                },
+                profiles["commit"],
+            )
             await _post(app, "resume", {"checkpoint_id": "c1", "deadline_ts": deadline()})
             servers.build(kind)  # a restarted process
-            restore_s, restore_wall, restored = await _timed(servers.last_app, "restore", {
-                "checkpoint_id": "r1", "deadline_ts": deadline(), "checkpoint_dir": checkpoint_dir,
-                "episode_ids": scope}, profiles["restore"])
+            restore_s, restore_wall, restored = await _timed(
+                servers.last_app,
+                "restore",
+                {
+                    "checkpoint_id": "r1",
+                    "deadline_ts": deadline(),
+                    "checkpoint_dir": checkpoint_dir,
+                    "episode_ids": scope,
+                },
+                profiles["restore"],
+            )
             for route, profile in profiles.items():
                 if profile is not None:
                     out = io.StringIO()
                     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
-                    print(f"--- cProfile {kind} {route} (event loop thread, by own time) ---\n{out.getvalue()}",
-                          file=sys.stderr, flush=True)
-            return {"episodes": episodes, "scope": len(scope), "commit_s": round(commit_s, 3),
-                    "restore_s": round(restore_s, 3), "commit_wall_s": round(commit_wall, 3),
-                    "restore_wall_s": round(restore_wall, 3), "exported": len(committed["episode_ids"]),
-                    "restored": len(restored["restored"]), "token_capture": capture and kind == "model"}
+                    print(
+                        f"--- cProfile {kind} {route} (event loop thread, by own time) ---\n{out.getvalue()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            return {
+                "episodes": episodes,
+                "scope": len(scope),
+                "commit_s": round(commit_s, 3),
+                "restore_s": round(restore_s, 3),
+                "commit_wall_s": round(commit_wall, 3),
+                "restore_wall_s": round(restore_wall, 3),
+                "exported": len(committed["episode_ids"]),
+                "restored": len(restored["restored"]),
+                "token_capture": capture and kind == "model",
+            }
         finally:
             await servers.aclose()
 
@@ -142,27 +178,41 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default=",".join(SHAPES))
-    parser.add_argument("--episodes", type=int, default=None,
-                        help="episodes held (default: the kind's share at 16,000)")
-    parser.add_argument("--others", type=int, default=None,
-                        help="scope ids held elsewhere (default: the other replica's 8,000; 0 for resources)")
-    parser.add_argument("--token-capture", action="store_true",
-                        help="Gym's token capture on: each model episode holds a captured row to export and install")
+    parser.add_argument(
+        "--episodes", type=int, default=None, help="episodes held (default: the kind's share at 16,000)"
+    )
+    parser.add_argument(
+        "--others",
+        type=int,
+        default=None,
+        help="scope ids held elsewhere (default: the other replica's 8,000; 0 for resources)",
+    )
+    parser.add_argument(
+        "--token-capture",
+        action="store_true",
+        help="Gym's token capture on: each model episode holds a captured row to export and install",
+    )
     parser.add_argument("--profile", action="store_true", help="print a cProfile top-N of each route")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     figures: dict[str, Any] = {}
-    print(f"{'kind':<12}{'episodes':>9}{'scope':>7}{'commit (CPU s)':>16}{'restore (CPU s)':>17}"
-          f"{'commit (wall s)':>17}{'restore (wall s)':>18}")
+    print(
+        f"{'kind':<12}{'episodes':>9}{'scope':>7}{'commit (CPU s)':>16}{'restore (CPU s)':>17}"
+        f"{'commit (wall s)':>17}{'restore (wall s)':>18}"
+    )
     for kind in args.kinds.split(","):
         if kind not in SHAPES:
             parser.error(f"unknown kind {kind!r}: one of {', '.join(SHAPES)}")
         episodes = args.episodes if args.episodes is not None else SHAPES[kind][0]
         others = args.others if args.others is not None else SHAPES[kind][1]
-        figures[kind] = run = asyncio.run(run_kind(kind, episodes, others, args.top if args.profile else None,
-                                                   args.token_capture))
-        print(f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}"
-              f"{run['commit_wall_s']:>17.3f}{run['restore_wall_s']:>18.3f}", flush=True)
+        figures[kind] = run = asyncio.run(
+            run_kind(kind, episodes, others, args.top if args.profile else None, args.token_capture)
+        )
+        print(
+            f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}"
+            f"{run['commit_wall_s']:>17.3f}{run['restore_wall_s']:>18.3f}",
+            flush=True,
+        )
     print(json.dumps(figures))
 
 

@@ -59,8 +59,11 @@ def expected_answer(words: int) -> dict[str, Any]:
     vocabulary = Vocabulary()
     text = " ".join([FINAL_ANSWER, *(f"word{i}" for i in range(words))])
     tokens = [vocabulary.token(word) for word in text.split()] + [END]
-    return {"text": text, "generation_token_ids": tokens,
-            "generation_log_probs": [logprob_at(p, t) for p, t in enumerate(tokens)]}
+    return {
+        "text": text,
+        "generation_token_ids": tokens,
+        "generation_log_probs": [logprob_at(p, t) for p, t in enumerate(tokens)],
+    }
 
 
 def answer_of(reply: dict[str, Any]) -> dict[str, Any] | None:
@@ -70,9 +73,11 @@ def answer_of(reply: dict[str, Any]) -> dict[str, Any] | None:
     if not messages:
         return None
     message = messages[-1]
-    return {"text": "".join(part.get("text", "") for part in message["content"]),
-            "generation_token_ids": message["generation_token_ids"],
-            "generation_log_probs": message["generation_log_probs"]}
+    return {
+        "text": "".join(part.get("text", "") for part in message["content"]),
+        "generation_token_ids": message["generation_token_ids"],
+        "generation_log_probs": message["generation_log_probs"],
+    }
 
 
 async def one_run(
@@ -81,9 +86,16 @@ async def one_run(
     model: dict[str, Any] = {"return_token_id_information": True}
     if cuts:
         model["checkpoint_generation_cuts"] = {"tool_call_parser": "hermes"}
-    deployment = Deployment(free_port_base(), work_dir, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-                            log_dir=work_dir / "logs", extra_env={TOKEN_ENV: TOKEN},
-                            checkpoint=DEFAULT_CHECKPOINT_BLOCK, model=model)
+    deployment = Deployment(
+        free_port_base(),
+        work_dir,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=work_dir / "logs",
+        extra_env={TOKEN_ENV: TOKEN},
+        checkpoint=DEFAULT_CHECKPOINT_BLOCK,
+        model=model,
+    )
     label = "cuts on" if cuts else "cuts off"
     say(f"{label}: starting the deployment in {work_dir}")
     deployment.start()
@@ -121,18 +133,24 @@ async def _crash_and_continue(
             scope = prepared.continued(ids)
             await commit(coordinator, "bench-cuts", str(deployment.work_dir / "ckpt"), scope, timeout=args.timeout)
         before = (await fake.generated())["generated"]
-        say(f"{label}: prepared in {prepare_seconds:.3f} s, {len(scope)} rollouts in scope, "
-            f"{sum(before.values())} tokens generated; SIGKILL of every Gym server")
+        say(
+            f"{label}: prepared in {prepare_seconds:.3f} s, {len(scope)} rollouts in scope, "
+            f"{sum(before.values())} tokens generated; SIGKILL of every Gym server"
+        )
         deployment.kill(only=GYM_SERVERS)
         await asyncio.gather(*first, return_exceptions=True)
-        await fake.wait_for(lambda s: s["generating"] == 0 and s["abandoned_total"] >= 1, args.timeout,
-                            "the backend to see the streams dropped")
+        await fake.wait_for(
+            lambda s: s["generating"] == 0 and s["abandoned_total"] >= 1,
+            args.timeout,
+            "the backend to see the streams dropped",
+        )
         await asyncio.to_thread(deployment.start)
         started = time.monotonic()
         coordinator = await discover(deployment.config, TOKEN)
         async with coordinator:
-            await restore(coordinator, "bench-cuts-restore", str(deployment.work_dir / "ckpt"), scope,
-                          timeout=args.timeout)
+            await restore(
+                coordinator, "bench-cuts-restore", str(deployment.work_dir / "ckpt"), scope, timeout=args.timeout
+            )
             await resume(coordinator, "bench-cuts-restore", timeout=args.timeout)
         restored = (await fake.generated())["generated"]
         replies = await asyncio.gather(*(run(r, w, 1) for r, w, _offset in plan))
@@ -142,20 +160,33 @@ async def _crash_and_continue(
     regenerated = sum(after.get(c, 0) - n for c, n in uninterrupted.items())
     identical = all(answer_of(reply) == expected_answer(w) for reply, (_r, w, _o) in zip(replies, plan, strict=True))
     cut_points = [before.get(c, 0) / n for c, n in uninterrupted.items()]
-    say(f"{label}: {regenerated} tokens generated again; all answers identical: {identical}; "
-        f"restore to all finished {finish_seconds:.1f} s")
-    return {"regenerated": regenerated, "uninterrupted": sum(uninterrupted.values()), "identical": identical,
-            "generated_before_crash": sum(before.values()),
-            "generated_after_restore": sum(after.values()) - sum(restored.values()),
-            "prepare_seconds": round(prepare_seconds, 4), "restore_to_finished_seconds": round(finish_seconds, 2),
-            "in_scope": len(scope), "cut_point_min": round(min(cut_points), 3),
-            "cut_point_max": round(max(cut_points), 3)}
+    say(
+        f"{label}: {regenerated} tokens generated again; all answers identical: {identical}; "
+        f"restore to all finished {finish_seconds:.1f} s"
+    )
+    return {
+        "regenerated": regenerated,
+        "uninterrupted": sum(uninterrupted.values()),
+        "identical": identical,
+        "generated_before_crash": sum(before.values()),
+        "generated_after_restore": sum(after.values()) - sum(restored.values()),
+        "prepare_seconds": round(prepare_seconds, 4),
+        "restore_to_finished_seconds": round(finish_seconds, 2),
+        "in_scope": len(scope),
+        "cut_point_min": round(min(cut_points), 3),
+        "cut_point_max": round(max(cut_points), 3),
+    }
 
 
 def _tool_call_tokens(conversation: str) -> int:
     """Tokens of the turn's first answer: the fake model's get_weather call (its Hermes block, the end token)."""
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
     return len(answer_for(Vocabulary(), [{"role": "user", "content": conversation}], [tool], conversation, 0))
 
 
@@ -175,8 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
-    plan = [(f"cut-{i:03d}", rng.randint(args.min_tokens, args.max_tokens) - _SENTENCE,
-             rng.uniform(0.0, args.stagger_seconds)) for i in range(args.rollouts)]
+    plan = [
+        (
+            f"cut-{i:03d}",
+            rng.randint(args.min_tokens, args.max_tokens) - _SENTENCE,
+            rng.uniform(0.0, args.stagger_seconds),
+        )
+        for i in range(args.rollouts)
+    ]
     figures: dict[str, Any] = {"benchmark": "generation_cuts", "rollouts": args.rollouts, "rate": args.rate}
     for cuts in (True, False):
         work_dir = Path(tempfile.mkdtemp(prefix="ng-generation-cuts-"))

@@ -106,8 +106,13 @@ async def run_bench(deployment: Deployment, rollouts: int, generation_seconds: f
             say(f"generations finished after {generation:.2f} s; {held} responses held at the model server")
             await fake.delay(0)
             started = time.monotonic()
-            committed = await commit(coordinator, "mid-turn-bench", str(deployment.work_dir / "ckpt"),
-                                     prepared.continued(ids), timeout=timeout)
+            committed = await commit(
+                coordinator,
+                "mid-turn-bench",
+                str(deployment.work_dir / "ckpt"),
+                prepared.continued(ids),
+                timeout=timeout,
+            )
             commit_seconds = time.monotonic() - started
             await resume(coordinator, "mid-turn-bench", timeout=timeout)
         replies = await asyncio.gather(*runs)

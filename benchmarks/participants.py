@@ -107,8 +107,12 @@ class Servers:
         control = getattr(app.state, ATTACHMENT_STATE).control
         self.controls.append(control)
         self.last_app = app
-        wanted = {"agent": SimpleAgentSessions, "resources": ResourcesSessions, "environment": EpisodeBook,
-                  "model": ModelCalls}[kind]
+        wanted = {
+            "agent": SimpleAgentSessions,
+            "resources": ResourcesSessions,
+            "environment": EpisodeBook,
+            "model": ModelCalls,
+        }[kind]
         (plugin,) = [p for p in control.pm.get_plugins() if isinstance(p, wanted)]
         return server, plugin
 
@@ -128,13 +132,28 @@ def _sha(text: str) -> str:
 def _model_answer(index: int) -> dict[str, Any]:
     """A first model answer of a tool-calling turn (what the journal keeps), about 1 KB."""
     return {
-        "id": f"resp-{index}", "object": "response", "created_at": 1764590000, "model": "fake-model",
-        "status": "completed", "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "id": f"resp-{index}",
+        "object": "response",
+        "created_at": 1764590000,
+        "model": "fake-model",
+        "status": "completed",
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
         "output": [
-            {"type": "reasoning", "id": f"rs-{index}",
-             "summary": [{"type": "summary_text", "text": "Look it up. " * 8}]},
-            {"type": "function_call", "id": f"fc-{index}", "call_id": f"call-{index}", "name": "get_weather",
-             "arguments": json.dumps({"city": f"city-{index}"}), "status": "completed"},
+            {
+                "type": "reasoning",
+                "id": f"rs-{index}",
+                "summary": [{"type": "summary_text", "text": "Look it up. " * 8}],
+            },
+            {
+                "type": "function_call",
+                "id": f"fc-{index}",
+                "call_id": f"call-{index}",
+                "name": "get_weather",
+                "arguments": json.dumps({"city": f"city-{index}"}),
+                "status": "completed",
+            },
         ],
         "usage": {"input_tokens": 120, "output_tokens": 40, "total_tokens": 160},
     }
@@ -146,14 +165,22 @@ async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None
 
     for episode in ids:
         session_id = f"agent-session-{episode.rollout_id}"
-        seed = AgentSeedSessionRequest.model_validate({
-            "agent_session_id": session_id,
-            "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-            "task_id": {"taskset": "scale", "task_id": episode.rollout_id},
-            "tool_accesses": [{"kind": "direct_http", "name": "example_single_tool_call", "required": True,
-                               "base_url": f"http://127.0.0.1:21003/ng-rollout/{episode.capture_key}",
-                               "cookies": {"session": f"cookie-{episode.rollout_id}"}}],
-        })
+        seed = AgentSeedSessionRequest.model_validate(
+            {
+                "agent_session_id": session_id,
+                "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                "task_id": {"taskset": "scale", "task_id": episode.rollout_id},
+                "tool_accesses": [
+                    {
+                        "kind": "direct_http",
+                        "name": "example_single_tool_call",
+                        "required": True,
+                        "base_url": f"http://127.0.0.1:21003/ng-rollout/{episode.capture_key}",
+                        "cookies": {"session": f"cookie-{episode.rollout_id}"},
+                    }
+                ],
+            }
+        )
         record = _AgentSessionRecord(episode_id=seed.episode_id)
         record.state = await server._seed_agent_session_state(seed.model_copy(deep=True))
         record.state.activations = 1
@@ -163,14 +190,24 @@ async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None
         if plugin.turns is not None:
             tool_body = json.dumps({"city": f"city-{episode.rollout_id}", "weather": "sunny, 21 C"}).encode()
             plugin.turns.turns[session_id] = Turn(
-                activation=1, request_sha256=_sha(f"turn-{session_id}"),
-                cookies_before={"session": f"cookie-{episode.rollout_id}"}, observations_before=None,
+                activation=1,
+                request_sha256=_sha(f"turn-{session_id}"),
+                cookies_before={"session": f"cookie-{episode.rollout_id}"},
+                observations_before=None,
                 calls=[
-                    {"call": "model", "sha256": _sha(f"model-{session_id}"),
-                     "body": base64.b64encode(json.dumps(_model_answer(len(ids))).encode()).decode(),
-                     "cookies": {}},
-                    {"call": "tool", "sha256": _sha(f"tool-{session_id}"), "status": 200,
-                     "body": base64.b64encode(tool_body).decode(), "cookies": {"session": "next"}},
+                    {
+                        "call": "model",
+                        "sha256": _sha(f"model-{session_id}"),
+                        "body": base64.b64encode(json.dumps(_model_answer(len(ids))).encode()).decode(),
+                        "cookies": {},
+                    },
+                    {
+                        "call": "tool",
+                        "sha256": _sha(f"tool-{session_id}"),
+                        "status": 200,
+                        "body": base64.b64encode(tool_body).decode(),
+                        "cookies": {"session": "next"},
+                    },
                 ],
             )
 
@@ -180,7 +217,9 @@ def populate_resources(server: Any, plugin: Any, ids: list[EpisodeId]) -> None:
 
     for episode in ids:
         server._session_episodes[f"resources-session-{episode.rollout_id}"] = (
-            episode, TaskId(taskset="scale", task_id=episode.rollout_id))
+            episode,
+            TaskId(taskset="scale", task_id=episode.rollout_id),
+        )
 
 
 def populate_environment(server: Any, book: Any, ids: list[EpisodeId]) -> None:
@@ -247,8 +286,12 @@ async def run_kind(kind: str, count: int, directory: Path, profile: cProfile.Pro
     try:
         ids = episodes(count)
         server, plugin = servers.build(kind)
-        populate = {"agent": populate_agent, "resources": populate_resources, "environment": populate_environment,
-                    "model": populate_model}[kind]
+        populate = {
+            "agent": populate_agent,
+            "resources": populate_resources,
+            "environment": populate_environment,
+            "model": populate_model,
+        }[kind]
         done = populate(server, plugin, ids)
         if inspect.isawaitable(done):
             await done
@@ -308,8 +351,11 @@ def main() -> None:
         cells = "".join(f"{seconds[h]:>9.3f} {seconds[h] / args.episodes * 1e6:>7.1f}" for h in HOOKS)
         print(f"{kind:<12}{records:>8}{cells}", flush=True)
         figures["gc"] = args.gc
-        figures["kinds"][kind] = {"records": records, **{h: round(seconds[h], 4) for h in HOOKS},
-                                  "us_per_episode": {h: round(seconds[h] / args.episodes * 1e6, 1) for h in HOOKS}}
+        figures["kinds"][kind] = {
+            "records": records,
+            **{h: round(seconds[h], 4) for h in HOOKS},
+            "us_per_episode": {h: round(seconds[h] / args.episodes * 1e6, 1) for h in HOOKS},
+        }
         if profile is not None:
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)

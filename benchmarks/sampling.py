@@ -32,9 +32,22 @@ def sampled(pids: dict[str, int], out_dir: Path, phase: str, rate: int = 1000) -
     out_dir.mkdir(parents=True, exist_ok=True)
     recorders = {
         name: subprocess.Popen(
-            [py_spy(), "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--nonblocking",
-             "--function", "--output", str(out_dir / f"{phase}-{name}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                py_spy(),
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                str(rate),
+                "--format",
+                "raw",
+                "--nonblocking",
+                "--function",
+                "--output",
+                str(out_dir / f"{phase}-{name}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for name, pid in pids.items()
     }

@@ -144,8 +144,9 @@ class KindTimes:
         self.by_server[progress.operation][progress.participant.name] = round(progress.elapsed, 4)
 
 
-def plan(rollouts: int, replicas: int | None, max_in_flight: int | None, per_process: int,
-         fd_limit: int) -> tuple[int, int]:
+def plan(
+    rollouts: int, replicas: int | None, max_in_flight: int | None, per_process: int, fd_limit: int
+) -> tuple[int, int]:
     """``(replicas, max in flight in all)`` for N rollouts; ``ValueError`` when a process would pass its fd limit.
 
     Each chain's processes hold two descriptors per rollout in flight through it, so one chain
@@ -191,10 +192,18 @@ def cleanup_timeouts(log_dir: Path, env_names: list[str]) -> int:
     return count
 
 
-async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: float, keep: bool,
-                   profile: Path | None = None, replicas: int = 1,
-                   window: int = DEFAULT_DISPATCH_WINDOW, profile_rate: int = PROFILE_RATE,
-                   token_capture: bool = False) -> dict[str, Any]:
+async def run_once(
+    rollouts: int,
+    max_in_flight: int,
+    step_mode: str,
+    timeout: float,
+    keep: bool,
+    profile: Path | None = None,
+    replicas: int = 1,
+    window: int = DEFAULT_DISPATCH_WINDOW,
+    profile_rate: int = PROFILE_RATE,
+    token_capture: bool = False,
+) -> dict[str, Any]:
     if profile is not None:
         profile = profile / (f"{rollouts}-capture" if token_capture else str(rollouts))
     work = Path(tempfile.mkdtemp(prefix=f"ng-scale-{rollouts}-"))
@@ -205,10 +214,16 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
         # Gym's run-wide capture directory, written by every model replica; the trainer's rebuild reads it.
         gym_settings["token_id_capture"] = {"enabled": True, "all_agents": True, "dir": str(captures)}
     deployment = Deployment(
-        free_port_base(port_span(replicas)), work, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=work / "logs", extra_env={TOKEN_ENV: token},
-        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}, gym_settings=gym_settings,
-        replicas=replicas, environment=ENVIRONMENT_SETTINGS,
+        free_port_base(port_span(replicas)),
+        work,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=work / "logs",
+        extra_env={TOKEN_ENV: token},
+        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode},
+        gym_settings=gym_settings,
+        replicas=replicas,
+        environment=ENVIRONMENT_SETTINGS,
         model={"return_token_id_information": True} if token_capture else None,
     )
     _LIVE.append(deployment)
@@ -216,9 +231,14 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
     checkpoint_dir = work / "checkpoint"
     times = KindTimes()
     cpu: dict[str, dict[str, float]] = {"commit": {}, "restore": {}}
-    result: dict[str, Any] = {"rollouts": rollouts, "step_mode": step_mode, "replicas": replicas,
-                              "max_in_flight": max_in_flight, "dispatch_window": window,
-                              "token_capture": token_capture}
+    result: dict[str, Any] = {
+        "rollouts": rollouts,
+        "step_mode": step_mode,
+        "replicas": replicas,
+        "max_in_flight": max_in_flight,
+        "dispatch_window": window,
+        "token_capture": token_capture,
+    }
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
     overflows_before = listen_overflows()
     net_before = net_counters()
@@ -254,8 +274,9 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 first: list[asyncio.Future[Any]] = []
                 in_flight = min(rollouts, max_in_flight)
                 with _phase(deployment, profile, "dispatch", rate=100):
-                    await _dispatch(ids, lambda r: asyncio.ensure_future(run(r, 0)), first, counts, in_flight,
-                                    window, timeout)
+                    await _dispatch(
+                        ids, lambda r: asyncio.ensure_future(run(r, 0)), first, counts, in_flight, window, timeout
+                    )
                 early = [t.result() for t in first if t.done() and not t.cancelled() and t.exception() is None]
                 result["dispatch_failures"] = sum(1 for body in early if body.get("failure") is not None)
                 result["dispatch_s"] = round(time.monotonic() - started, 3)
@@ -280,8 +301,10 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     result["exported"] = sum(len(committed.replies[name]["episode_ids"]) for name in env_names)
                 result["bytes_written"] = bytes_under(checkpoint_dir)
                 result["peak_rss_mb"] = peak_rss_mb(_pids(deployment))
-                _say(f"[{rollouts}] prepare {result['prepare_s']}s, commit {result['commit_s']}s, "
-                     f"{result['exported']} episodes exported, {result['bytes_written']} bytes")
+                _say(
+                    f"[{rollouts}] prepare {result['prepare_s']}s, commit {result['commit_s']}s, "
+                    f"{result['exported']} episodes exported, {result['bytes_written']} bytes"
+                )
 
                 deployment.kill()
                 await asyncio.gather(*first, return_exceptions=True)
@@ -291,12 +314,16 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 async with coordinator, _async(_phase(deployment, profile, "restore", profile_rate)):
                     t0 = time.monotonic()
                     with cpu_used(_pids(deployment), cpu["restore"]):
-                        restored = await restore(coordinator, "scale-restore", str(checkpoint_dir), scope,
-                                                 timeout=timeout)
+                        restored = await restore(
+                            coordinator, "scale-restore", str(checkpoint_dir), scope, timeout=timeout
+                        )
                     result["restore_s"] = round(time.monotonic() - t0, 4)
                     await resume(coordinator, "scale-restore", timeout=timeout)
-                    back = {key.rsplit("-a", 1)[0] for name in env_names
-                            for key in restored.replies[name].get("restored") or []}
+                    back = {
+                        key.rsplit("-a", 1)[0]
+                        for name in env_names
+                        for key in restored.replies[name].get("restored") or []
+                    }
                     result["restored"] = len(back)
                     others = [{"rollout_id": r, "attempt": 0} for r in ids if r not in back]
                     if others:
@@ -319,7 +346,8 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                 failed = [r for r in replies if isinstance(r, BaseException) or r.get("failure") is not None]
                 result["replacement_failures"] = len(failed)
                 result["finished"] = sum(
-                    1 for r in replies
+                    1
+                    for r in replies
                     if not isinstance(r, BaseException) and (r.get("result") or {}).get("reward") == 1.0
                 )
                 if failed:
@@ -327,8 +355,10 @@ async def run_once(rollouts: int, max_in_flight: int, step_mode: str, timeout: f
                     # Gym answers a failed episode with 200 and its failure (stage, reason): counted by reason.
                     result["failure_reasons"] = dict(Counter(_reason(r) for r in failed).most_common(10))
                 result["peak_rss_mb_replacements"] = peak_rss_mb(_pids(deployment))
-                _say(f"[{rollouts}] replacements: {result['finished']} finished, {len(failed)} failed, "
-                     f"{result['cleanup_timeouts']} cleanup timeouts, network losses {net['replacements']}")
+                _say(
+                    f"[{rollouts}] replacements: {result['finished']} finished, {len(failed)} failed, "
+                    f"{result['cleanup_timeouts']} cleanup timeouts, network losses {net['replacements']}"
+                )
                 if token_capture:
                     result["capture"] = await asyncio.to_thread(rebuilt, captures, [f"{r}-a1" for r in ids])
                     _say(f"[{rollouts}] Gym's rebuild of every continued rollout: {result['capture']}")
@@ -374,8 +404,7 @@ def rebuilt(captures: Path, keys: list[str]) -> dict[str, Any]:
             masked.append(key)
         if (built.get("metrics") or {}).get("n_calls") != _CALLS_PER_TURN:
             wrong.append(key)
-    return {"rebuilt": len(keys), "masked": len(masked), "n_calls_wrong": len(wrong),
-            "first_bad": (masked + wrong)[:3]}
+    return {"rebuilt": len(keys), "masked": len(masked), "n_calls_wrong": len(wrong), "first_bad": (masked + wrong)[:3]}
 
 
 def _reason(reply: Any) -> str:
@@ -392,8 +421,9 @@ async def _async(manager: Any) -> Any:
         yield
 
 
-async def _dispatch(ids: list[str], start: Any, started: list[asyncio.Future[Any]], counts: Any, target: int,
-                    window: int, stall: float) -> None:
+async def _dispatch(
+    ids: list[str], start: Any, started: list[asyncio.Future[Any]], counts: Any, target: int, window: int, stall: float
+) -> None:
     """Start rollouts so that at most ``window`` are on their way to the held call at once, until ``target`` are held.
 
     Thousands of ``/run`` calls started in one instant arrive as thousands of connects at one listen
@@ -409,7 +439,7 @@ async def _dispatch(ids: list[str], start: Any, started: list[asyncio.Future[Any
         if held >= target or (len(started) == len(ids) and held + ended >= len(ids)):
             return
         room = min(held + ended + window - len(started), len(ids) - len(started))
-        started.extend(start(rollout_id) for rollout_id in ids[len(started):len(started) + max(room, 0)])
+        started.extend(start(rollout_id) for rollout_id in ids[len(started) : len(started) + max(room, 0)])
         if held + ended > best:
             progress_at, best = time.monotonic(), held + ended
         elif time.monotonic() - progress_at > stall:
@@ -433,31 +463,58 @@ def _stop_on_signal(signum: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollouts", type=int, nargs="+", default=[1000], help="N per run (default 1000)")
-    parser.add_argument("--replicas", type=int, default=None,
-                        help="environment -> agent -> model chains, rollouts dispatched round-robin over them "
-                             "(default ceil(N / --max-in-flight-per-process))")
-    parser.add_argument("--max-in-flight", type=int, default=None,
-                        help="most /run calls open at once over all replicas (default: every rollout the "
-                             "replicas can hold, N at most)")
-    parser.add_argument("--max-in-flight-per-process", type=int, default=DEFAULT_MAX_IN_FLIGHT_PER_PROCESS,
-                        help="most rollouts one replica chain holds: two descriptors each in its servers "
-                             f"(default {DEFAULT_MAX_IN_FLIGHT_PER_PROCESS}, for a limit of 20,000)")
-    parser.add_argument("--dispatch-window", type=int, default=DEFAULT_DISPATCH_WINDOW,
-                        help="most rollouts started and not yet held at once, and most replacement /run calls "
-                             f"open at once (default {DEFAULT_DISPATCH_WINDOW})")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="environment -> agent -> model chains, rollouts dispatched round-robin over them "
+        "(default ceil(N / --max-in-flight-per-process))",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="most /run calls open at once over all replicas (default: every rollout the replicas can hold, N at most)",
+    )
+    parser.add_argument(
+        "--max-in-flight-per-process",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT_PER_PROCESS,
+        help="most rollouts one replica chain holds: two descriptors each in its servers "
+        f"(default {DEFAULT_MAX_IN_FLIGHT_PER_PROCESS}, for a limit of 20,000)",
+    )
+    parser.add_argument(
+        "--dispatch-window",
+        type=int,
+        default=DEFAULT_DISPATCH_WINDOW,
+        help="most rollouts started and not yet held at once, and most replacement /run calls "
+        f"open at once (default {DEFAULT_DISPATCH_WINDOW})",
+    )
     parser.add_argument("--step-mode", choices=("wait", "replay"), default="replay")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs, checkpoint)")
-    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="sample every server with py-spy during dispatch, checkpoint and restore; "
-                             "collapsed stacks and summaries under DIR/<N>/")
-    parser.add_argument("--token-capture", action="store_true",
-                        help="run each N twice, token capture off then on (Gym's token_id_capture, its run-wide "
-                             "directory shared by the model replicas): the restore figures side by side, and "
-                             "Gym's rebuild of every continued rollout checked")
-    parser.add_argument("--profile-rate", type=int, default=PROFILE_RATE,
-                        help=f"py-spy samples per second per server in checkpoint and restore (default {PROFILE_RATE}; "
-                             "on 2 cores, a lower rate disturbs the timed figures less)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="sample every server with py-spy during dispatch, checkpoint and restore; "
+        "collapsed stacks and summaries under DIR/<N>/",
+    )
+    parser.add_argument(
+        "--token-capture",
+        action="store_true",
+        help="run each N twice, token capture off then on (Gym's token_id_capture, its run-wide "
+        "directory shared by the model replicas): the restore figures side by side, and "
+        "Gym's rebuild of every continued rollout checked",
+    )
+    parser.add_argument(
+        "--profile-rate",
+        type=int,
+        default=PROFILE_RATE,
+        help=f"py-spy samples per second per server in checkpoint and restore (default {PROFILE_RATE}; "
+        "on 2 cores, a lower rate disturbs the timed figures less)",
+    )
     args = parser.parse_args(argv)
     if args.profile_rate < 1:
         parser.error("--profile-rate must be at least 1")
@@ -476,15 +533,33 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.rollouts:
         replicas, max_in_flight = plans[n]
         for capture in (False, True) if args.token_capture else (False,):
-            _say(f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
-                 f"(file descriptor limit {fd_limit} per process), token capture {'on' if capture else 'off'}")
-            run = asyncio.run(run_once(n, max_in_flight, args.step_mode, args.timeout, args.keep, args.profile,
-                                       replicas, args.dispatch_window, args.profile_rate, capture))
+            _say(
+                f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
+                f"(file descriptor limit {fd_limit} per process), token capture {'on' if capture else 'off'}"
+            )
+            run = asyncio.run(
+                run_once(
+                    n,
+                    max_in_flight,
+                    args.step_mode,
+                    args.timeout,
+                    args.keep,
+                    args.profile,
+                    replicas,
+                    args.dispatch_window,
+                    args.profile_rate,
+                    capture,
+                )
+            )
             runs.append(run)
             print(json.dumps(run), flush=True)
     print(json.dumps({"runs": runs}))
-    good = all(r["replacement_failures"] == 0 and not (r.get("capture") or {}).get("masked")
-               and not (r.get("capture") or {}).get("n_calls_wrong") for r in runs)
+    good = all(
+        r["replacement_failures"] == 0
+        and not (r.get("capture") or {}).get("masked")
+        and not (r.get("capture") or {}).get("n_calls_wrong")
+        for r in runs
+    )
     return 0 if good else 1
 
 

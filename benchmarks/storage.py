@@ -109,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         # no dirty pages left by the previous (os.sync, untimed): the kernel throttles writers once
         # too much unwritten data piles up, which would charge one run for another's writes.
         for _ in range(args.repeat):
-            for name, fn in (("commit_s", commit), ("floor_commit_s", floor_commit),
-                             ("floor_commit_durable_s", floor_commit_durable),
-                             ("restore_s", restore), ("floor_restore_s", floor_restore)):
+            for name, fn in (
+                ("commit_s", commit),
+                ("floor_commit_s", floor_commit),
+                ("floor_commit_durable_s", floor_commit_durable),
+                ("restore_s", restore),
+                ("floor_restore_s", floor_restore),
+            ):
                 for old in root.glob("ckpt-*"):
                     if old.name != "ckpt-1":
                         shutil.rmtree(old)
@@ -122,12 +126,18 @@ def main(argv: list[str] | None = None) -> int:
 
     record_bytes = len(orjson.dumps(records[0])) + 1
     print(f"{args.records} records of {record_bytes} bytes ({args.records * record_bytes / 1e6:.0f} MB)")
-    print(f"commit  {figures['commit_s']:.3f} s   floor {figures['floor_commit_s']:.3f} s   "
-          f"ratio {figures['commit_s'] / figures['floor_commit_s']:.2f}x")
-    print(f"        durable floor (floor + fsync) {figures['floor_commit_durable_s']:.3f} s   "
-          f"ratio {figures['commit_s'] / figures['floor_commit_durable_s']:.2f}x")
-    print(f"restore {figures['restore_s']:.3f} s   floor {figures['floor_restore_s']:.3f} s   "
-          f"ratio {figures['restore_s'] / figures['floor_restore_s']:.2f}x")
+    print(
+        f"commit  {figures['commit_s']:.3f} s   floor {figures['floor_commit_s']:.3f} s   "
+        f"ratio {figures['commit_s'] / figures['floor_commit_s']:.2f}x"
+    )
+    print(
+        f"        durable floor (floor + fsync) {figures['floor_commit_durable_s']:.3f} s   "
+        f"ratio {figures['commit_s'] / figures['floor_commit_durable_s']:.2f}x"
+    )
+    print(
+        f"restore {figures['restore_s']:.3f} s   floor {figures['floor_restore_s']:.3f} s   "
+        f"ratio {figures['restore_s'] / figures['floor_restore_s']:.2f}x"
+    )
     order = ("commit_s", "restore_s", "floor_commit_s", "floor_restore_s")
     summary = {"records": args.records, "record_bytes": record_bytes, **{k: round(figures[k], 4) for k in order}}
     print(orjson.dumps(summary).decode(), flush=True)

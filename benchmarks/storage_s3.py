@@ -48,17 +48,27 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             LocalS3Server.restore(saved)
     record_bytes = len(orjson.dumps(records[0])) + 1
-    print(f"{args.records} records of {record_bytes} bytes ({args.records * record_bytes / 1e6:.0f} MB), "
-          f"S3 server: moto on 127.0.0.1")
-    print(f"commit  {figures['commit_s']:.3f} s   floor (encode + sha256 + PUT) {figures['floor_commit_s']:.3f} s   "
-          f"ratio {figures['commit_s'] / figures['floor_commit_s']:.2f}x")
+    print(
+        f"{args.records} records of {record_bytes} bytes ({args.records * record_bytes / 1e6:.0f} MB), "
+        f"S3 server: moto on 127.0.0.1"
+    )
+    print(
+        f"commit  {figures['commit_s']:.3f} s   floor (encode + sha256 + PUT) {figures['floor_commit_s']:.3f} s   "
+        f"ratio {figures['commit_s'] / figures['floor_commit_s']:.2f}x"
+    )
     print(f"        the PUT alone {figures['put_s']:.3f} s")
-    print(f"restore {figures['restore_s']:.3f} s   floor (GET + sha256 + decode) {figures['floor_restore_s']:.3f} s   "
-          f"ratio {figures['restore_s'] / figures['floor_restore_s']:.2f}x")
+    print(
+        f"restore {figures['restore_s']:.3f} s   floor (GET + sha256 + decode) {figures['floor_restore_s']:.3f} s   "
+        f"ratio {figures['restore_s'] / figures['floor_restore_s']:.2f}x"
+    )
     print(f"        the GET alone {figures['get_s']:.3f} s")
     order = ("commit_s", "restore_s", "floor_commit_s", "floor_restore_s")
-    summary = {"records": args.records, "record_bytes": record_bytes, "store": "moto-s3",
-               **{k: round(figures[k], 4) for k in order}}
+    summary = {
+        "records": args.records,
+        "record_bytes": record_bytes,
+        "store": "moto-s3",
+        **{k: round(figures[k], 4) for k in order},
+    }
     print(orjson.dumps(summary).decode(), flush=True)
     return 0
 
@@ -81,15 +91,17 @@ def _measure(server: LocalS3Server, records: list[dict], repeat: int) -> dict[st
             sha.update(line)
             lines.append(line)
         sha.hexdigest()
-        fs.pipe_file(floor_key, b"".join(lines), chunksize=objstore_put.UPLOAD_PART,
-                     max_concurrency=objstore_put.UPLOAD_PARALLEL)
+        fs.pipe_file(
+            floor_key, b"".join(lines), chunksize=objstore_put.UPLOAD_PART, max_concurrency=objstore_put.UPLOAD_PARALLEL
+        )
 
     encoded = b"".join(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE) for record in records)
 
     def put_only() -> None:
         # Context only (not in the JSON): the transfer alone, what the store itself costs for these bytes.
-        fs.pipe_file(floor_key, encoded, chunksize=objstore_put.UPLOAD_PART,
-                     max_concurrency=objstore_put.UPLOAD_PARALLEL)
+        fs.pipe_file(
+            floor_key, encoded, chunksize=objstore_put.UPLOAD_PART, max_concurrency=objstore_put.UPLOAD_PARALLEL
+        )
 
     def get_only() -> None:
         fs.cat_file(floor_key)
@@ -107,8 +119,14 @@ def _measure(server: LocalS3Server, records: list[dict], repeat: int) -> dict[st
     figures: dict[str, float] = {}
     # Alternate measure and floor so both see the same machine state.
     for _ in range(repeat):
-        for name, fn in (("commit_s", commit), ("floor_commit_s", floor_commit), ("put_s", put_only),
-                         ("restore_s", restore), ("floor_restore_s", floor_restore), ("get_s", get_only)):
+        for name, fn in (
+            ("commit_s", commit),
+            ("floor_commit_s", floor_commit),
+            ("put_s", put_only),
+            ("restore_s", restore),
+            ("floor_restore_s", floor_restore),
+            ("get_s", get_only),
+        ):
             started = time.perf_counter()
             fn()
             figures[name] = min(figures.get(name, float("inf")), time.perf_counter() - started)

@@ -92,11 +92,17 @@ def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> li
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
         name = getattr(getattr(server, "config", None), "name", None) or type(server).__name__
-        return [UncapturedRuns(kind, restart_warning=(
-            f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
-            "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
-            "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
-            "episode state in a plugin (docs/plugins.md)."))]
+        return [
+            UncapturedRuns(
+                kind,
+                restart_warning=(
+                    f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
+                    "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
+                    "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
+                    "episode state in a plugin (docs/plugins.md)."
+                ),
+            )
+        ]
     if kind == "agent":
         from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
         from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns

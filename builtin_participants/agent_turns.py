@@ -114,8 +114,14 @@ class Turn:
                         continue
             _refuse_call(index, call)
         # The decoded calls themselves: a restore's records are read once, by this install.
-        return cls(activation, digest, {str(k): str(v) for k, v in cookies.items()},
-                   raw.get("observations_before"), list(calls), restored=True)
+        return cls(
+            activation,
+            digest,
+            {str(k): str(v) for k, v in cookies.items()},
+            raw.get("observations_before"),
+            list(calls),
+            restored=True,
+        )
 
 
 def _refuse_call(index: int, call: Any) -> None:
@@ -300,8 +306,12 @@ class TurnRun:
         with self.book.busy(self.key):
             body = await response.read()  # cached by aiohttp: the agent's own read gets the same bytes
             self._record(
-                {"call": "model", "sha256": digest, "body": base64.b64encode(body).decode(),
-                 "cookies": _cookie_values(response.cookies)}
+                {
+                    "call": "model",
+                    "sha256": digest,
+                    "body": base64.b64encode(body).decode(),
+                    "cookies": _cookie_values(response.cookies),
+                }
             )
         await self.book.park()
         return response
@@ -315,8 +325,13 @@ class TurnRun:
         with self.book.busy(self.key):  # a tool has effects: the checkpoint waits for it to be recorded
             response = await send()
             body = await response.content.read()
-            entry = {"call": "tool", "sha256": digest, "status": int(response.status),
-                     "body": base64.b64encode(body).decode(), "cookies": _cookie_values(response.cookies)}
+            entry = {
+                "call": "tool",
+                "sha256": digest,
+                "status": int(response.status),
+                "body": base64.b64encode(body).decode(),
+                "cookies": _cookie_values(response.cookies),
+            }
             self._record(entry)
         await self.book.park()
         return Recorded.of(entry)

@@ -179,8 +179,11 @@ class CaptureBook:
         """
         if not self.owned and not self.restored:
             return []  # a fresh server (a restore retires the checkpointed attempts first): nothing to forget
-        named = [episode_id(rollout, attempt)
-                 for rollout, last in RetiredBy(episode_ids).limits.items() for attempt in range(last + 1)]
+        named = [
+            episode_id(rollout, attempt)
+            for rollout, last in RetiredBy(episode_ids).limits.items()
+            for attempt in range(last + 1)
+        ]
         for episode in named:
             self.owned.pop(episode.capture_key, None)
         return [episode for episode in named if episode.capture_key in self.restored]

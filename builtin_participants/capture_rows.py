@@ -53,9 +53,7 @@ class _Family:
         digest = row.get(self._digest)
         return (row.get(self._len), digest) if isinstance(digest, str) and digest else None
 
-    def superseded(
-        self, key: str, call_id: str | None, rows: list[dict[str, Any]]
-    ) -> tuple[set[str], bool]:
+    def superseded(self, key: str, call_id: str | None, rows: list[dict[str, Any]]) -> tuple[set[str], bool]:
         """``(model call ids to drop, whether restored rows are left unconfirmed)``."""
         restored = {row.get("model_call_id"): row for row in rows if self.restored(key, row)}
         if not restored:
@@ -70,7 +68,8 @@ class _Family:
         answered = next((row for row in live if row.get("model_call_id") == call_id), None)
         context = self.context(answered) if answered is not None else None
         victims = {
-            row_id for row_id, row in restored.items()
+            row_id
+            for row_id, row in restored.items()
             if context is not None and row_id not in confirmed and self.context(row) == context
         }
         if victims:

@@ -114,8 +114,9 @@ class CutBook:
         cut = self._claim(key, generation, asked) if key in self.restored else None
         if cut is not None:
             try:
-                answer = await continue_chat(client, body, cut, generation, reasoning=self.reasoning,
-                                             tool_parser=self.settings.tool_call_parser)
+                answer = await continue_chat(
+                    client, body, cut, generation, reasoning=self.reasoning, tool_parser=self.settings.tool_call_parser
+                )
             except ContinuationFailed as exc:
                 self.continuation_failed_total += 1
                 logger.warning("generation cuts: could not continue the cut of %s (%s); generating it again", key, exc)
@@ -146,15 +147,17 @@ class CutBook:
         fields = [f for f in unknown_fields(body) if f not in self._warned_fields]
         if fields:
             self._warned_fields.update(fields)
-            logger.warning("generation cuts: calls with the request fields %s are never cut (unknown to the cuts)",
-                           fields)
+            logger.warning(
+                "generation cuts: calls with the request fields %s are never cut (unknown to the cuts)", fields
+            )
 
     # -- checkpoints -------------------------------------------------------------------------------
 
     def cuttable(self, calls: Iterable[ModelCall]) -> list[str]:
         """Keys of ``calls`` generating a cuttable generation here now."""
-        return sorted({c.key for c in calls if c.key is not None and c.generation is not None
-                       and c.generation.cuttable})
+        return sorted(
+            {c.key for c in calls if c.key is not None and c.generation is not None and c.generation.cuttable}
+        )
 
     def snapshot(self, calls: Iterable[ModelCall], scope: frozenset[str] | None) -> dict[str, Any]:
         """``{capture key: cut source}`` of the episodes in ``scope`` (None: all): live generations, restored cuts.
@@ -217,9 +220,14 @@ class CutBook:
             "continuation_failed_total": self.continuation_failed_total,
             "exported_total": self.exported_total,
             "never_cut_total": dict(self.never_cut),
-            "freeze_worker": None if freeze is None else {
-                "workers": dict(freeze.supported), "frozen": freeze.frozen, "last_seconds": freeze.last_seconds,
-                "timeouts_total": freeze.timeouts_total, "failures_total": freeze.failures_total,
+            "freeze_worker": None
+            if freeze is None
+            else {
+                "workers": dict(freeze.supported),
+                "frozen": freeze.frozen,
+                "last_seconds": freeze.last_seconds,
+                "timeouts_total": freeze.timeouts_total,
+                "failures_total": freeze.failures_total,
             },
         }
 

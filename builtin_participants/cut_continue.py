@@ -60,8 +60,12 @@ def seed_generation(generation: Generation, cut: Mapping[str, Any]) -> None:
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
     # vLLM's own conversion of a sampled token for the chat API (the top alternatives: none, top_logprobs 0).
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace")),
-            "top_logprobs": []}
+    return {
+        "token": token,
+        "logprob": logprob,
+        "bytes": list(token.encode("utf-8", errors="replace")),
+        "top_logprobs": [],
+    }
 
 
 def _limit(body: Mapping[str, Any]) -> int | None:
@@ -89,7 +93,12 @@ async def _detokenize(client: Any, model: Any, tokens: list[int]) -> str:
 
 
 async def continue_chat(
-    client: Any, body: Mapping[str, Any], cut: Mapping[str, Any], generation: Generation, *, reasoning: bool,
+    client: Any,
+    body: Mapping[str, Any],
+    cut: Mapping[str, Any],
+    generation: Generation,
+    *,
+    reasoning: bool,
     tool_parser: str | None,
 ) -> dict[str, Any]:
     """The whole answer to ``body`` from ``cut``'s prefix and the worker's remainder (see the module docstring)."""
@@ -102,7 +111,10 @@ async def continue_chat(
         **{k: v for k, v in cut["sampling"].items() if k not in _OWN},
         "model": body.get("model"),
         "prompt": generation.prompt_token_ids + generation.token_ids,
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, "logprobs": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        "logprobs": 0,
     }
     if remaining is not None:
         request["max_tokens"] = remaining
@@ -122,8 +134,13 @@ async def continue_chat(
         raise ContinuationFailed("the worker's stream ended before the generation finished")
     tools = bool(body.get("tools")) and body.get("tool_choice") != "none" and tool_parser is not None
     known_ids = [call.get("id") for call in cut.get("tool_calls") or () if isinstance(call.get("id"), str)]
-    message = parse_message(prefix + "".join(text), reasoning=reasoning, tools=tools,
-                            reasoning_field=generation.reasoning_field, known_ids=known_ids)
+    message = parse_message(
+        prefix + "".join(text),
+        reasoning=reasoning,
+        tools=tools,
+        reasoning_field=generation.reasoning_field,
+        known_ids=known_ids,
+    )
     # The parsed message becomes the generation's before it says finished: a cut of it then holds the answer.
     generation.content = [message.get("content") or ""]
     generation.reasoning = [message[generation.reasoning_field]] if message.get(generation.reasoning_field) else []

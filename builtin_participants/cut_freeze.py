@@ -80,8 +80,11 @@ class WorkerFreeze:
                 await asyncio.gather(*(self._pause(root, client) for root, client in self._clients.items()))
         except TimeoutError:
             self.timeouts_total += 1
-            logger.warning("generation cuts: freezing the workers took longer than %.2fs (this prepare's share of its "
-                           "deadline); the cuts are taken where the streams stand", budget)
+            logger.warning(
+                "generation cuts: freezing the workers took longer than %.2fs (this prepare's share of its "
+                "deadline); the cuts are taken where the streams stand",
+                budget,
+            )
         finally:
             self.last_seconds = time.monotonic() - started
 
@@ -135,8 +138,14 @@ class WorkerFreeze:
                 # Between attempts at a worker that did not answer: a retry interval, not a condition.
                 await asyncio.sleep(_RESUME_BACKOFF_SECONDS * attempt)  # wait-ok: retry backoff
         self.failures_total += 1
-        logger.error("generation cuts: could not resume %s after %d attempts (%s); its generations stay frozen "
-                     "until it is resumed (POST %s/resume)", root, attempts, reason, root)
+        logger.error(
+            "generation cuts: could not resume %s after %d attempts (%s); its generations stay frozen "
+            "until it is resumed (POST %s/resume)",
+            root,
+            attempts,
+            reason,
+            root,
+        )
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)

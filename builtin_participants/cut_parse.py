@@ -35,7 +35,7 @@ _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 def _split_reasoning(text: str) -> tuple[str | None, str | None]:
     opened = text.startswith(_THINK)
     if opened:
-        text = text[len(_THINK):]
+        text = text[len(_THINK) :]
     if _END_THINK not in text:
         return (text or None, None) if opened else (None, text or None)
     reasoning, _, content = text.partition(_END_THINK)
@@ -58,8 +58,13 @@ def _tool_calls(text: str, known_ids: list[str]) -> tuple[str | None, list[dict[
         call_id = block.get("id") if isinstance(block.get("id"), str) else None
         if call_id is None:
             call_id = known_ids[index] if index < len(known_ids) else f"chatcmpl-tool-{uuid.uuid4().hex}"
-        calls.append({"id": call_id, "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+        )
     return text[:start] or None, calls
 
 

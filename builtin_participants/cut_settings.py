@@ -49,17 +49,17 @@ NEVER_CUT: dict[str, str] = {
     "constrained_tool_choice": "tool_choice other than auto or none (a required or named tool call is guided decoding)",
     "response_format": "a response_format other than text (guided decoding)",
     "guided_decoding": "guided decoding: guided_json, guided_regex, guided_choice, guided_grammar, structural_tag, "
-                       "structured_outputs, logits_processors",
+    "structured_outputs, logits_processors",
     "stop_strings": "stop strings (one could span the cut)",
     "bad_words": "bad_words (a banned sequence could span the cut)",
     "min_tokens": "min_tokens",
     "penalties": "presence_penalty or frequency_penalty (they count the prefix as output; a continuation sees it as "
-                 "prompt)",
+    "prompt)",
     "seed": "a per-request seed (a continuation cannot resume its random stream)",
     "several_choices": "n above 1, best_of, use_beam_search",
     "top_logprobs": "top_logprobs above 0",
     "not_a_fresh_turn": "continue_final_message, add_generation_prompt: false or echo (the prompt is not a new "
-                        "assistant turn)",
+    "assistant turn)",
     "tools_without_parser": "a call offering tools when no tool_call_parser is configured",
     "prompt_truncation": "truncate_prompt_tokens (the continued prompt is longer)",
     "unknown_field": "a request field generation cuts do not know (named in the log once)",
@@ -67,21 +67,62 @@ NEVER_CUT: dict[str, str] = {
 
 # Copied from the chat request into the continuation as they are (vLLM's sampling parameters).
 _SAMPLING = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "stop_token_ids", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "priority", "logprobs", "top_logprobs", "return_tokens_as_token_ids",
-    "return_token_ids", "max_tokens", "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "priority",
+    "logprobs",
+    "top_logprobs",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "max_tokens",
+    "max_completion_tokens",
 )
 # Chat-only fields: the prompt's token ids already hold what they did; a continuation drops them.
 _CHAT_ONLY = (
-    "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
-    "add_generation_prompt", "continue_final_message", "documents", "mm_processor_kwargs", "media_io_kwargs",
-    "reasoning_effort", "include_reasoning", "metadata", "user", "request_id", "add_special_tokens", "stream",
-    "stream_options", "cache_salt", "store", "service_tier",
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "reasoning_effort",
+    "include_reasoning",
+    "metadata",
+    "user",
+    "request_id",
+    "add_special_tokens",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "store",
+    "service_tier",
 )
 _GUIDED = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "logits_processors",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "structured_outputs",
+    "logits_processors",
 )
 # Fields that block a cut whenever they hold anything but their neutral values.
 _NEUTRAL: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -133,8 +174,9 @@ def cut_settings(global_config: Any, server_name: str) -> CutSettings:
         raise SettingsError(f"{CUTS_KEY}: unknown keys {unknown} (known: {list(_OPTIONS)})")
     parser = value.get("tool_call_parser")
     if parser is not None and parser not in TOOL_CALL_PARSERS:
-        raise SettingsError(f"{CUTS_KEY}.tool_call_parser must be one of {list(TOOL_CALL_PARSERS)} or null; "
-                            f"got {parser!r}")
+        raise SettingsError(
+            f"{CUTS_KEY}.tool_call_parser must be one of {list(TOOL_CALL_PARSERS)} or null; got {parser!r}"
+        )
     freeze = value.get("freeze_worker", True)
     if not isinstance(freeze, bool):
         raise SettingsError(f"{CUTS_KEY}.freeze_worker must be true or false; got {freeze!r}")
@@ -151,12 +193,14 @@ def refuse_bad_cuts(server_config: Any, global_config: Any) -> CutSettings:
         if getattr(server_config, flag, False):
             raise SettingsError(f"{CUTS_KEY}: true is not supported with {flag}: true (cuts continue chat generations)")
     if not hasattr(server_config, "base_url"):
-        raise SettingsError(f"{CUTS_KEY}: true needs a vllm_model server (its worker clients); "
-                            f"{type(server_config).__name__} has none")
+        raise SettingsError(
+            f"{CUTS_KEY}: true needs a vllm_model server (its worker clients); {type(server_config).__name__} has none"
+        )
     capture = global_config.get("token_id_capture") if hasattr(global_config, "get") else None
     if hasattr(capture, "get") and capture.get("enabled") and capture.get("external_staging"):
-        raise SettingsError(f"{CUTS_KEY}: true is not supported with token_id_capture.external_staging (staged calls "
-                            "are not streamed)")
+        raise SettingsError(
+            f"{CUTS_KEY}: true is not supported with token_id_capture.external_staging (staged calls are not streamed)"
+        )
     return settings
 
 
@@ -166,8 +210,9 @@ def never_cut_reason(body: Mapping[str, Any], settings: CutSettings) -> str | No
     if tool_choice not in (None, "auto", "none"):
         return "constrained_tool_choice"
     response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, Mapping) or
-                                        response_format.get("type") not in (None, "text")):
+    if response_format is not None and (
+        not isinstance(response_format, Mapping) or response_format.get("type") not in (None, "text")
+    ):
         return "response_format"
     for field in _GUIDED:
         if body.get(field) is not None:

@@ -24,8 +24,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-__all__ = ["Generation", "Snapshot", "WorkerStreamError", "cut_digest", "request_sha256", "sse_events",
-           "stream_chat"]
+__all__ = ["Generation", "Snapshot", "WorkerStreamError", "cut_digest", "request_sha256", "sse_events", "stream_chat"]
 
 
 def request_sha256(body: bytes) -> str | None:
@@ -66,8 +65,21 @@ class Generation:
     """One generation as it arrives (chat deltas, or a continuation's raw text), in the event loop."""
 
     __slots__ = (
-        "_body", "_digest", "sampling", "prompt_token_ids", "token_ids", "logprobs", "content", "reasoning",
-        "reasoning_field", "tool_calls", "finish_reason", "stop_reason", "response", "usage", "continued_from",
+        "_body",
+        "_digest",
+        "sampling",
+        "prompt_token_ids",
+        "token_ids",
+        "logprobs",
+        "content",
+        "reasoning",
+        "reasoning_field",
+        "tool_calls",
+        "finish_reason",
+        "stop_reason",
+        "response",
+        "usage",
+        "continued_from",
     )
 
     def __init__(self, body: bytes | None, sampling: Mapping[str, Any], *, digest: str | None = None) -> None:
@@ -124,8 +136,9 @@ class Generation:
                 self.reasoning.append(delta[field])
                 self.reasoning_field = field
         for call in delta.get("tool_calls") or ():
-            entry = self.tool_calls.setdefault(int(call.get("index", 0)), {"id": None, "type": "function",
-                                                                          "function": {"name": "", "arguments": ""}})
+            entry = self.tool_calls.setdefault(
+                int(call.get("index", 0)), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
             if call.get("id"):
                 entry["id"] = call["id"]
             if call.get("type"):
@@ -153,27 +166,38 @@ class Generation:
         if self.reasoning:
             message[self.reasoning_field] = "".join(self.reasoning)
         if self.tool_calls:
-            message["tool_calls"] = [dict(self.tool_calls[i], function=dict(self.tool_calls[i]["function"]))
-                                     for i in sorted(self.tool_calls)]
+            message["tool_calls"] = [
+                dict(self.tool_calls[i], function=dict(self.tool_calls[i]["function"])) for i in sorted(self.tool_calls)
+            ]
         return message
 
     def assemble(self, asked: Mapping[str, Any], message: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The whole answer the worker gives ``asked`` (the request as Gym sent it) without streaming."""
         choice: dict[str, Any] = {
-            "index": 0, "message": dict(message) if message is not None else self.message(),
+            "index": 0,
+            "message": dict(message) if message is not None else self.message(),
             "finish_reason": self.finish_reason,
             "logprobs": {"content": list(self.logprobs)} if asked.get("logprobs") else None,
         }
         if self.stop_reason is not None:
             choice["stop_reason"] = self.stop_reason[0]
         prompt = self.prompt_token_ids or []
-        usage = self.usage if self.usage and not self.continued_from else {
-            "prompt_tokens": len(prompt), "completion_tokens": len(self.token_ids),
-            "total_tokens": len(prompt) + len(self.token_ids),
-        }
+        usage = (
+            self.usage
+            if self.usage and not self.continued_from
+            else {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(self.token_ids),
+                "total_tokens": len(prompt) + len(self.token_ids),
+            }
+        )
         completion: dict[str, Any] = {
-            "id": self.response.get("id"), "object": "chat.completion", "created": self.response.get("created"),
-            "model": self.response.get("model"), "choices": [choice], "usage": usage,
+            "id": self.response.get("id"),
+            "object": "chat.completion",
+            "created": self.response.get("created"),
+            "model": self.response.get("model"),
+            "choices": [choice],
+            "usage": usage,
         }
         if asked.get("return_token_ids"):
             choice["token_ids"] = list(self.token_ids)
@@ -185,10 +209,16 @@ class Generation:
     def snapshot(self) -> Snapshot:
         """The cut as it stands, for ``cut_record`` (cheap: list references, lengths, small copies)."""
         return Snapshot(
-            tokens=len(self.token_ids), content=self.content, content_parts=len(self.content),
-            reasoning=self.reasoning, reasoning_parts=len(self.reasoning),
-            tool_calls=self.message().get("tool_calls", []), finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason, response=dict(self.response), reasoning_field=self.reasoning_field,
+            tokens=len(self.token_ids),
+            content=self.content,
+            content_parts=len(self.content),
+            reasoning=self.reasoning,
+            reasoning_parts=len(self.reasoning),
+            tool_calls=self.message().get("tool_calls", []),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            response=dict(self.response),
+            reasoning_field=self.reasoning_field,
         )
 
     def cut_record(self, snapshot: Snapshot) -> dict[str, Any] | None:

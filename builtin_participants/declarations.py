@@ -126,9 +126,7 @@ def declared_mode(server: Any) -> CheckpointMode | None:
             return CheckpointMode(value)
         except ValueError:
             allowed = ", ".join(mode.value for mode in CheckpointMode)
-            raise SettingsError(
-                f"server {name!r}: {CHECKPOINT_MODE_KEY}: {value!r} is not one of {allowed}"
-            ) from None
+            raise SettingsError(f"server {name!r}: {CHECKPOINT_MODE_KEY}: {value!r} is not one of {allowed}") from None
     return BUILTIN_MODES.get(_class_key(server))
 
 

@@ -323,8 +323,11 @@ class EpisodeBook(EpisodeRecords):
     def status_fields(self) -> dict[str, Any]:
         # episode_keys: what a controller without its own list of /run calls (ng-checkpoint commit --all)
         # continues, restarts included; restored episodes not yet started by their replacement attempt.
-        return {"step_mode": self.step_mode.value, "episodes": len(self._episodes),
-                "episode_keys": sorted({*self._episodes, *self._restored})}
+        return {
+            "step_mode": self.step_mode.value,
+            "episodes": len(self._episodes),
+            "episode_keys": sorted({*self._episodes, *self._restored}),
+        }
 
 
 def _running(episode_id: EpisodeId) -> AttemptRunning:
@@ -332,5 +335,7 @@ def _running(episode_id: EpisodeId) -> AttemptRunning:
     return AttemptRunning(
         f"episode {key} is already running on this server: that attempt lives elsewhere (another controller's "
         "/run, or a request sent twice); this one does not run",
-        episodes=[key], rollout_id=episode_id.rollout_id, attempt=episode_id.attempt,
+        episodes=[key],
+        rollout_id=episode_id.rollout_id,
+        attempt=episode_id.attempt,
     )

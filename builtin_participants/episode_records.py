@@ -77,8 +77,9 @@ class EpisodeRecords:
                 except ValueError as exc:
                     raise ValueError(f"episode {restored.checkpointed.capture_key}: {exc}") from None
             if key in self._episodes:
-                raise AttemptRunning(f"episode {key} is already running here; it cannot be restored over",
-                                     episodes=[key])
+                raise AttemptRunning(
+                    f"episode {key} is already running here; it cannot be restored over", episodes=[key]
+                )
             staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
         # Nothing is kept unless every record was accepted.
         self._restored.update(staged)

@@ -169,7 +169,6 @@ class HeldResponses:
         finally:
             self._calls.end(call)
 
-
     async def _run(self, call: ModelCall, scope: Scope, receive: Receive, send: Send) -> None:
         from nemo_gym_checkpoint_plugin.builtin_participants.model import _CURRENT_CALL
 

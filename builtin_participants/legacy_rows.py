@@ -57,6 +57,8 @@ class LegacyRowIds:
 
 
 def _hinted(gym_says: str) -> str:
-    return (f"this flat row cannot become an episode: {gym_says}; a row continuing a restored rollout is the "
-            f"collection's row again: its task fields (task_id, or {TASK_INDEX_KEY_NAME!r}) and "
-            f"{ROLLOUT_ID_KEY_NAME!r} naming the next attempt (see docs/trainer.md)")
+    return (
+        f"this flat row cannot become an episode: {gym_says}; a row continuing a restored rollout is the "
+        f"collection's row again: its task fields (task_id, or {TASK_INDEX_KEY_NAME!r}) and "
+        f"{ROLLOUT_ID_KEY_NAME!r} naming the next attempt (see docs/trainer.md)"
+    )

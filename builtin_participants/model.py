@@ -66,8 +66,18 @@ def current_call() -> ModelCall | None:
 class ModelCall:
     """One data request to the model server, from the gate to its last response message."""
 
-    __slots__ = ("rollout_id", "attempt", "task", "held", "started", "retired", "finished", "capture_call_id",
-                 "body", "generation")
+    __slots__ = (
+        "rollout_id",
+        "attempt",
+        "task",
+        "held",
+        "started",
+        "retired",
+        "finished",
+        "capture_call_id",
+        "body",
+        "generation",
+    )
 
     def __init__(self, rollout_id: str | None, attempt: int) -> None:
         self.rollout_id = rollout_id  # None: a call outside any rollout (never retired)
@@ -277,8 +287,11 @@ class ModelCalls:
     async def install(
         self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
     ) -> None:
-        cut_records = {r.replacement.capture_key: (r.checkpointed.capture_key, r.record[CUT_FIELD])
-                       for r in records if CUT_FIELD in r.record}
+        cut_records = {
+            r.replacement.capture_key: (r.checkpointed.capture_key, r.record[CUT_FIELD])
+            for r in records
+            if CUT_FIELD in r.record
+        }
         # This release's rows (``token_rows``, ``ledger_rows``) and an earlier release's (``*_entries``).
         captured = [r for r in records if not _CAPTURE_FIELDS.isdisjoint(r.record)]
         cuts = self.cuts.checked(cut_records) if self.cuts is not None else {}  # a refused cut installs nothing
@@ -295,8 +308,10 @@ class ModelCalls:
         if self.cuts is None:
             if cut_records:
                 # A cut only saves generating again: without cuts on here, those calls are generated from scratch.
-                logger.warning("%d generation cuts in the checkpoint are ignored: checkpoint_generation_cuts is off "
-                               "here", len(cut_records))
+                logger.warning(
+                    "%d generation cuts in the checkpoint are ignored: checkpoint_generation_cuts is off here",
+                    len(cut_records),
+                )
             return
         self.cuts.keep(cuts)
         if self.cuts.freeze is not None:

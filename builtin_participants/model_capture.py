@@ -80,7 +80,8 @@ def token_captures_for(server: Any) -> TokenCaptures | None:
     if settings.enabled and custom is not None:
         logger.warning(
             "token_id_capture.%s is a custom store: checkpoints do not carry its rows, so after a restore a "
-            "continued rollout's capture lacks the calls made before the crash (Gym's rebuild masks it)", custom,
+            "continued rollout's capture lacks the calls made before the crash (Gym's rebuild masks it)",
+            custom,
         )
     store = make_token_store(global_config)
     if store is None:
@@ -199,8 +200,9 @@ class TokenCaptures:
                 ids = [call_id for call_id, _line in family]
                 if len(set(ids)) != len(ids):
                     twice = sorted({i for i in ids if ids.count(i) > 1})[0]
-                    raise InvalidCheckpointState(f"episode {checkpointed}: model call {twice} twice",
-                                                 episode=checkpointed)
+                    raise InvalidCheckpointState(
+                        f"episode {checkpointed}: model call {twice} twice", episode=checkpointed
+                    )
         return StagedRows(key=replacement, tokens=token_lines, ledger=ledger_lines)
 
     def _stage_any(
@@ -214,12 +216,16 @@ class TokenCaptures:
                 f"episode {checkpointed}: the checkpoint holds ledger rows of external staging, which is off here",
                 episode=checkpointed,
             )
-        token_lines = [unpack_line(checkpointed, row) if isinstance(row, list) else _token_line(checkpointed, row)
-                       for row in tokens]
-        ledger_rows = [orjson.loads(unpack_line(checkpointed, row)[1]) if isinstance(row, list) else row
-                       for row in ledger]
-        ledger_lines = [(ledger_row_id(checkpointed, row),
-                         ledger_line({RESTORED_FROM: checkpointed, **row})) for row in ledger_rows]
+        token_lines = [
+            unpack_line(checkpointed, row) if isinstance(row, list) else _token_line(checkpointed, row)
+            for row in tokens
+        ]
+        ledger_rows = [
+            orjson.loads(unpack_line(checkpointed, row)[1]) if isinstance(row, list) else row for row in ledger
+        ]
+        ledger_lines = [
+            (ledger_row_id(checkpointed, row), ledger_line({RESTORED_FROM: checkpointed, **row})) for row in ledger_rows
+        ]
         return token_lines, ledger_lines
 
     def install(self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows]) -> bool:
@@ -251,8 +257,13 @@ class TokenCaptures:
         first = {episode.rollout_id: episode.attempt for episode in scope}
         # A replacement is attempt 1 or later: so is every file of a dead execution it must not meet.
         found = self.files.attempts(first, retried_only=True)
-        dead = [name for rollout, attempts in found.items() for attempt, names in attempts.items()
-                if attempt >= first[rollout] for name in names]
+        dead = [
+            name
+            for rollout, attempts in found.items()
+            for attempt, names in attempts.items()
+            if attempt >= first[rollout]
+            for name in names
+        ]
         if dead:
             self.files.remove(dead)
             self.files.fsync()
@@ -261,8 +272,13 @@ class TokenCaptures:
         """Remove the attempts before each replacement in ``scope``: the rows live on under the replacement."""
         first = {episode.rollout_id: episode.attempt for episode in scope}
         found = self.files.attempts(first)
-        old = [name for rollout, attempts in found.items() for attempt, names in attempts.items()
-               if attempt < first[rollout] for name in names]
+        old = [
+            name
+            for rollout, attempts in found.items()
+            for attempt, names in attempts.items()
+            if attempt < first[rollout]
+            for name in names
+        ]
         if old:
             self.files.remove(old)
             self.files.fsync()

@@ -192,8 +192,9 @@ class SessionState:
                 raise ValueError(f"episode {key}: a session_state entry without session_id and values")
             unknown = set(values) - set(self.tables)
             if unknown:
-                raise ValueError(f"episode {key}: session state of attributes this server does not name: "
-                                 f"{sorted(unknown)}")
+                raise ValueError(
+                    f"episode {key}: session state of attributes this server does not name: {sorted(unknown)}"
+                )
             if session_id in self.bindings or any(session_id in table for table in self.tables.values()):
                 raise ValueError(f"episode {key}: session {session_id} already exists")
             try:

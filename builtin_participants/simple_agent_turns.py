@@ -48,8 +48,10 @@ def captures_mid_turn(server: Any) -> bool:
     if not isinstance(server, SimpleAgentTurns):
         return False
     mro = type(server).__mro__
-    owners = {name: next((c for c in mro if name in vars(c) and c is not SimpleAgentTurns), None)
-              for name in ("_create_episode", "responses")}
+    owners = {
+        name: next((c for c in mro if name in vars(c) and c is not SimpleAgentTurns), None)
+        for name in ("_create_episode", "responses")
+    }
     # A subclass that rewrote the loop or the route may call what this journal does not know.
     return all(owner is not None and owner.__name__ == "SimpleAgent" for owner in owners.values())
 
@@ -106,7 +108,9 @@ class SimpleAgentTurns:
                 raise
             raise StaleAttempt(
                 f"attempt {record.episode_id.attempt} of rollout {record.episode_id.rollout_id!r} was retired "
-                "while its turn ran", rollout_id=record.episode_id.rollout_id, attempt=record.episode_id.attempt,
+                "while its turn ran",
+                rollout_id=record.episode_id.rollout_id,
+                attempt=record.episode_id.attempt,
             ) from None
 
     @staticmethod

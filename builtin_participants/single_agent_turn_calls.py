@@ -63,7 +63,6 @@ class _Sessions:
     agent_mid_turn: bool = False
 
 
-
 class SingleAgentTurnCalls:
     """Mixin base of ``SingleAgentTurnSteps``: the wire calls of each step."""
 

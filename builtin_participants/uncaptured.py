@@ -54,7 +54,6 @@ from nemo_gym_checkpoint_plugin._types import Readiness
 __all__ = ["RunTracker", "UncapturedRuns", "install_run_tracker", "names_no_episode", "rollout_id_required"]
 
 
-
 class UncapturedRuns:
     """Participant plugin: the ``/run`` episodes of this server, each a restart (see the module docstring)."""
 

@@ -192,8 +192,9 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
                 except BodyRefused as exc:
                     return JSONResponse({"detail": exc.errors}, status_code=exc.status)
                 except DeadlineTooFar as exc:
-                    return _invalid_body([{"type": "deadline_too_far", "loc": ("body", "deadline_ts"),
-                                           "msg": str(exc)}])
+                    return _invalid_body(
+                        [{"type": "deadline_too_far", "loc": ("body", "deadline_ts"), "msg": str(exc)}]
+                    )
                 except RequestValidationError as exc:
                     return _invalid_body(exc.errors())
                 except HTTPException as exc:
@@ -226,8 +227,12 @@ def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = N
     async def owned(request: Request, model: type[_B], operation: str) -> _B:
         """The body, once the owner lease let the call through (control/owner.py)."""
         body = await read(request, model)
-        control.admit_owner(body.owner, operation, body.deadline_ts,  # type: ignore[attr-defined]
-                            take_over=getattr(body, "take_over", False))
+        control.admit_owner(
+            body.owner,
+            operation,
+            body.deadline_ts,  # type: ignore[attr-defined]
+            take_over=getattr(body, "take_over", False),
+        )
         return body
 
     @router.post("/prepare")
@@ -243,8 +248,9 @@ def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = N
     @router.post("/commit")
     async def commit(request: Request) -> dict[str, Any]:
         body = await owned(request, CommitBody, "commit")
-        return await control.commit(body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids,
-                                    body.stop)
+        return await control.commit(
+            body.checkpoint_id, body.deadline_ts, body.checkpoint_dir, body.episode_ids, body.stop
+        )
 
     @router.post("/restore")
     async def restore(request: Request) -> dict[str, Any]:

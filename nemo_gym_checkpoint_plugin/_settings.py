@@ -171,8 +171,9 @@ class CheckpointSettings(BaseModel):
             value = env.get(self.control_auth_token_env, "")
             if value:
                 # The variable's name may be told here: it did resolve, so it is a name, not a pasted token.
-                return check_token(value, f"the variable {self.control_auth_token_env} "
-                                          "(checkpoint.control_auth_token_env)")
+                return check_token(
+                    value, f"the variable {self.control_auth_token_env} (checkpoint.control_auth_token_env)"
+                )
             if not self.control_auth_token:
                 # The name is not repeated: a token that happens to look like a name may have been pasted there.
                 raise SettingsError(

@@ -150,8 +150,9 @@ class StorageBackend(Protocol):
 
     name: str
 
-    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> StorageWriter:
-        ...
+    def open_writer(
+        self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str
+    ) -> StorageWriter: ...
 
     def read(
         self,

@@ -43,13 +43,34 @@ def _conversation(items: list[Any]) -> tuple[str, int]:
 def _answer(step: int, tool_results: int) -> dict[str, Any]:
     tokens = {"prompt_token_ids": [1, 2, step], "generation_token_ids": [1000 + step], "generation_log_probs": [-0.5]}
     if tool_results < ROUNDS:
-        item = {"type": "function_call", "id": f"fc-{step}", "call_id": f"call-{step}", "name": "get_weather",
-                "arguments": json.dumps({"city": "San Francisco"}), "status": "completed", **tokens}
+        item = {
+            "type": "function_call",
+            "id": f"fc-{step}",
+            "call_id": f"call-{step}",
+            "name": "get_weather",
+            "arguments": json.dumps({"city": "San Francisco"}),
+            "status": "completed",
+            **tokens,
+        }
     else:
-        item = {"type": "message", "id": f"msg-{step}", "role": "assistant", "status": "completed",
-                "content": [{"type": "output_text", "text": "cold", "annotations": []}], **tokens}
-    return {"id": f"resp-{step}", "created_at": 0, "model": "scripted", "object": "response", "output": [item],
-            "parallel_tool_calls": False, "tool_choice": "auto", "tools": []}
+        item = {
+            "type": "message",
+            "id": f"msg-{step}",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "cold", "annotations": []}],
+            **tokens,
+        }
+    return {
+        "id": f"resp-{step}",
+        "created_at": 0,
+        "model": "scripted",
+        "object": "response",
+        "output": [item],
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "tools": [],
+    }
 
 
 class ScriptedPeers:

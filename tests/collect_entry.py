@@ -49,8 +49,10 @@ def main() -> int:
             entry["published"] = data["record"].published
         if event == "prepare":
             # What the checkpoint directory holds as the attempt starts: [name, published] of each checkpoint.
-            entry["dir"] = [[path.name, os.path.lexists(path / "collector" / "manifest.json")]
-                            for path in sorted(Path(root).glob("collect-*"))]
+            entry["dir"] = [
+                [path.name, os.path.lexists(path / "collector" / "manifest.json")]
+                for path in sorted(Path(root).glob("collect-*"))
+            ]
         log(entry)
         if event == event_name and seen[event] == int(nth or 1):
             log({"event": "paused", "at": pause_at})

@@ -42,8 +42,9 @@ def collect_deployment(work: Path, rows: int) -> Any:
     return deployment
 
 
-def request(url: str, body: dict[str, Any] | None = None, *, token: str | None = TOKEN,
-            timeout: float = 60) -> tuple[int, dict[str, Any]]:
+def request(
+    url: str, body: dict[str, Any] | None = None, *, token: str | None = TOKEN, timeout: float = 60
+) -> tuple[int, dict[str, Any]]:
     """(status, JSON reply) of a GET (no body) or POST, refusals included."""
     headers = {"Content-Type": "application/json"}
     if token:
@@ -85,22 +86,54 @@ def events(path: Path) -> list[dict[str, Any]]:
 class Collector:
     """One ``ng-checkpoint collect`` (through collect_entry.py) in its own process group."""
 
-    def __init__(self, deployment: Any, work: Path, name: str, *, ckpt: Path, output: Path, resume: bool = False,
-                 every: float = 60.0, pause: str = "-", extra: tuple[str, ...] = (), parallel: int = 8,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        deployment: Any,
+        work: Path,
+        name: str,
+        *,
+        ckpt: Path,
+        output: Path,
+        resume: bool = False,
+        every: float = 60.0,
+        pause: str = "-",
+        extra: tuple[str, ...] = (),
+        parallel: int = 8,
+        env: dict[str, str] | None = None,
+    ) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.log = work / f"collect-{name}.log"
         self.events = work / f"events-{name}.jsonl"
-        argv = [sys.executable, str(ENTRY), str(self.events), pause, "--", "--json", "--checkpoint-dir", str(ckpt),
-                "--checkpoint-every", str(every), *(["--resume"] if resume else []), *extra,
-                f"+config_paths=[{deployment.gym_yaml}]", f"+input_jsonl_fpath={deployment.inputs}",
-                f"+output_jsonl_fpath={output}", f"+num_samples_in_parallel={parallel}",
-                "+disable_health_check=true",
-                "+environment_server_routes={example_single_tool_call: single_agent_turn}"]
+        argv = [
+            sys.executable,
+            str(ENTRY),
+            str(self.events),
+            pause,
+            "--",
+            "--json",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            str(every),
+            *(["--resume"] if resume else []),
+            *extra,
+            f"+config_paths=[{deployment.gym_yaml}]",
+            f"+input_jsonl_fpath={deployment.inputs}",
+            f"+output_jsonl_fpath={output}",
+            f"+num_samples_in_parallel={parallel}",
+            "+disable_health_check=true",
+            "+environment_server_routes={example_single_tool_call: single_agent_turn}",
+        ]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(argv, cwd=work, env={**os.environ, TOKEN_ENV: TOKEN, **(env or {})},
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=work,
+                env={**os.environ, TOKEN_ENV: TOKEN, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait(self, timeout: float = 300) -> int:
         try:

@@ -58,8 +58,11 @@ class StubParticipant:
 
     @hookimpl
     def ready(self, checkpoint_id: str | None) -> Readiness:
-        return Readiness(blockers=list(self.spec.get("blockers", ())), restarts=list(self.spec.get("restarts", ())),
-                         counts={"held": len(self.spec.get("holds", ()))})
+        return Readiness(
+            blockers=list(self.spec.get("blockers", ())),
+            restarts=list(self.spec.get("restarts", ())),
+            counts={"held": len(self.spec.get("holds", ()))},
+        )
 
     @hookimpl
     async def wait_ready(self, checkpoint_id: str) -> None:
@@ -75,8 +78,13 @@ class StubParticipant:
         for held in self.spec.get("holds", ()):
             if (scope is None or held in scope) and held not in self.spec.get("restarts", ()):
                 episode = from_capture_key(held)
-                records.append({"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-                                "owner": self.spec["instance"], "step": 3})
+                records.append(
+                    {
+                        "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                        "owner": self.spec["instance"],
+                        "step": 3,
+                    }
+                )
         return records
 
     @hookimpl
@@ -144,17 +152,26 @@ class ControlLog:
         injected = None
         if operation in self.spec.get("fail", {}):
             # A code, or [code, capture keys the refusal names] (attempt_running's episode_ids).
-            code, *named = [self.spec["fail"][operation]] if isinstance(self.spec["fail"][operation], str) \
+            code, *named = (
+                [self.spec["fail"][operation]]
+                if isinstance(self.spec["fail"][operation], str)
                 else self.spec["fail"][operation]
-            error = ERRORS_BY_CODE[code](f"{self.spec['instance']} refuses {operation} (test)",
-                                         episodes=named[0] if named else None)
+            )
+            error = ERRORS_BY_CODE[code](
+                f"{self.spec['instance']} refuses {operation} (test)", episodes=named[0] if named else None
+            )
             injected = (error.status, error.to_body())
         elif operation == "status" and "status_kind" in self.spec:
             injected = (200, {"kind": self.spec["status_kind"], "instance": self.spec["instance"], "phase": "idle"})
         if injected is not None:
             raw = orjson.dumps(injected[1])
-            await logged_send({"type": "http.response.start", "status": injected[0],
-                               "headers": [(b"content-type", b"application/json")]})
+            await logged_send(
+                {
+                    "type": "http.response.start",
+                    "status": injected[0],
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             await send({"type": "http.response.body", "body": raw})
             return
         delivered = False
@@ -300,7 +317,9 @@ def start_participants(tmp: Path, specs: list[dict[str, Any]]) -> list[Server]:
         env = {**os.environ, "COORD_STUB": orjson.dumps(spec).decode(), "RAY_USAGE_STATS_ENABLED": "0"}
         process = subprocess.Popen(
             [sys.executable, __file__, "serve", str(sock.fileno()), str(os.getpid())],
-            pass_fds=(sock.fileno(),), env=env, start_new_session=True,
+            pass_fds=(sock.fileno(),),
+            env=env,
+            start_new_session=True,
         )
         sock.close()
         started.append(Server(name, spec["kind"], f"http://127.0.0.1:{port}", Path(spec["log"]), process, spec))
@@ -323,13 +342,18 @@ def stop_participants(servers: list[Server]) -> None:
 
 def config_for(servers: list[Server], token_env: str = "COORD_TEST_TOKEN") -> dict[str, Any]:
     """A Gym-shaped config: a top-level block per server, each with host/port, plus the checkpoint block."""
-    server_type = {"environment": "environment_servers", "model": "responses_api_models",
-                   "agent": "responses_api_agents", "resources": "resources_servers"}
+    server_type = {
+        "environment": "environment_servers",
+        "model": "responses_api_models",
+        "agent": "responses_api_agents",
+        "resources": "resources_servers",
+    }
     config: dict[str, Any] = {"checkpoint": {"enabled": True, "control_auth_token_env": token_env}}
     for server in servers:
         host, port = server.url.removeprefix("http://").split(":")
-        config[server.name] = {server_type[server.kind]: {f"{server.name}_impl": {
-            "entrypoint": "app.py", "host": host, "port": int(port)}}}
+        config[server.name] = {
+            server_type[server.kind]: {f"{server.name}_impl": {"entrypoint": "app.py", "host": host, "port": int(port)}}
+        }
     return config
 
 

@@ -60,6 +60,9 @@ manifests = [
 stage("published:env")
 manifests.append(ObjectStoreWriter(url, "model", "policy_model", "ckpt-1").write(records("policy_model", 3, 100)))
 stage("published:policy_model")
-write_participants_index(url, "ckpt-1", [
-    {"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests])
+write_participants_index(
+    url,
+    "ckpt-1",
+    [{"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests],
+)
 stage("indexed")

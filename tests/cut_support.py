@@ -50,11 +50,17 @@ class CutServers(ModelServers):
     """Model servers with ``checkpoint_generation_cuts: cuts`` (None: the key left out)."""
 
     def __init__(
-        self, tmp_path: Path, monkeypatch: Any, cuts: Any = None, extra_config: Mapping[str, Any] | None = None,
+        self,
+        tmp_path: Path,
+        monkeypatch: Any,
+        cuts: Any = None,
+        extra_config: Mapping[str, Any] | None = None,
         model: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(tmp_path, monkeypatch, extra_config)
         block = self.config[MODEL]["responses_api_models"]["vllm_model"]
-        for key, value in {**({"checkpoint_generation_cuts": cuts} if cuts is not None else {}),
-                           **(model or {})}.items():
+        for key, value in {
+            **({"checkpoint_generation_cuts": cuts} if cuts is not None else {}),
+            **(model or {}),
+        }.items():
             block[key] = OmegaConf.create(value) if isinstance(value, Mapping) else value

@@ -65,8 +65,13 @@ class MultiHostDeployment:
         self.addresses = {host: f"{lan.prefix}.{10 + number}" for number, host in enumerate(PLACEMENT, 1)}
         self.host_of = {name: host for host, names in PLACEMENT.items() for name in names}
         block = {**DEFAULT_CHECKPOINT_BLOCK, "storage": {"backend": "fsspec"}}
-        self._config = build_gym_config(PORT_BASE, work, checkpoint=block, entrypoints=wrapped_entrypoints(),
-                                        hosts={name: self.addresses[host] for name, host in self.host_of.items()})
+        self._config = build_gym_config(
+            PORT_BASE,
+            work,
+            checkpoint=block,
+            entrypoints=wrapped_entrypoints(),
+            hosts={name: self.addresses[host] for name, host in self.host_of.items()},
+        )
         self.config = OmegaConf.to_container(self._config, resolve=True)
         self.generation = 0
         self.procs: dict[str, subprocess.Popen] = {}
@@ -75,8 +80,10 @@ class MultiHostDeployment:
 
     @property
     def urls(self) -> dict[str, str]:
-        return {name: f"http://{self.addresses[host]}:{PORT_BASE + PORT_OFFSETS[name]}"
-                for name, host in self.host_of.items()}
+        return {
+            name: f"http://{self.addresses[host]}:{PORT_BASE + PORT_OFFSETS[name]}"
+            for name, host in self.host_of.items()
+        }
 
     @property
     def process_groups(self) -> dict[str, int]:
@@ -88,15 +95,34 @@ class MultiHostDeployment:
     def _specs(self, host: str) -> list[ProcessSpec]:
         directory = self.host_dir(host)
         # The host's own copy of the config: Gym's results and cache on its own disk.
-        config = OmegaConf.merge(self._config, {"results_dir": str(directory / "results"),
-                                                "cache_dir": str(directory / "cache")})
+        config = OmegaConf.merge(
+            self._config, {"results_dir": str(directory / "results"), "cache_dir": str(directory / "cache")}
+        )
         gym = [name for name in PLACEMENT[host] if name != BACKEND]
         specs = gym_specs(config, OmegaConf.to_yaml(config), names=tuple(gym)) if gym else []
         if BACKEND in PLACEMENT[host]:
             address, port = self.addresses[host], PORT_BASE + PORT_OFFSETS[BACKEND]
-            specs.insert(0, ProcessSpec(BACKEND, (sys.executable, "-m", FAKE_BACKEND_MODULE, "--host", address,
-                                                  "--port", str(port), "--model", FAKE_MODEL_NAME),
-                                        directory, {}, f"http://{address}:{port}", "/v1/models"))
+            specs.insert(
+                0,
+                ProcessSpec(
+                    BACKEND,
+                    (
+                        sys.executable,
+                        "-m",
+                        FAKE_BACKEND_MODULE,
+                        "--host",
+                        address,
+                        "--port",
+                        str(port),
+                        "--model",
+                        FAKE_MODEL_NAME,
+                    ),
+                    directory,
+                    {},
+                    f"http://{address}:{port}",
+                    "/v1/models",
+                ),
+            )
         return specs
 
     def start(self, timeout: float = 180.0) -> None:
@@ -110,14 +136,28 @@ class MultiHostDeployment:
             for sub in ("logs", "tmp", "xdg-cache"):
                 (directory / sub).mkdir(parents=True)
             for spec in self._specs(host):
-                env = {**os.environ, **self.store_env, **spec.env, TOKEN_ENV: self.token,
-                       "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "NO_PROXY": direct,
-                       "no_proxy": direct, "TMPDIR": str(directory / "tmp"),
-                       "XDG_CACHE_HOME": str(directory / "xdg-cache")}
+                env = {
+                    **os.environ,
+                    **self.store_env,
+                    **spec.env,
+                    TOKEN_ENV: self.token,
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    "PYTHONUNBUFFERED": "1",
+                    "NO_PROXY": direct,
+                    "no_proxy": direct,
+                    "TMPDIR": str(directory / "tmp"),
+                    "XDG_CACHE_HOME": str(directory / "xdg-cache"),
+                }
                 with open(directory / "logs" / f"{spec.name}.log", "ab") as log:
                     self.procs[spec.name] = subprocess.Popen(
-                        self.lan.argv(self.lan.hosts[host], spec.argv), cwd=spec.cwd, env=env,
-                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                        self.lan.argv(self.lan.hosts[host], spec.argv),
+                        cwd=spec.cwd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 specs.append(spec)
         deadline = time.monotonic() + timeout
         for spec in specs:
@@ -166,7 +206,7 @@ def _listening(lan: Lan, namespace: str) -> list[str]:
             local, state = row.split()[1], row.split()[3]
             if state == "0A":
                 address, port = local.split(":")
-                octets = [str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)]
+                octets = [str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)]
                 found.add(f"{'.'.join(octets)}:{int(port, 16)}")
         break
     return sorted(found)
@@ -183,17 +223,29 @@ def main() -> int:
         deployment = MultiHostDeployment(lan, work, token, server.env)
         deployment.start()
         result = asyncio.run(run_scenario(deployment, url, token, CONTINUED, RESTARTS, timeout=120))
-        verify = subprocess.run([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "verify", url],
-                                capture_output=True, text=True, timeout=120)
+        verify = subprocess.run(
+            [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "verify", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         prefix_path = objstore.ObjectPath(url).native
-        objects = sorted(name[len(prefix_path) + 1:] for name in objstore.filesystem("s3").find(prefix_path))
+        objects = sorted(name[len(prefix_path) + 1 :] for name in objstore.filesystem("s3").find(prefix_path))
         deployment.kill()
-        print(orjson.dumps({
-            "result": dataclasses.asdict(result), "verify": {"status": verify.returncode, "stdout": verify.stdout,
-                                                             "stderr": verify.stderr},
-            "listening": deployment.listening, "addresses": deployment.addresses, "objects": objects,
-            "hosts_left": sorted(os.listdir(work / "hosts")), "leaks": deployment.leaks,
-        }).decode(), flush=True)
+        print(
+            orjson.dumps(
+                {
+                    "result": dataclasses.asdict(result),
+                    "verify": {"status": verify.returncode, "stdout": verify.stdout, "stderr": verify.stderr},
+                    "listening": deployment.listening,
+                    "addresses": deployment.addresses,
+                    "objects": objects,
+                    "hosts_left": sorted(os.listdir(work / "hosts")),
+                    "leaks": deployment.leaks,
+                }
+            ).decode(),
+            flush=True,
+        )
         return 0
     finally:
         server.stop()

@@ -95,8 +95,11 @@ class Lan:
         self._kill(namespace)
         # The hub's end first: a deleted namespace's interfaces go in the kernel's own time, and a fresh
         # host on the same number needs the name now.
-        subprocess.run(["ip", "netns", "exec", self.hub, "ip", "link", "del", self._veths.pop(name)],
-                       capture_output=True, timeout=30)
+        subprocess.run(
+            ["ip", "netns", "exec", self.hub, "ip", "link", "del", self._veths.pop(name)],
+            capture_output=True,
+            timeout=30,
+        )
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
         if namespace in self._made:
             self._made.remove(namespace)

@@ -94,7 +94,8 @@ class LoopbackNamespace:
 
         async def complete() -> subprocess.CompletedProcess:
             process = await asyncio.create_subprocess_exec(
-                *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+                *argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs
+            )
             out, err = await asyncio.wait_for(process.communicate(), timeout)
             return subprocess.CompletedProcess(list(argv), process.returncode or 0, out.decode(), err.decode())
 

@@ -15,8 +15,15 @@ def record(rollout_id: str, attempt: int = 0, **fields: Any) -> dict[str, Any]:
     return {"episode_id": {"rollout_id": rollout_id, "attempt": attempt}, **fields}
 
 
-def write(root: Path, records: list[dict], *, kind: str = "model", instance: str = "policy_model",
-          checkpoint_id: str = "step-1", extras: dict | None = None) -> dict:
+def write(
+    root: Path,
+    records: list[dict],
+    *,
+    kind: str = "model",
+    instance: str = "policy_model",
+    checkpoint_id: str = "step-1",
+    extras: dict | None = None,
+) -> dict:
     return CheckpointWriter(root, kind, instance, checkpoint_id).write(records, extras)
 
 

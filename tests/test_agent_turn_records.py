@@ -25,8 +25,13 @@ class _Answer:
 
 
 def _wire(call: dict[str, Any]) -> dict[str, Any]:
-    return {"activation": 1, "request_sha256": DIGEST, "cookies_before": {}, "observations_before": None,
-            "calls": [call]}
+    return {
+        "activation": 1,
+        "request_sha256": DIGEST,
+        "cookies_before": {},
+        "observations_before": None,
+        "calls": [call],
+    }
 
 
 async def test_a_model_answer_is_journaled_and_replayed_byte_for_byte() -> None:
@@ -52,13 +57,16 @@ async def test_a_record_of_an_earlier_release_still_replays_its_answer() -> None
     assert json.loads(await Recorded.of(restored.calls[0]).read()) == response
 
 
-@pytest.mark.parametrize("call", [
-    {"call": "model", "sha256": DIGEST},                     # neither body nor response
-    {"call": "model", "sha256": DIGEST, "body": 7},
-    {"call": "model", "sha256": 7, "body": ""},
-    {"call": "tool", "sha256": DIGEST, "status": "200", "body": ""},
-    ["model"],
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        {"call": "model", "sha256": DIGEST},  # neither body nor response
+        {"call": "model", "sha256": DIGEST, "body": 7},
+        {"call": "model", "sha256": 7, "body": ""},
+        {"call": "tool", "sha256": DIGEST, "status": "200", "body": ""},
+        ["model"],
+    ],
+)
 def test_a_malformed_call_is_refused_naming_it(call: Any) -> None:
     with pytest.raises(ValueError, match=r"turn\.calls\[0\]"):
         Turn.from_wire(_wire(call))

@@ -199,13 +199,25 @@ def test_a_bad_block_makes_the_wrapped_server_refuse_to_start(
     ("checkpoint", "env", "token", "told"),
     [
         # A 1-character token used to start a server; a non-ASCII one started it and then refused every call.
-        (DEFAULT_CHECKPOINT_BLOCK, {TOKEN_ENV: "Q"}, "Q",
-         f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) is 1 characters long"),
-        ({"enabled": True, "control_auth_token": "short-but-15-ch"}, {}, "short-but-15-ch",
-         "the control token from checkpoint.control_auth_token is 15 characters long"),
-        (DEFAULT_CHECKPOINT_BLOCK, {TOKEN_ENV: "jeton-de-contrôle-0123456789"}, "jeton-de-contrôle-0123456789",
-         f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) holds a character "
-         "outside printable ASCII or a space"),
+        (
+            DEFAULT_CHECKPOINT_BLOCK,
+            {TOKEN_ENV: "Q"},
+            "Q",
+            f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) is 1 characters long",
+        ),
+        (
+            {"enabled": True, "control_auth_token": "short-but-15-ch"},
+            {},
+            "short-but-15-ch",
+            "the control token from checkpoint.control_auth_token is 15 characters long",
+        ),
+        (
+            DEFAULT_CHECKPOINT_BLOCK,
+            {TOKEN_ENV: "jeton-de-contrôle-0123456789"},
+            "jeton-de-contrôle-0123456789",
+            f"the control token from the variable {TOKEN_ENV} (checkpoint.control_auth_token_env) holds a character "
+            "outside printable ASCII or a space",
+        ),
     ],
 )
 def test_a_token_breaking_the_rule_stops_the_server_naming_the_rule_and_source(
@@ -214,8 +226,10 @@ def test_a_token_breaking_the_rule_stops_the_server_naming_the_rule_and_source(
     done = _start_wrapped_resources(tmp_path, checkpoint, env)
     assert done.returncode == 2, done.stderr[-2000:]
     said = done.stdout + done.stderr
-    assert f"server {RESOURCES!r}: {told} (the token must be at least 16 characters of printable ASCII, without " \
-           "spaces)" in done.stderr, done.stderr[-2000:]
+    assert (
+        f"server {RESOURCES!r}: {told} (the token must be at least 16 characters of printable ASCII, without "
+        "spaces)" in done.stderr
+    ), done.stderr[-2000:]
     assert "Uvicorn running" not in said and "Traceback" not in said
     if len(token) > 1:  # a 1-character token is in any text; the longer ones must not be told
         assert token not in said

@@ -28,5 +28,12 @@ def test_split_key_reads_any_key_as_from_capture_key_does(key: str) -> None:
 def test_a_retire_names_each_listed_attempt_and_the_earlier_ones_of_its_rollout() -> None:
     named = RetiredBy([EpisodeId(rollout_id="r", attempt=1), EpisodeId(rollout_id="s"), EpisodeId(rollout_id="r")])
     assert [named.key(k) for k in ("r", "r-a1", "r-a2", "s", "s-a1", "t", "r-a10")] == [
-        True, True, False, True, False, False, False]
+        True,
+        True,
+        False,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert named(EpisodeId(rollout_id="r", attempt=1)) and not named(EpisodeId(rollout_id="t"))

@@ -28,16 +28,39 @@ USER_CONFIG = {
     "policy_base_url": "http://127.0.0.1:29000/v1",
     "policy_api_key": "k",
     "policy_model_name": "m",
-    "simple_agent": {"responses_api_agents": {"simple_agent": {
-        "entrypoint": "app.py", "host": "127.0.0.1", "port": 29002,
-        "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"}}}},
-    "example_single_tool_call": {"resources_servers": {"example_single_tool_call": {
-        "entrypoint": "app.py", "host": "127.0.0.1", "port": 29003, "domain": "agent", "verified": False,
-        "description": "d"}}},
-    "single_agent_turn": {"environment_servers": {"single_agent_turn": {
-        "entrypoint": "app.py", "host": "127.0.0.1", "port": 29004,
-        "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"},
-        "agent_server": {"type": "responses_api_agents", "name": "simple_agent"}}}},
+    "simple_agent": {
+        "responses_api_agents": {
+            "simple_agent": {
+                "entrypoint": "app.py",
+                "host": "127.0.0.1",
+                "port": 29002,
+                "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"},
+            }
+        }
+    },
+    "example_single_tool_call": {
+        "resources_servers": {
+            "example_single_tool_call": {
+                "entrypoint": "app.py",
+                "host": "127.0.0.1",
+                "port": 29003,
+                "domain": "agent",
+                "verified": False,
+                "description": "d",
+            }
+        }
+    },
+    "single_agent_turn": {
+        "environment_servers": {
+            "single_agent_turn": {
+                "entrypoint": "app.py",
+                "host": "127.0.0.1",
+                "port": 29004,
+                "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"},
+                "agent_server": {"type": "responses_api_agents", "name": "simple_agent"},
+            }
+        }
+    },
 }
 SERVERS = {"policy_model", "simple_agent", "example_single_tool_call", "single_agent_turn"}
 
@@ -64,8 +87,9 @@ def test_enable_writes_the_checkpointed_config_and_venvs_that_import_the_plugin(
     assert written["config_paths"] == USER_CONFIG["config_paths"]
     assert written["checkpoint"] == {"enabled": True, "control_auth_token_env": "NG_CHECKPOINT_TOKEN"}
     assert written["skip_venv_if_present"] is True
-    servers = {name: next(iter(next(iter(block.values())).values()))
-               for name, block in written.items() if name in SERVERS}
+    servers = {
+        name: next(iter(next(iter(block.values())).values())) for name, block in written.items() if name in SERVERS
+    }
     assert set(servers) == SERVERS
     assert {s["entrypoint"] for s in servers.values()} == {LAUNCH_ENTRYPOINT}
     assert all(s.get("host") and s.get("port") for s in servers.values())
@@ -75,9 +99,13 @@ def test_enable_writes_the_checkpointed_config_and_venvs_that_import_the_plugin(
         assert Path(server["venv"]) == tmp_path / server["type"] / server["implementation"] / ".venv"
         assert server["action"] == "created, layered on this environment"
         # Gym's launcher runs exactly this: the venv's python, the entrypoint, from the server dir.
-        probe = subprocess.run([str(python), "-c", "import nemo_gym_checkpoint_plugin.wrap, nemo_gym, sys;"
-                                "print(sys.prefix)"], cwd=server["server_dir"], capture_output=True, text=True,
-                               timeout=120)
+        probe = subprocess.run(
+            [str(python), "-c", "import nemo_gym_checkpoint_plugin.wrap, nemo_gym, sys;print(sys.prefix)"],
+            cwd=server["server_dir"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert probe.returncode == 0, probe.stderr
         assert probe.stdout.strip() == server["venv"]  # its own venv, not this one
 
@@ -92,14 +120,22 @@ def test_an_existing_venv_without_the_plugin_gets_the_layer(user_yaml, tmp_path)
     venv.EnvBuilder(with_pip=False, symlinks=True).create(bare)
     python = bare / "bin" / "python"
     # From a directory of its own: python -c puts the cwd first on sys.path (this checkout holds the plugin).
-    assert subprocess.run([str(python), "-c", "import nemo_gym_checkpoint_plugin"], capture_output=True,
-                          timeout=60, cwd=tmp_path).returncode != 0
+    assert (
+        subprocess.run(
+            [str(python), "-c", "import nemo_gym_checkpoint_plugin"], capture_output=True, timeout=60, cwd=tmp_path
+        ).returncode
+        != 0
+    )
     done = orjson.loads(enable(tmp_path, str(user_yaml), "-o", str(tmp_path / "out.yaml"), "--json").stdout)
     actions = {s["name"]: s["action"] for s in done["servers"]}
     assert actions["example_single_tool_call"] == "layered on this environment"
     assert list(bare.glob(f"lib/python*/site-packages/{PTH_NAME}"))
-    assert subprocess.run([str(python), "-c", "import nemo_gym_checkpoint_plugin.wrap"], capture_output=True,
-                          timeout=60, cwd=tmp_path).returncode == 0
+    assert (
+        subprocess.run(
+            [str(python), "-c", "import nemo_gym_checkpoint_plugin.wrap"], capture_output=True, timeout=60, cwd=tmp_path
+        ).returncode
+        == 0
+    )
 
 
 def test_enable_refuses_what_it_cannot_use(tmp_path):
@@ -112,8 +148,9 @@ def test_enable_refuses_what_it_cannot_use(tmp_path):
 
 
 def test_the_written_config_names_the_token_variable_asked_for(user_yaml, tmp_path):
-    done = orjson.loads(enable(tmp_path, str(user_yaml), "--token-env", "MY_TOKEN", "-o",
-                               str(tmp_path / "o.yaml"), "--json").stdout)
+    done = orjson.loads(
+        enable(tmp_path, str(user_yaml), "--token-env", "MY_TOKEN", "-o", str(tmp_path / "o.yaml"), "--json").stdout
+    )
     assert done["token_env"] == "MY_TOKEN"
     assert yaml.safe_load((tmp_path / "o.yaml").read_text())["checkpoint"]["control_auth_token_env"] == "MY_TOKEN"
 
@@ -138,9 +175,7 @@ def test_a_server_without_a_port_gets_a_free_one_and_enable_says_so(user_yaml, t
     ("block", "says"),
     [({"enabeld": True}, "enabeld"), ({"storage": {"backend": "nfs-magic"}}, "nfs-magic")],
 )
-def test_a_checkpoint_block_the_servers_would_refuse_is_refused_before_anything_is_written(
-    tmp_path, block, says
-):
+def test_a_checkpoint_block_the_servers_would_refuse_is_refused_before_anything_is_written(tmp_path, block, says):
     config = {**USER_CONFIG, "checkpoint": block}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -57,7 +57,11 @@ def test_drive_a_checkpoint_by_hand_then_verify_it(four, tmp_path):
     # The progress display: one line per participant reply, in the prepare order.
     progress = [line.split() for line in prepared.stderr.splitlines() if line.strip().startswith("[")]
     assert [(line[0], line[2]) for line in progress] == [
-        ("[1/4]", "environment"), ("[2/4]", "model"), ("[3/4]", "agent"), ("[4/4]", "resources")]
+        ("[1/4]", "environment"),
+        ("[2/4]", "model"),
+        ("[3/4]", "agent"),
+        ("[4/4]", "resources"),
+    ]
 
     status = orjson.loads(cli("status", *where, "--json").stdout)
     assert {p["phase"] for p in status["participants"]} == {"prepared"}
@@ -125,11 +129,14 @@ def test_status_reports_a_down_server(tmp_path):
         sock.bind(("127.0.0.1", 0))
         down = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        status = cli("status", *urls(servers), "--url", down, "--token-env", TOKEN_ENV,
-                     "--probe-timeout", "0.5", "--tries", "2")
+        status = cli(
+            "status", *urls(servers), "--url", down, "--token-env", TOKEN_ENV, "--probe-timeout", "0.5", "--tries", "2"
+        )
         assert status.returncode == 1
-        assert any(row.startswith(down) and row.split()[2:] == ["ERROR", "-", "-", "unreachable"]
-                   for row in status.stdout.splitlines())
+        assert any(
+            row.startswith(down) and row.split()[2:] == ["ERROR", "-", "-", "unreachable"]
+            for row in status.stdout.splitlines()
+        )
         assert f"error: {down} [{down}] status: unreachable" in status.stderr
         # The deployment is still listed.
         assert any(" model " in row and " idle " in row for row in status.stdout.splitlines())
@@ -143,8 +150,21 @@ def test_usage_errors(tmp_path):
     assert no_token.returncode == 2 and "no control token" in no_token.stderr
     empty_scope = cli("commit", "x", "--url", "http://127.0.0.1:9", "--token-env", TOKEN_ENV, "--dir", "/tmp")
     assert empty_scope.returncode == 2 and "commit needs its scope" in empty_scope.stderr
-    unreachable = cli("commit", "x", "--url", "http://127.0.0.1:9", "--token-env", TOKEN_ENV, "--dir", "/tmp",
-                      "--all", "--probe-timeout", "0.2", "--tries", "1")
+    unreachable = cli(
+        "commit",
+        "x",
+        "--url",
+        "http://127.0.0.1:9",
+        "--token-env",
+        TOKEN_ENV,
+        "--dir",
+        "/tmp",
+        "--all",
+        "--probe-timeout",
+        "0.2",
+        "--tries",
+        "1",
+    )
     # Nothing listens on port 9: reported server by server, not a traceback.
     assert unreachable.returncode == 1 and "Traceback" not in unreachable.stderr
     assert "http://127.0.0.1:9 [http://127.0.0.1:9] status: unreachable" in unreachable.stderr

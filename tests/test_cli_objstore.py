@@ -25,11 +25,15 @@ NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
 def good_checkpoint(url: str, checkpoint_id: str = "step-7") -> str:
     manifests = []
     for number, (kind, instance) in enumerate(PARTICIPANTS):
-        records = [{"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance}
-                   for i in range(number + 2)]
+        records = [
+            {"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance} for i in range(number + 2)
+        ]
         manifests.append(ObjectStoreWriter(url, kind, instance, checkpoint_id).write(records))
-    write_participants_index(url, checkpoint_id, [
-        {"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests])
+    write_participants_index(
+        url,
+        checkpoint_id,
+        [{"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests],
+    )
     return url
 
 
@@ -120,6 +124,7 @@ def test_a_commit_is_refused_an_object_store_prefix_holding_another_checkpoint(s
     # The listing reads the store as the filesystem: the index and every manifest naming another id.
     found = other_checkpoints(s3_dir, "step-8")
     assert found[0] == f"{s3_dir}/gym/participants.json lists checkpoint 'step-7'"
-    assert sorted(found[1:]) == sorted(f"{s3_dir}/gym/{kind}/{instance}/manifest.json is of checkpoint 'step-7'"
-                                       for kind, instance in PARTICIPANTS)
+    assert sorted(found[1:]) == sorted(
+        f"{s3_dir}/gym/{kind}/{instance}/manifest.json is of checkpoint 'step-7'" for kind, instance in PARTICIPANTS
+    )
     assert other_checkpoints(s3_dir, "step-7") == []  # its own checkpoint: a retried commit goes on

@@ -22,12 +22,17 @@ def good_checkpoint(root: Path, checkpoint_id: str = "step-7", *, index: bool = 
     """Every participant committed, then (like a controller) the participants index."""
     manifests = []
     for number, (kind, instance) in enumerate(PARTICIPANTS):
-        records = [{"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance, "big": 2**70}
-                   for i in range(number + 2)]
+        records = [
+            {"episode_id": {"rollout_id": f"r{i}", "attempt": i % 2}, "owner": instance, "big": 2**70}
+            for i in range(number + 2)
+        ]
         manifests.append(CheckpointWriter(root, kind, instance, checkpoint_id).write(records, {"note": "x"}))
     if index:
-        write_participants_index(root, checkpoint_id, [
-            {"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests])
+        write_participants_index(
+            root,
+            checkpoint_id,
+            [{"kind": m["kind"], "instance": m["instance"], "records_sha256": m["records_sha256"]} for m in manifests],
+        )
     return root
 
 
@@ -156,8 +161,21 @@ def test_inspect_lists_participants_counts_sizes_ids(tmp_path, capsys):
 def test_every_command_has_help(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 - the parser's own registry
-    assert set(commands) == {"status", "prepare", "commit", "resume", "restore", "retire", "forget", "renew",
-                             "inspect", "verify", "enable", "collect", "gc"}
+    assert set(commands) == {
+        "status",
+        "prepare",
+        "commit",
+        "resume",
+        "restore",
+        "retire",
+        "forget",
+        "renew",
+        "inspect",
+        "verify",
+        "enable",
+        "collect",
+        "gc",
+    }
     for command in commands:
         with pytest.raises(SystemExit) as exited:
             main([command, "--help"])
@@ -189,7 +207,8 @@ def test_verify_refuses_special_files_without_hanging(tmp_path, special):
 def test_verify_refuses_a_repeated_capture_key_naming_it(tmp_path, capsys):
     good_checkpoint(tmp_path)
     CheckpointWriter(tmp_path, "environment", "env2", "step-7").write(
-        [{"episode_id": {"rollout_id": "x", "attempt": 2}, "n": n} for n in range(2)])
+        [{"episode_id": {"rollout_id": "x", "attempt": 2}, "n": n} for n in range(2)]
+    )
     assert main(["verify", str(tmp_path)]) == 1
     assert "FAIL  environment/env2: " in (out := capsys.readouterr().out) and "repeats episode x-a2" in out
 
@@ -222,7 +241,9 @@ def test_verify_warns_about_unreferenced_files_and_still_exits_0(tmp_path, capsy
     report = orjson.loads(captured.out)
     assert report["ok"] is True
     assert sorted(Path(w.split(":")[0]).name for w in report["warnings"]) == [
-        ".records.0123.tmp", f"records-{'a' * 64}.jsonl"]
+        ".records.0123.tmp",
+        f"records-{'a' * 64}.jsonl",
+    ]
     assert all("not referenced by any manifest" in w for w in report["warnings"])
     # With --json everything is told once, in the document.
     assert captured.err == ""

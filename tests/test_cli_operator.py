@@ -88,8 +88,10 @@ def test_default_token_and_deployment_then_restore_all_and_paste_resume(four, tm
     code, out, err = run(capsys, "commit", "step-1", "--dir", str(ckpt), "--all")
     assert code == 0, err
     # --all leaves out r3, the agent's restart, everywhere (not only where it was reported).
-    assert out == (f"committed step-1 to {ckpt}: episodes written: agent 2, env 2, policy_model 2, tools 2\n"
-                   "left out 1 restart(s) (they start over after a crash): r3\n")
+    assert out == (
+        f"committed step-1 to {ckpt}: episodes written: agent 2, env 2, policy_model 2, tools 2\n"
+        "left out 1 restart(s) (they start over after a crash): r3\n"
+    )
     assert run(capsys, "resume", "step-1")[0] == 0
 
     # A restore scope the checkpoint does not hold: refused before any server is called.
@@ -124,9 +126,11 @@ def test_wrong_token_is_one_message_naming_its_source(four, tmp_path, capsys, mo
     monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "not-the-token-0123456789")
     code, out, err = run(capsys, "status", *urls(four))
     assert code == 1 and out == ""
-    assert err == ("error: the control token was refused (HTTP 401 unauthorized) by every server (4): it was "
-                   "read from the variable NG_CHECKPOINT_TOKEN, and it is not the token the servers were "
-                   "started with\n")
+    assert err == (
+        "error: the control token was refused (HTTP 401 unauthorized) by every server (4): it was "
+        "read from the variable NG_CHECKPOINT_TOKEN, and it is not the token the servers were "
+        "started with\n"
+    )
     token_file = tmp_path / "token"
     token_file.write_text("also-wrong-0123456789\n")
     code, out, err = run(capsys, "prepare", "step-1", *urls(four), "--token-file", str(token_file))
@@ -173,8 +177,9 @@ def test_progress_while_waiting_goes_to_stderr_never_into_json(tmp_path, capsys,
         assert "... prepare p-1: waiting for policy_model (" in err and "deadline in" in err
         assert "waiting for" not in out
         assert run(capsys, "resume", "p-1", *urls(servers))[0] == 0
-        code, out, err = run(capsys, "prepare", "p-2", *urls(servers), "--deadline", "1", "--progress-every",
-                             "0.2", "--json")
+        code, out, err = run(
+            capsys, "prepare", "p-2", *urls(servers), "--deadline", "1", "--progress-every", "0.2", "--json"
+        )
         assert code == 3 and err == "" and orjson.loads(out)["blockers"] == ["r5"]
         assert run(capsys, "resume", "p-2", *urls(servers))[0] == 0
     finally:
@@ -184,8 +189,13 @@ def test_progress_while_waiting_goes_to_stderr_never_into_json(tmp_path, capsys,
 def run_with_terminal_stderr(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     """Run the CLI with stderr on a pseudo-terminal (as in a shell) and stdout on a pipe."""
     master, slave = pty.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *argv],
-                               stdout=subprocess.PIPE, stderr=slave, env=env, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+        text=True,
+    )
     os.close(slave)
     chunks: list[bytes] = []
 
@@ -231,8 +241,13 @@ def test_watch_stops_on_ctrl_c(tmp_path):
     servers = start_participants(tmp_path, [dict(FOUR[1])])
     env = {k: v for k, v in os.environ.items() if k not in OWN_VARS}
     env["NG_CHECKPOINT_TOKEN"] = TOKEN
-    watch = subprocess.Popen([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "status", *urls(servers),
-                              "--watch", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "status", *urls(servers), "--watch", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     watchdog = threading.Timer(120, watch.kill)  # bounds the blocking readline below
     watchdog.start()
     try:

@@ -36,8 +36,13 @@ async def cli(servers, *args: str) -> subprocess.CompletedProcess:
 def _cli(servers, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("NG_CHECKPOINT_TOKEN", "NG_CHECKPOINT_CONFIG")}
     where = [arg for s in servers for arg in ("--url", s.url)]
-    return subprocess.run([*NG_CHECKPOINT, *args, *where, "--token-env", TOKEN_ENV], capture_output=True, text=True,
-                          timeout=120, env={**env, TOKEN_ENV: TOKEN, "COLUMNS": "200"})
+    return subprocess.run(
+        [*NG_CHECKPOINT, *args, *where, "--token-env", TOKEN_ENV],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, TOKEN_ENV: TOKEN, "COLUMNS": "200"},
+    )
 
 
 async def test_a_cli_prepare_during_a_collection_is_refused_naming_the_owner_until_it_takes_over(four):
@@ -77,15 +82,17 @@ async def test_a_collector_refused_by_another_owner_gives_back_what_it_claimed(f
         async with await discover([s.url for s in four], TOKEN) as collector:
             said: list[str] = []
             with pytest.raises(UsageError, match=f"owned by another controller: {COLLECTOR} \\(2 of 4 servers\\)"):
-                await take_deployment(collector, "collect-99999999@here", take_over=False, predecessor=None,
-                                      say=said.append, timeout=10)
+                await take_deployment(
+                    collector, "collect-99999999@here", take_over=False, predecessor=None, say=said.append, timeout=10
+                )
             status, _ = await collector.status()
             # The two it could claim are given back: nothing is left owned by the refused collector.
             assert {s.get("owner") for s in status.values()} == {COLLECTOR, None}
             assert sum(1 for s in status.values() if s.get("owner") is None) == 2 and said == []
             # A dead predecessor is fenced without asking; so is anyone with --take-over.
-            await take_deployment(collector, "collect-99999999@here", take_over=False, predecessor=COLLECTOR,
-                                  say=said.append, timeout=10)
+            await take_deployment(
+                collector, "collect-99999999@here", take_over=False, predecessor=COLLECTOR, say=said.append, timeout=10
+            )
             status, _ = await collector.status()
             assert {s.get("owner") for s in status.values()} == {"collect-99999999@here"}
             assert said and "it is fenced for good" in said[0]

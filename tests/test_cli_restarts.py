@@ -41,8 +41,9 @@ NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
 async def cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("NG_CHECKPOINT_CONFIG",)}
     env.update({TOKEN_ENV: HARNESS_TOKEN, "COLUMNS": "80"})
-    return await asyncio.to_thread(subprocess.run, [*NG_CHECKPOINT, *args], capture_output=True, text=True,
-                                   timeout=120, env=env)
+    return await asyncio.to_thread(
+        subprocess.run, [*NG_CHECKPOINT, *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 async def test_a_mixin_server_with_its_own_sessions_warns_at_startup_and_in_status(gym_deployment_factory, tmp_path):
@@ -59,8 +60,10 @@ async def test_a_mixin_server_with_its_own_sessions_warns_at_startup_and_in_stat
     shown = await cli("status", "--config", config)
     assert shown.returncode == 0, shown.stderr
     # Each row's first line starts with its name (a long name wraps within its column).
-    first_lines = {name: next(line for line in shown.stdout.splitlines() if line.startswith(name[:15]))
-                   for name in (RESOURCES, ENVIRONMENT, AGENT)}
+    first_lines = {
+        name: next(line for line in shown.stdout.splitlines() if line.startswith(name[:15]))
+        for name in (RESOURCES, ENVIRONMENT, AGENT)
+    }
     assert "every episode" in first_lines[RESOURCES]
     assert all("every episode" not in first_lines[name] for name in (ENVIRONMENT, AGENT))
     document = orjson.loads((await cli("status", "--config", config, "--json")).stdout)
@@ -78,16 +81,19 @@ async def _run(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> d
 
 async def test_commit_all_leaves_out_every_restart(gym_deployment_factory, tmp_path):
     # replay: prepare does not wait for the steps in flight, so both rollouts are held mid-turn at the checkpoint.
-    harness = gym_deployment_factory(entrypoints=wrapped_entrypoints(),
-                                     checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "replay"})
+    harness = gym_deployment_factory(
+        entrypoints=wrapped_entrypoints(), checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "replay"}
+    )
     config = str(harness.deployment.write_config(tmp_path / "gym.yaml"))
     ckpt = tmp_path / "ckpt"
     await harness.fake.hold(match="", count=2, step=1)
     limits = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=limits) as http:
-        runs = [asyncio.ensure_future(_run(http, harness.env_url, run_body("cont-1"))),
-                # task_data declares it a restart: the resources seed says so, and the environment lists it.
-                asyncio.ensure_future(_run(http, harness.env_url, run_body("rst-1", restart=True)))]
+        runs = [
+            asyncio.ensure_future(_run(http, harness.env_url, run_body("cont-1"))),
+            # task_data declares it a restart: the resources seed says so, and the environment lists it.
+            asyncio.ensure_future(_run(http, harness.env_url, run_body("rst-1", restart=True))),
+        ]
         await harness.fake.wait_for(lambda stats: stats["held"] >= 2, 60, "both rollouts' model calls held")
         prepared = await cli("prepare", "step-1", "--config", config, "--deadline", "30")
         assert prepared.returncode == 0, prepared.stdout + prepared.stderr
@@ -112,8 +118,9 @@ async def test_commit_all_leaves_out_every_restart(gym_deployment_factory, tmp_p
 
 
 async def test_commit_all_in_words_names_the_restarts_it_left_out(gym_deployment_factory, tmp_path):
-    harness = gym_deployment_factory(entrypoints=wrapped_entrypoints(),
-                                     checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "replay"})
+    harness = gym_deployment_factory(
+        entrypoints=wrapped_entrypoints(), checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "replay"}
+    )
     config = str(harness.deployment.write_config(tmp_path / "gym.yaml"))
     await harness.fake.hold(match="", count=1, step=1)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:

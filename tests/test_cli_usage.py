@@ -93,13 +93,16 @@ def test_a_token_breaking_the_rule_is_a_usage_error_naming_where_it_came_from(tm
     short = tmp_path / "short-token"
     short.write_text("abc\n")
     assert main(["status", "--url", NOWHERE, "--token-file", str(short)]) == 2
-    assert capsys.readouterr().err == (f"ng-checkpoint status: error: the control token from --token-file {short} "
-                                       f"is 3 characters long {RULE}\n")
+    assert capsys.readouterr().err == (
+        f"ng-checkpoint status: error: the control token from --token-file {short} is 3 characters long {RULE}\n"
+    )
     monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "jeton-de-contrôle-0123456789")
     assert main(["status", "--url", NOWHERE]) == 2
     err = capsys.readouterr().err
-    assert err == ("ng-checkpoint status: error: the control token from the variable NG_CHECKPOINT_TOKEN holds a "
-                   f"character outside printable ASCII or a space {RULE}\n")
+    assert err == (
+        "ng-checkpoint status: error: the control token from the variable NG_CHECKPOINT_TOKEN holds a "
+        f"character outside printable ASCII or a space {RULE}\n"
+    )
     monkeypatch.setenv("OTHER", "with a space 0123456789")
     with pytest.raises(UsageError, match=r"from the variable OTHER \(--token-env\) holds a character"):
         resolve_deployment(args(url=[NOWHERE], token_env="OTHER"))
@@ -109,8 +112,10 @@ def test_a_token_breaking_the_rule_is_a_usage_error_naming_where_it_came_from(tm
     monkeypatch.setenv("CLI_TEST_TOKEN", "too-short")
     with pytest.raises(UsageError) as refused:
         resolve_deployment(args(config=str(config)))
-    assert str(refused.value).startswith("the control token from the variable CLI_TEST_TOKEN "
-                                         f"(checkpoint.control_auth_token_env) is 9 characters long {RULE}")
+    assert str(refused.value).startswith(
+        "the control token from the variable CLI_TEST_TOKEN "
+        f"(checkpoint.control_auth_token_env) is 9 characters long {RULE}"
+    )
     assert "too-short" not in str(refused.value)
 
 
@@ -132,7 +137,8 @@ def test_default_deployment_from_ng_checkpoint_config(tmp_path, monkeypatch, cap
     assert main(["status"]) == 2
     missing = tmp_path / "missing.yaml"
     assert capsys.readouterr().err == (
-        f"ng-checkpoint status: error: NG_CHECKPOINT_CONFIG names {missing}, which does not exist\n")
+        f"ng-checkpoint status: error: NG_CHECKPOINT_CONFIG names {missing}, which does not exist\n"
+    )
     config = gym_config(tmp_path / "gym.yaml", "CLI_TEST_TOKEN")
     monkeypatch.setenv("NG_CHECKPOINT_CONFIG", str(config))
     monkeypatch.setenv("CLI_TEST_TOKEN", "cli-usage-test-token")
@@ -161,8 +167,11 @@ def test_json_before_or_after_the_command_and_for_offline_errors(tmp_path, capsy
         return code, orjson.loads(captured.out)
 
     code, document = run("verify", str(tmp_path / "nope"))
-    assert code == 1 and document["error"] == {"code": "checkpoint_unreadable", "detail": f"{tmp_path / 'nope'} "
-                                               "does not exist", "dir": str(tmp_path / "nope")}
+    assert code == 1 and document["error"] == {
+        "code": "checkpoint_unreadable",
+        "detail": f"{tmp_path / 'nope'} does not exist",
+        "dir": str(tmp_path / "nope"),
+    }
     code, document = run("inspect", str(tmp_path))
     assert code == 1 and document["error"]["code"] == "not_a_checkpoint"
     (tmp_path / "gym").mkdir()
@@ -198,16 +207,24 @@ def test_restore_scope_is_checked_against_the_checkpoint(tmp_path, capsys, monke
 
 
 def test_inspect_table_fits_80_columns(tmp_path):
-    checkpoint(tmp_path, {("environment", "a_rather_long_environment_instance"): ["r1"],
-                          ("model", "policy_model"): ["r1"]}, checkpoint_id="a-long-checkpoint-id-0001")
+    checkpoint(
+        tmp_path,
+        {("environment", "a_rather_long_environment_instance"): ["r1"], ("model", "policy_model"): ["r1"]},
+        checkpoint_id="a-long-checkpoint-id-0001",
+    )
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    done = subprocess.run([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "inspect", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
     # A long cell wraps inside its column instead of running past the edge.
     header, *rows = done.stdout.splitlines()
     assert header.split() == ["KIND", "INSTANCE", "CHECKPOINT", "RECORDS", "BYTES", "SHA256", "STATE"]
     column = slice(header.index("INSTANCE"), header.index("CHECKPOINT"))
-    until_next_row = rows[:next(i for i, row in enumerate(rows) if row.startswith("model"))]
+    until_next_row = rows[: next(i for i, row in enumerate(rows) if row.startswith("model"))]
     assert "".join(row[column].strip() for row in until_next_row) == "a_rather_long_environment_instance"

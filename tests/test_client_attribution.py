@@ -28,7 +28,7 @@ from nemo_gym_checkpoint_plugin.testing.harness import free_port_base, wait_unti
 
 HOST = "127.0.0.1"
 
-RECORDER = r'''
+RECORDER = r"""
 import os, sys
 from pathlib import Path
 import uvicorn
@@ -50,7 +50,7 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"{\"ok\": true}"})
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
-'''
+"""
 
 
 class Recorder:

@@ -149,8 +149,11 @@ def test_the_same_collect_started_twice_refuses_the_second_at_once_naming_the_fi
     fake(backend, "hold", {"match": "(rollout row", "count": ROWS, "step": 1})  # the first stays busy
     # No checkpoint published yet (every 60 s): nothing but the lock tells the second one the directory is taken.
     first = Collector(backend, tmp_path, "first", ckpt=ckpt, output=output, every=60)
-    wait_until(lambda: fake(backend, "stats")["held"] or first.proc.poll() is not None, 120,
-               "the first collector's rows in flight")
+    wait_until(
+        lambda: fake(backend, "stats")["held"] or first.proc.poll() is not None,
+        120,
+        "the first collector's rows in flight",
+    )
     second = Collector(backend, tmp_path, "second", ckpt=ckpt, output=output, every=60)
     assert second.wait(120) == 2, second.text()[-3000:]
     assert "is in use: collector collect-" in second.text() and f"(pid {first.proc.pid} on host " in second.text()
@@ -165,8 +168,11 @@ def test_two_resumes_at_once_after_a_crash_one_is_refused_and_every_row_is_once(
     ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
     fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
     crashed = Collector(backend, tmp_path, "crashed", ckpt=ckpt, output=output, every=0.3, pause="published:1")
-    wait_until(lambda: crashed.events_named("paused") or crashed.proc.poll() is not None, 240,
-               "a published checkpoint holding rows in flight")
+    wait_until(
+        lambda: crashed.events_named("paused") or crashed.proc.poll() is not None,
+        240,
+        "a published checkpoint holding rows in flight",
+    )
     assert crashed.proc.poll() is None, crashed.text()[-3000:]
     crashed.kill()
     backend.kill()
@@ -187,9 +193,13 @@ def test_two_resumes_at_once_after_a_crash_one_is_refused_and_every_row_is_once(
 
 
 def _cli(deployment: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *args,
-                           "--config", str(deployment.gym_yaml)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, TOKEN_ENV: TOKEN, "COLUMNS": "200"})
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *args, "--config", str(deployment.gym_yaml)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, TOKEN_ENV: TOKEN, "COLUMNS": "200"},
+    )
 
 
 @pytest.mark.slow
@@ -197,8 +207,11 @@ def test_a_cli_prepare_during_a_collection_is_refused_naming_the_collector(backe
     ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
     fake(backend, "hold", {"match": "(rollout row", "count": 2, "step": 1})
     collector = Collector(backend, tmp_path, "owner", ckpt=ckpt, output=output, every=0.5)
-    wait_until(lambda: collector.events_named("published") or collector.proc.poll() is not None, 120,
-               "a checkpoint of the running collection")
+    wait_until(
+        lambda: collector.events_named("published") or collector.proc.poll() is not None,
+        120,
+        "a checkpoint of the running collection",
+    )
     refused = _cli(backend, "prepare", "by-hand-1")
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "owned by another controller (collect-" in refused.stderr and "--take-over" in refused.stderr
@@ -209,8 +222,11 @@ def test_a_cli_prepare_during_a_collection_is_refused_naming_the_collector(backe
     assert not (tmp_path / "other.jsonl").exists() or rows_of(tmp_path / "other.jsonl") == {}
     # Nothing closed admission for the CLI: the collection goes on checkpointing and finishes.
     published = len(collector.events_named("published"))
-    wait_until(lambda: len(collector.events_named("published")) > published or collector.proc.poll() is not None,
-               120, "another checkpoint after the refused prepare")
+    wait_until(
+        lambda: len(collector.events_named("published")) > published or collector.proc.poll() is not None,
+        120,
+        "another checkpoint after the refused prepare",
+    )
     fake(backend, "release", {})
     assert collector.wait() == 0, collector.text()[-3000:]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
@@ -226,11 +242,15 @@ def test_a_collector_killed_right_after_a_publish_is_resumed_against_the_live_se
     ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
     fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
     dead = Collector(backend, tmp_path, "dead", ckpt=ckpt, output=output, every=0.3, pause="published:1")
-    wait_until(lambda: dead.events_named("paused") or dead.proc.poll() is not None, 240,
-               "a published checkpoint holding rows in flight")
+    wait_until(
+        lambda: dead.events_named("paused") or dead.proc.poll() is not None,
+        240,
+        "a published checkpoint holding rows in flight",
+    )
     dead.kill()  # the collector only: the servers live on, in phase committed, owned by the dead collector
-    statuses = [request(url + CONTROL_PREFIX + "/status")[1] for url in backend.urls.values()
-                if url != backend.urls[BACKEND]]
+    statuses = [
+        request(url + CONTROL_PREFIX + "/status")[1] for url in backend.urls.values() if url != backend.urls[BACKEND]
+    ]
     assert {s["phase"] for s in statuses} == {"committed"}
     fake(backend, "release", {})
     resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
@@ -246,8 +266,9 @@ def small_disk(tmp_path: Path) -> Any:
     """A real 4 MB filesystem (tmpfs), so a checkpoint directory can really fill up."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"a real full disk needs a tmpfs mount here: {mounted.stderr.strip()}")
     yield disk
@@ -278,12 +299,16 @@ def test_a_disk_that_filled_once_recovers_failed_attempts_go_before_the_next_wri
     wait_until(lambda: resumed(True) or collector.proc.poll() is not None, 120, "a published checkpoint")
     _fill(small_disk / "filler")
     failed = resumed(False)
-    wait_until(lambda: resumed(False) >= failed + 3 or collector.proc.poll() is not None, 120,
-               "three checkpoints failing on the full disk")
+    wait_until(
+        lambda: resumed(False) >= failed + 3 or collector.proc.poll() is not None,
+        120,
+        "three checkpoints failing on the full disk",
+    )
     (small_disk / "filler").unlink()  # the disk has room again
     published = resumed(True)
-    wait_until(lambda: resumed(True) > published or collector.proc.poll() is not None, 120,
-               "a checkpoint published again")
+    wait_until(
+        lambda: resumed(True) > published or collector.proc.poll() is not None, 120, "a checkpoint published again"
+    )
     # No attempt ever started beside a failed one: what they left was removed first.
     for prepare in collector.events_named("prepare"):
         assert all(is_published for _name, is_published in prepare["dir"]), prepare

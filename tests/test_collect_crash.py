@@ -80,14 +80,34 @@ class Run:
         # Checkpoints close together: rows in flight at one are mostly still in flight at the next kill.
         self.leg += 1
         events = self.work / f"events-{self.leg}.jsonl"
-        argv = [sys.executable, str(ENTRY), str(events), pause, "--", "--json", "--checkpoint-dir",
-                str(self.work / "ckpt"), "--checkpoint-every", str(every), *(["--resume"] if resume else []),
-                f"+config_paths=[{self.deployment.gym_yaml}]", f"+input_jsonl_fpath={self.deployment.inputs}",
-                f"+output_jsonl_fpath={self.output}", "+num_samples_in_parallel=12", "+disable_health_check=true",
-                "+environment_server_routes={example_single_tool_call: single_agent_turn}"]
+        argv = [
+            sys.executable,
+            str(ENTRY),
+            str(events),
+            pause,
+            "--",
+            "--json",
+            "--checkpoint-dir",
+            str(self.work / "ckpt"),
+            "--checkpoint-every",
+            str(every),
+            *(["--resume"] if resume else []),
+            f"+config_paths=[{self.deployment.gym_yaml}]",
+            f"+input_jsonl_fpath={self.deployment.inputs}",
+            f"+output_jsonl_fpath={self.output}",
+            "+num_samples_in_parallel=12",
+            "+disable_health_check=true",
+            "+environment_server_routes={example_single_tool_call: single_agent_turn}",
+        ]
         log = open(self.work / f"collector-{self.leg}.log", "wb")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(argv, cwd=self.work, env={**os.environ, TOKEN_ENV: TOKEN}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.work,
+            env={**os.environ, TOKEN_ENV: TOKEN},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         return proc, events
 
@@ -149,9 +169,14 @@ def test_a_collection_killed_at_every_point_ends_with_each_row_once_as_uninterru
     run.work.mkdir()
     # Mid-dispatch: rows in flight, a checkpoint published, killed at no particular step.
     proc, events = run.start("-", resume=False)
-    wait_until(lambda: proc.poll() is not None or (
-        any(e["event"] == "published" for e in _events(events)) and _lines(run.output) >= 20),
-        240, "a published checkpoint and 20 rows done")
+    wait_until(
+        lambda: (
+            proc.poll() is not None
+            or (any(e["event"] == "published" for e in _events(events)) and _lines(run.output) >= 20)
+        ),
+        240,
+        "a published checkpoint and 20 rows done",
+    )
     assert proc.poll() is None, "the collection ended before it could be killed"
     run.crash(proc)
     continued = repeated = 0
@@ -221,8 +246,11 @@ def test_a_checkpoint_dir_of_another_deployment_is_refused_before_anything_runs(
     store = CheckpointStore(tmp_path / "ckpt")
     checkpoint_id = store.checkpoint_id(1)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    state = CollectorState(checkpoint_id, {"participants": ["environment/elsewhere"], "output": str(tmp_path / "o")},
-                           [RowState("0-0", 0, "continued")])
+    state = CollectorState(
+        checkpoint_id,
+        {"participants": ["environment/elsewhere"], "output": str(tmp_path / "o")},
+        [RowState("0-0", 0, "continued")],
+    )
     store.publish(state, *store.write_records(state))
     run = Run(deployment, tmp_path)
     proc, events = run.start("-", resume=True)

@@ -58,8 +58,9 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def _call(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {TOKEN}",
-                                                              "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=data, headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    )
     try:
         with _DIRECT.open(request, timeout=30) as reply:
             return reply.status, json.loads(reply.read())
@@ -87,15 +88,34 @@ class Collector:
     def start(self, pause: str, resume: bool) -> tuple[subprocess.Popen[bytes], Path]:
         self.leg += 1
         events = self.work / f"events-{self.leg}.jsonl"
-        argv = [sys.executable, str(ENTRY), str(events), pause, "--", "--json", "--checkpoint-dir",
-                str(self.work / "ckpt"), "--checkpoint-every", "0.3", *(["--resume"] if resume else []),
-                f"+config_paths=[{self.gym_yaml}]", f"+input_jsonl_fpath={self.inputs}",
-                f"+output_jsonl_fpath={self.output}", f"+num_samples_in_parallel={ROWS}",
-                "+disable_health_check=true",
-                "+environment_server_routes={example_single_tool_call: single_agent_turn}"]
+        argv = [
+            sys.executable,
+            str(ENTRY),
+            str(events),
+            pause,
+            "--",
+            "--json",
+            "--checkpoint-dir",
+            str(self.work / "ckpt"),
+            "--checkpoint-every",
+            "0.3",
+            *(["--resume"] if resume else []),
+            f"+config_paths=[{self.gym_yaml}]",
+            f"+input_jsonl_fpath={self.inputs}",
+            f"+output_jsonl_fpath={self.output}",
+            f"+num_samples_in_parallel={ROWS}",
+            "+disable_health_check=true",
+            "+environment_server_routes={example_single_tool_call: single_agent_turn}",
+        ]
         log = open(self.work / f"collector-{self.leg}.log", "wb")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(argv, cwd=self.work, env={**os.environ, TOKEN_ENV: TOKEN}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.work,
+            env={**os.environ, TOKEN_ENV: TOKEN},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         return proc, events
 
@@ -112,13 +132,18 @@ class Collector:
 def test_resume_sends_restarts_as_their_next_attempt_and_gym_rebuilds_every_row_unmasked(tmp_path: Path) -> None:
     captures = tmp_path / "captures"
     deployment = Deployment(
-        free_port_base(), tmp_path, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=tmp_path / "logs", extra_env={TOKEN_ENV: TOKEN},
+        free_port_base(),
+        tmp_path,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=tmp_path / "logs",
+        extra_env={TOKEN_ENV: TOKEN},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "wait"},
         model={"return_token_id_information": True},
         # rebuild_response false: the collection leaves the capture to the trainer, which rebuilds it below.
-        gym_settings={"token_id_capture": {"enabled": True, "all_agents": True, "dir": str(captures),
-                                           "rebuild_response": False}},
+        gym_settings={
+            "token_id_capture": {"enabled": True, "all_agents": True, "dir": str(captures), "rebuild_response": False}
+        },
     )
     deployment.start(timeout=240)
     try:
@@ -135,13 +160,19 @@ def _scenario(run: Collector, captures: Path) -> None:
     # Every row's second model call (the answer after the tool call) waits at the backend.
     assert _call(urls[BACKEND] + "/_fake/hold", {"match": "(rollout row", "count": ROWS, "step": 1})[0] == 200
     proc, events = run.start("-", resume=False)
-    wait_until(lambda: proc.poll() is not None or _call(urls[BACKEND] + "/_fake/stats?brief=true")[1]["held"] == ROWS,
-               240, "every row's second model call held")
+    wait_until(
+        lambda: proc.poll() is not None or _call(urls[BACKEND] + "/_fake/stats?brief=true")[1]["held"] == ROWS,
+        240,
+        "every row's second model call held",
+    )
     assert proc.poll() is None, run.log()[-3000:]
     # A checkpoint published after that holds every row, each with its first call captured.
     seen = sum(e["event"] == "published" for e in _events(events))
-    wait_until(lambda: proc.poll() is not None or sum(e["event"] == "published" for e in _events(events)) > seen,
-               240, "a checkpoint published with every row in flight")
+    wait_until(
+        lambda: proc.poll() is not None or sum(e["event"] == "published" for e in _events(events)) > seen,
+        240,
+        "a checkpoint published with every row in flight",
+    )
     run.crash(proc)
     state, _ = CheckpointStore(run.work / "ckpt").latest()
     assert state is not None
@@ -154,8 +185,11 @@ def _scenario(run: Collector, captures: Path) -> None:
 
     # Resumed into fresh servers: the restarts are retired everywhere before anything is dispatched.
     proc, events = run.start("retired:1", resume=True)
-    wait_until(lambda: proc.poll() is not None or any(e["event"] == "paused" for e in _events(events)), 240,
-               "the collector to retire the restarts")
+    wait_until(
+        lambda: proc.poll() is not None or any(e["event"] == "paused" for e in _events(events)),
+        240,
+        "the collector to retire the restarts",
+    )
     assert proc.poll() is None, run.log()[-3000:]
     (retired,) = [e for e in _events(events) if e["event"] == "retired"]
     assert retired["episodes"] == {f"{i}-0": 0 for i in RESTARTS}

@@ -25,8 +25,10 @@ from nemo_gym_checkpoint_plugin.coordination._collection import (
 from nemo_gym_checkpoint_plugin.coordination._collector_state import CheckpointStore, CollectorState, RowState
 from nemo_gym_checkpoint_plugin.coordination._errors import CoordinationError, ParticipantFailure
 
-TASK = {"task_id": {"taskset": "example_single_tool_call", "task_id": "t7"},
-        "task_input": {"responses_create_params": {"input": [{"role": "user", "content": "hi"}]}}}
+TASK = {
+    "task_id": {"taskset": "example_single_tool_call", "task_id": "t7"},
+    "task_input": {"responses_create_params": {"input": [{"role": "user", "content": "hi"}]}},
+}
 
 
 # -- the typed single_agent_turn path (Gym's _episode_request_body) --------------------------------
@@ -67,8 +69,9 @@ class _RunServer:
 
 
 def _client(port: int, tracker: RunTracker) -> CollectorServerClient:
-    config = OmegaConf.create({"env": {"environment_servers": {"single_agent_turn": {"host": "127.0.0.1",
-                                                                                        "port": port}}}})
+    config = OmegaConf.create(
+        {"env": {"environment_servers": {"single_agent_turn": {"host": "127.0.0.1", "port": port}}}}
+    )
     head = BaseServerConfig(host="127.0.0.1", port=port)
     return CollectorServerClient(head_server_config=head, global_config_dict=config).track(tracker)
 
@@ -110,9 +113,11 @@ def test_run_is_never_resent_after_a_dropped_connection() -> None:
         server = _RunServer(drop_first=True)
         async with server as port:
             with pytest.raises(ClientError):
-                await _client(port, tracker).post(server_name="env", url_path="/run",
-                                                  json=_episode_request_body({**TASK, "_ng_task_index": 3,
-                                                                              "_ng_rollout_index": 0}))
+                await _client(port, tracker).post(
+                    server_name="env",
+                    url_path="/run",
+                    json=_episode_request_body({**TASK, "_ng_task_index": 3, "_ng_rollout_index": 0}),
+                )
         return server.bodies
 
     assert len(asyncio.run(scenario())) == 1  # Gym's own client sends it again, and again
@@ -127,23 +132,32 @@ def _legacy_server(book: bool) -> Any:
 
     from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
 
-    config = SimpleNamespace(resources_server=SimpleNamespace(name="res"), agent_server=SimpleNamespace(name="agent"),
-                             name="env", max_concurrent_episodes=None, queue_timeout_seconds=None)
+    config = SimpleNamespace(
+        resources_server=SimpleNamespace(name="res"),
+        agent_server=SimpleNamespace(name="agent"),
+        name="env",
+        max_concurrent_episodes=None,
+        queue_timeout_seconds=None,
+    )
     server = derive_checkpointable(SingleAgentTurnLegacyEnvironmentServer).model_construct(config=config)
     if book:
         server._ng_episode_book = object()  # checkpointing on: what bind_episode_book sets
     return server
 
 
-LEGACY_ROW = {"_ng_task_index": 7, "_ng_rollout_index": 0,
-              "responses_create_params": {"input": [{"role": "user", "content": "hi"}]}}
+LEGACY_ROW = {
+    "_ng_task_index": 7,
+    "_ng_rollout_index": 0,
+    "responses_create_params": {"input": [{"role": "user", "content": "hi"}]},
+}
 
 
 def test_the_legacy_row_wrapper_decodes_an_explicit_attempt_id() -> None:
     request = _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7-a2"})
     assert (request.episode_id.rollout_id, request.episode_id.attempt) == ("r7", 2)
-    plain = _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7",
-                                                                 "_ng_attempt_index": 1})
+    plain = _legacy_server(book=True)._episode_request_from_row(
+        {**LEGACY_ROW, "_ng_rollout_id": "r7", "_ng_attempt_index": 1}
+    )
     assert (plain.episode_id.rollout_id, plain.episode_id.attempt) == ("r7", 1)
 
 
@@ -151,8 +165,9 @@ def test_the_legacy_row_wrapper_refuses_an_ambiguous_id_and_is_gyms_own_with_che
     from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
 
     with pytest.raises(AmbiguousEpisode) as refused:
-        _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7-a2",
-                                                             "_ng_attempt_index": 1})
+        _legacy_server(book=True)._episode_request_from_row(
+            {**LEGACY_ROW, "_ng_rollout_id": "r7-a2", "_ng_attempt_index": 1}
+        )
     assert refused.value.status == 422 and "already names attempt 2" in refused.value.detail
     with pytest.raises(ValueError, match="reserved attempt suffix"):
         _legacy_server(book=False)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r7-a2"})
@@ -187,13 +202,24 @@ class _Coordinator:
 
 
 def _checkpointer(coordinator: Any, tracker: RunTracker, tmp_path: Any) -> CollectionCheckpointer:
-    return CollectionCheckpointer(coordinator, CheckpointStore(tmp_path / "ckpt"), tracker, every=1.0, keep=2,
-                                  deployment={}, output_path=tmp_path / "out.jsonl")
+    return CollectionCheckpointer(
+        coordinator,
+        CheckpointStore(tmp_path / "ckpt"),
+        tracker,
+        every=1.0,
+        keep=2,
+        deployment={},
+        output_path=tmp_path / "out.jsonl",
+    )
 
 
 def _state(tmp_path: Any) -> CollectorState:
-    rows = [RowState("0-0", 0, "continued"), RowState("1-0", 1, "continued"), RowState("2-0", 0, "restart"),
-            RowState("3-0", 0, "continued")]
+    rows = [
+        RowState("0-0", 0, "continued"),
+        RowState("1-0", 1, "continued"),
+        RowState("2-0", 0, "restart"),
+        RowState("3-0", 0, "continued"),
+    ]
     return CollectorState("collect-000004", {}, rows, path=tmp_path / "ckpt" / "collect-000004")
 
 
@@ -224,9 +250,11 @@ def test_a_final_rollout_is_forgotten_on_every_participant_and_restored_ones_too
 
 
 def test_a_failed_restore_starts_those_rows_over_past_the_retired_attempts(tmp_path: Any) -> None:
-    failure = CoordinationError("restore", [ParticipantFailure("env", "http://x", "restore",
-                                                               "invalid_checkpoint_state", "bad records")],
-                                result={"next_attempts": {"0-0": 2, "1-0": 3}})
+    failure = CoordinationError(
+        "restore",
+        [ParticipantFailure("env", "http://x", "restore", "invalid_checkpoint_state", "bad records")],
+        result={"next_attempts": {"0-0": 2, "1-0": 3}},
+    )
     checkpointer = _checkpointer(_Coordinator(restore_error=failure), RunTracker(), tmp_path)
     plan = asyncio.run(checkpointer.restore_from(_state(tmp_path), finished=()))
     assert plan.continued == [] and plan.problem and "restore failed" in plan.problem
@@ -236,8 +264,9 @@ def test_a_failed_restore_starts_those_rows_over_past_the_retired_attempts(tmp_p
 
 def test_gyms_resume_from_cache_sends_continued_rows_as_their_next_attempt(tmp_path: Any) -> None:
     output = tmp_path / "out.jsonl"
-    config = RolloutCollectionConfig(input_jsonl_fpath=str(tmp_path / "in.jsonl"), output_jsonl_fpath=str(output),
-                                     resume_from_cache=True)
+    config = RolloutCollectionConfig(
+        input_jsonl_fpath=str(tmp_path / "in.jsonl"), output_jsonl_fpath=str(output), resume_from_cache=True
+    )
     rows = [{**TASK, "_ng_task_index": i, "_ng_rollout_index": 0} for i in range(4)]
     rows[3]["_ng_rollout_id"] = "x3-a1"
     config.materialized_jsonl_fpath.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
@@ -261,7 +290,8 @@ def test_the_legacy_row_wrapper_types_gyms_refusal_of_a_row_without_task_identit
         _legacy_server(book=True)._episode_request_from_row({**row, "_ng_rollout_id": "3-0-a1"})
     assert refused.value.status == 422 and "requires a non-negative task_index" in refused.value.detail
     with pytest.raises(InvalidRunRequest, match="names none of this Environment Server's instances"):
-        _legacy_server(book=True)._episode_request_from_row({**LEGACY_ROW, "_ng_rollout_id": "r1",
-                                                             "task_source": "elsewhere"})
+        _legacy_server(book=True)._episode_request_from_row(
+            {**LEGACY_ROW, "_ng_rollout_id": "r1", "task_source": "elsewhere"}
+        )
     with pytest.raises(ValueError, match="requires a non-negative task_index"):  # checkpointing off: Gym's own
         _legacy_server(book=False)._episode_request_from_row({**row, "_ng_rollout_id": "3-0"})

@@ -25,8 +25,9 @@ lock.release()
 
 
 def _holder(root: Path) -> subprocess.Popen[str]:
-    child = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None and child.stdout.readline().strip() == "locked"
     return child
 
@@ -59,8 +60,9 @@ def test_a_released_lock_is_simply_free(tmp_path: Path) -> None:
 
 
 def test_a_lock_naming_another_host_is_refused_even_when_its_flock_is_free(tmp_path: Path) -> None:
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"owner": "collect-2c2c2c2c@far", "host": "far-away-host",
-                                                  "pid": 1, "run": "2c2c2c2c", "since": 0}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps({"owner": "collect-2c2c2c2c@far", "host": "far-away-host", "pid": 1, "run": "2c2c2c2c", "since": 0})
+    )
     with pytest.raises(DirectoryLocked, match=f"once it is known to be gone, remove {tmp_path / LOCK_NAME}"):
         CollectionLock(tmp_path, "collect-1b1b1b1b@here", "1b1b1b1b", "/x/out.jsonl").acquire()
 
@@ -69,8 +71,17 @@ def test_a_reused_pid_does_not_keep_a_dead_collectors_lock(tmp_path: Path) -> No
     import socket
 
     # This very process's pid, but another process start: the collector that wrote it is gone.
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"owner": "collect-3d3d3d3d@here", "host": socket.gethostname(),
-                                                  "pid": os.getpid(), "run": "3d3d3d3d", "pid_start": "1"}))
+    (tmp_path / LOCK_NAME).write_text(
+        json.dumps(
+            {
+                "owner": "collect-3d3d3d3d@here",
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "run": "3d3d3d3d",
+                "pid_start": "1",
+            }
+        )
+    )
     lock = CollectionLock(tmp_path, "collect-1b1b1b1b@here", "1b1b1b1b", "/x/out.jsonl")
     previous = lock.acquire()
     assert previous is not None and previous.run == "3d3d3d3d"

@@ -72,8 +72,13 @@ async def test_leftover_marks_are_refused_before_dispatch_naming_them_and_the_pr
     argv = shlex.split(command)
     assert argv[argv.index("--rollout") :] == ["--rollout", "1-0", "--rollout", "2-0"]
     forgot = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *argv[1:]],
-        env={**os.environ, TOKEN_ENV: TOKEN}, capture_output=True, text=True, timeout=120)
+        subprocess.run,
+        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", *argv[1:]],
+        env={**os.environ, TOKEN_ENV: TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert forgot.returncode == 0, forgot.stderr
     assert set((await _marks(deployment)).values()) == {0}
     done = Collector(deployment, tmp_path, "after-forget", ckpt=ckpt, output=output)

@@ -14,8 +14,16 @@ class _Terminal(io.StringIO):
 
 
 def _record(published: bool = True) -> SimpleNamespace:
-    return SimpleNamespace(published=published, checkpoint_id="collect-000001-0a1b2c3d", continued=2, restarts=1,
-                           paused_s=0.5, prepare_s=0.25, commit_s=0.125, problem=None if published else "not ready")
+    return SimpleNamespace(
+        published=published,
+        checkpoint_id="collect-000001-0a1b2c3d",
+        continued=2,
+        restarts=1,
+        paused_s=0.5,
+        prepare_s=0.25,
+        commit_s=0.125,
+        problem=None if published else "not ready",
+    )
 
 
 def test_a_terminal_gets_a_live_bar_of_rows_in_flight_and_checkpoint_age() -> None:
@@ -47,14 +55,26 @@ def test_without_a_terminal_each_checkpoint_is_one_line() -> None:
 
 
 def test_the_summary_table_names_the_pauses_the_restore_and_the_fallbacks() -> None:
-    text = summary_table({
-        "rollouts": 200, "finished": 200, "finished_before": 50, "continued": 9, "restarted": 3,
-        "checkpoints": 4, "checkpoint_attempts": 5, "pause_s": {"mean": 0.5, "max": 1.25},
-        "restore_s": 0.12, "restored_from": "collect-000008-0a1b2c3d",
-        "fallbacks": [["collect-000009-0a1b2c3d", "records file digest does not match"]],
-        "forgotten": 150, "checkpoint_dir": "/ckpt",
-        "terminal_failures": ["3-0"], "missing": ["4-0", "5-0"], "duplicated": [],
-    })
+    text = summary_table(
+        {
+            "rollouts": 200,
+            "finished": 200,
+            "finished_before": 50,
+            "continued": 9,
+            "restarted": 3,
+            "checkpoints": 4,
+            "checkpoint_attempts": 5,
+            "pause_s": {"mean": 0.5, "max": 1.25},
+            "restore_s": 0.12,
+            "restored_from": "collect-000008-0a1b2c3d",
+            "fallbacks": [["collect-000009-0a1b2c3d", "records file digest does not match"]],
+            "forgotten": 150,
+            "checkpoint_dir": "/ckpt",
+            "terminal_failures": ["3-0"],
+            "missing": ["4-0", "5-0"],
+            "duplicated": [],
+        }
+    )
     assert "4 of 5" in text and "mean 0.50s, max 1.25s" in text
     flat = " ".join(text.split())
     assert "failed for good 1" in flat and "missing (--resume runs them) 2" in flat

@@ -16,8 +16,9 @@ def _checkpoint(root: Path, seq: int, run: str, collection: str | None) -> Path:
     store = CheckpointStore(root, run=run)
     checkpoint_id = store.checkpoint_id(seq)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    state = CollectorState(checkpoint_id, {"participants": [], "output": collection or OURS},
-                           [RowState("0-0", 0, "continued")])
+    state = CollectorState(
+        checkpoint_id, {"participants": [], "output": collection or OURS}, [RowState("0-0", 0, "continued")]
+    )
     digest, count = store.write_records(state)
     if collection is not None:
         store.publish(state, digest, count)
@@ -36,8 +37,7 @@ def test_only_this_collections_checkpoints_go_and_the_newest_stay(tmp_path: Path
         8: _checkpoint(tmp_path, 8, "aaaaaaaa", None),  # being written now
     }
     store = CheckpointStore(tmp_path, run="aaaaaaaa", collection=OURS)
-    assert sorted(p.name for p in store.prune(keep=2, in_use=[made[8]])) == [
-        made[1].name, made[2].name, made[6].name]
+    assert sorted(p.name for p in store.prune(keep=2, in_use=[made[8]])) == [made[1].name, made[2].name, made[6].name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(made[n].name for n in (3, 4, 5, 7, 8))
 
 
@@ -48,11 +48,14 @@ def test_without_a_collection_the_rule_is_gcs(tmp_path: Path) -> None:
     plan = plan_retention(tmp_path, 2)
     # An unpublished checkpoint newer than the oldest kept is a write in progress for gc, which holds no lock.
     assert [c.name for c in plan.remove] == ["collect-000001-aaaaaaaa"] and newer.name in [
-        c.name for c in plan.in_progress]
+        c.name for c in plan.in_progress
+    ]
     narrowed = plan_retention(tmp_path, 2, unpublished_failed=True, in_use=[str(newer)])
     assert [c.name for c in narrowed.remove] == ["collect-000001-aaaaaaaa"]
     assert [c.name for c in plan_retention(tmp_path, 2, unpublished_failed=True).remove] == [
-        newer.name, "collect-000001-aaaaaaaa"]
+        newer.name,
+        "collect-000001-aaaaaaaa",
+    ]
 
 
 def test_a_link_named_like_a_checkpoint_is_never_this_collections(tmp_path: Path) -> None:

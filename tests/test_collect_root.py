@@ -35,7 +35,8 @@ def test_a_directory_only_this_user_can_write_is_trusted(tmp_path: Path) -> None
 
 def test_a_directory_others_can_write_is_not(tmp_path: Path) -> None:
     assert untrusted(_dir(tmp_path / "scratch", 0o777)) == (
-        f"{tmp_path / 'scratch'} is writable by its group and every user (mode 0777)")
+        f"{tmp_path / 'scratch'} is writable by its group and every user (mode 0777)"
+    )
     # Below a parent others can write (no sticky bit), the root itself can be replaced.
     shared = _dir(tmp_path / "shared", 0o777)
     problem = untrusted(_dir(shared / "ckpt", 0o700))
@@ -74,8 +75,9 @@ def test_nothing_below_a_checkpoint_directory_is_written_through_a_link(tmp_path
     checkpoint.mkdir()
     (checkpoint / "gym").symlink_to(elsewhere)  # planted where the writer makes gym/
     with pytest.raises(WriteFailed, match="a symbolic link where a directory must be"):
-        CheckpointWriter(checkpoint, "environment", "env", "c1").write([{"episode_id": {"rollout_id": "r",
-                                                                                         "attempt": 0}}])
+        CheckpointWriter(checkpoint, "environment", "env", "c1").write(
+            [{"episode_id": {"rollout_id": "r", "attempt": 0}}]
+        )
     assert list(elsewhere.iterdir()) == []
 
 
@@ -96,8 +98,12 @@ def test_a_resume_refuses_a_checkpoint_of_another_input() -> None:
     why = identity_mismatch(recorded, deployment_identity(env, "/x/out.jsonl", "/y/other-in.jsonl"))
     assert why == "it collected /x/in.jsonl, this run /y/other-in.jsonl"
     # A checkpoint written before inputs were recorded is judged by the rest.
-    assert identity_mismatch(deployment_identity(env, "/x/out.jsonl"),
-                             deployment_identity(env, "/x/out.jsonl", "/y/in.jsonl")) is None
+    assert (
+        identity_mismatch(
+            deployment_identity(env, "/x/out.jsonl"), deployment_identity(env, "/x/out.jsonl", "/y/in.jsonl")
+        )
+        is None
+    )
 
 
 @needs_root
@@ -109,8 +115,11 @@ def test_a_resume_never_chooses_a_checkpoint_another_user_wrote(tmp_path: Path) 
     for seq in (1, 999999):
         checkpoint_id = store.checkpoint_id(seq)
         write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-        state = CollectorState(checkpoint_id, {"participants": [], "output": "/x/out.jsonl"},
-                               [RowState("0-0", 0, "continued")] if seq == 1 else [])
+        state = CollectorState(
+            checkpoint_id,
+            {"participants": [], "output": "/x/out.jsonl"},
+            [RowState("0-0", 0, "continued")] if seq == 1 else [],
+        )
         store.publish(state, *store.write_records(state))
     # The newest one, self-consistent, was planted by another user (it holds no rows: all progress gone).
     planted = store.path(store.checkpoint_id(999999))
@@ -118,5 +127,9 @@ def test_a_resume_never_chooses_a_checkpoint_another_user_wrote(tmp_path: Path) 
         os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
     state, skipped = store.latest()
     assert state is not None and state.checkpoint_id == store.checkpoint_id(1)
-    assert skipped == [(planted.name, f"{planted / COLLECTOR_DIR}: manifest.json belongs to another user "
-                                      f"(uid {NOBODY}), not to this collector's")]
+    assert skipped == [
+        (
+            planted.name,
+            f"{planted / COLLECTOR_DIR}: manifest.json belongs to another user (uid {NOBODY}), not to this collector's",
+        )
+    ]

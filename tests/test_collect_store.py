@@ -28,8 +28,12 @@ IDENTITY = {"participants": ["environment/env"], "output": "/x/out.jsonl"}
 def _publish(store: CheckpointStore, seq: int, *, publish: bool = True) -> Path:
     checkpoint_id = store.checkpoint_id(seq)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    state = CollectorState(checkpoint_id, IDENTITY, [RowState("0-0", 0, "continued"), RowState("1-0", 2, "restart")],
-                           finished={"rows": seq, "output": "/x/out.jsonl", "output_bytes": 10 * seq})
+    state = CollectorState(
+        checkpoint_id,
+        IDENTITY,
+        [RowState("0-0", 0, "continued"), RowState("1-0", 2, "restart")],
+        finished={"rows": seq, "output": "/x/out.jsonl", "output_bytes": 10 * seq},
+    )
     digest, count = store.write_records(state)
     if publish:
         store.publish(state, digest, count)
@@ -94,18 +98,26 @@ def test_a_checkpoint_of_another_deployment_is_named_as_such() -> None:
     here = deployment_identity([SimpleNamespace(kind="environment", instance="env2")], "/x/out.jsonl")
     why = identity_mismatch(IDENTITY, here)
     assert why is not None and "environment/env2" in why
-    assert identity_mismatch(IDENTITY, deployment_identity([SimpleNamespace(kind="environment", instance="env")],
-                                                           "/x/out.jsonl")) is None
+    assert (
+        identity_mismatch(
+            IDENTITY, deployment_identity([SimpleNamespace(kind="environment", instance="env")], "/x/out.jsonl")
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize(("where", "says"), [
-    ("relative/ckpt", "is relative"),
-    ("{tmp}/missing/ckpt", "its parent {tmp}/missing does not exist"),
-    ("/proc/ng-checkpoint-test", "/proc is not writable"),
-    ("{tmp}/file", "exists and is not a directory"),
-])
-def test_a_bad_checkpoint_dir_is_refused_before_anything_runs(tmp_path: Path, capsys: Any, where: str,
-                                                             says: str) -> None:
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [
+        ("relative/ckpt", "is relative"),
+        ("{tmp}/missing/ckpt", "its parent {tmp}/missing does not exist"),
+        ("/proc/ng-checkpoint-test", "/proc is not writable"),
+        ("{tmp}/file", "exists and is not a directory"),
+    ],
+)
+def test_a_bad_checkpoint_dir_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: Any, where: str, says: str
+) -> None:
     (tmp_path / "file").write_text("x")
     # No Gym configuration at all: the directory is refused before it would be read.
     status = main(["collect", "--checkpoint-dir", where.format(tmp=tmp_path)])
@@ -113,16 +125,24 @@ def test_a_bad_checkpoint_dir_is_refused_before_anything_runs(tmp_path: Path, ca
     assert says.format(tmp=tmp_path) in capsys.readouterr().err
 
 
-def test_a_fresh_collection_refuses_a_directory_holding_an_earlier_one(tmp_path: Path, capsys: Any,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fresh_collection_refuses_a_directory_holding_an_earlier_one(
+    tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # Gym's parser (Hydra) writes outputs/ in the working directory
     monkeypatch.setenv("NG_CHECKPOINT_TOKEN", "collect-store-token")
     store = CheckpointStore(tmp_path / "ckpt")
     _publish(store, 1)
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("")
-    status = main(["collect", "--checkpoint-dir", str(tmp_path / "ckpt"), f"+input_jsonl_fpath={inputs}",
-                   f"+output_jsonl_fpath={tmp_path / 'out.jsonl'}"])
+    status = main(
+        [
+            "collect",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            f"+input_jsonl_fpath={inputs}",
+            f"+output_jsonl_fpath={tmp_path / 'out.jsonl'}",
+        ]
+    )
     assert status == 2
     assert "holds checkpoints of an earlier collection; pass --resume" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()

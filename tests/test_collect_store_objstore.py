@@ -24,8 +24,12 @@ IDENTITY = {"participants": ["environment/env"], "output": "/x/out.jsonl"}
 def publish(store: CheckpointStore, seq: int, *, published: bool = True) -> ObjectPath:
     checkpoint_id = store.checkpoint_id(seq)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    state = CollectorState(checkpoint_id, IDENTITY, [RowState("0-0", 0, "continued"), RowState("1-0", 2, "restart")],
-                           finished={"rows": seq, "output": "/x/out.jsonl", "output_bytes": 10 * seq})
+    state = CollectorState(
+        checkpoint_id,
+        IDENTITY,
+        [RowState("0-0", 0, "continued"), RowState("1-0", 2, "restart")],
+        finished={"rows": seq, "output": "/x/out.jsonl", "output_bytes": 10 * seq},
+    )
     digest, count = store.write_records(state)
     if published:
         store.publish(state, digest, count)
@@ -35,7 +39,7 @@ def publish(store: CheckpointStore, seq: int, *, published: bool = True) -> Obje
 
 
 def objects(path: ObjectPath) -> list[str]:
-    return sorted(name[len(path.native) + 1:] for name in objstore.filesystem("s3").find(path.native))
+    return sorted(name[len(path.native) + 1 :] for name in objstore.filesystem("s3").find(path.native))
 
 
 def test_state_in_s3_is_published_manifest_last_and_read_back(s3_dir: str) -> None:
@@ -48,8 +52,11 @@ def test_state_in_s3_is_published_manifest_last_and_read_back(s3_dir: str) -> No
     state, skipped = store.latest()
     assert skipped == [] and state is not None and state.checkpoint_id == store.checkpoint_id(1)
     assert [(r.rollout_id, r.attempt, r.state) for r in state.rows] == [("0-0", 0, "continued"), ("1-0", 2, "restart")]
-    assert state.path == path and objects(path) == [f"{COLLECTOR_DIR}/manifest.json", records[0],
-                                                    "gym/participants.json"]
+    assert state.path == path and objects(path) == [
+        f"{COLLECTOR_DIR}/manifest.json",
+        records[0],
+        "gym/participants.json",
+    ]
 
 
 def test_a_second_publish_of_one_checkpoint_is_refused(s3_dir: str) -> None:
@@ -83,7 +90,8 @@ def test_a_tampered_newest_checkpoint_in_s3_falls_back_to_the_one_before(s3_dir:
 
 
 def test_collect_refuses_a_store_that_accepts_a_second_exclusive_create_before_anything_runs(
-    lenient_store: str, capsys: Any,
+    lenient_store: str,
+    capsys: Any,
 ) -> None:
     # No Gym configuration at all: the store is refused before it would be read.
     assert main(["collect", "--checkpoint-dir", lenient_store]) == 2

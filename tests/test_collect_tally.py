@@ -24,8 +24,11 @@ def _write(path: Path, records: list[dict[str, Any]], torn: bool = False) -> Non
 
 def _collection(tmp_path: Path) -> SimpleNamespace:
     output = tmp_path / "out.jsonl"
-    return SimpleNamespace(output_jsonl_fpath=str(output), materialized_jsonl_fpath=materialized_path_for(output),
-                           retry_terminal_timeouts=False)
+    return SimpleNamespace(
+        output_jsonl_fpath=str(output),
+        materialized_jsonl_fpath=materialized_path_for(output),
+        retry_terminal_timeouts=False,
+    )
 
 
 def test_rows_once_in_the_output_or_failed_for_good_are_exact(tmp_path: Path) -> None:
@@ -33,8 +36,10 @@ def test_rows_once_in_the_output_or_failed_for_good_are_exact(tmp_path: Path) ->
     _write(collection.materialized_jsonl_fpath, [_row(i) for i in range(4)])
     _write(Path(collection.output_jsonl_fpath), [_row(0, reward=1.0), _row(1), _row(3)], torn=True)
     # Row 2 failed for good (Gym's terminal stamp); row 1 failed once before it finished.
-    _write(failures_path_for(Path(collection.output_jsonl_fpath)), [
-        _row(2, _ng_failure_class="x", _ng_failure_terminal=True), _row(1, _ng_failure_class="x")])
+    _write(
+        failures_path_for(Path(collection.output_jsonl_fpath)),
+        [_row(2, _ng_failure_class="x", _ng_failure_terminal=True), _row(1, _ng_failure_class="x")],
+    )
     result = tally(collection)
     assert (result.rows, result.finished, result.terminal, result.missing) == (4, 3, ["2-0"], [])
     assert result.exact and result.problems() == []

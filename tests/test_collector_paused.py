@@ -52,8 +52,9 @@ async def test_the_collector_is_paused_during_the_install_and_enabled_after(h: H
     await checkpointed(h)
     h.participant.install_gate = gate = Gate()
     assert gc.isenabled()
-    restore = asyncio.create_task(h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory),
-                                         episode_ids=[wire("r1"), wire("r2")]))
+    restore = asyncio.create_task(
+        h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1"), wire("r2")])
+    )
     await asyncio.wait_for(gate.entered.wait(), 10)
     assert not gc.isenabled()  # the records are read and being installed
     gate.release()
@@ -64,11 +65,21 @@ async def test_the_collector_is_paused_during_the_install_and_enabled_after(h: H
 async def test_a_failed_restore_enables_the_collector_again(h: Harness) -> None:
     await checkpointed(h)
     h.participant.install_error = ValueError("refused")
-    await h.error("restore", "invalid_checkpoint_state", checkpoint_id="r-1", checkpoint_dir=str(h.directory),
-                  episode_ids=[wire("r1")])
+    await h.error(
+        "restore",
+        "invalid_checkpoint_state",
+        checkpoint_id="r-1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1")],
+    )
     assert gc.isenabled()
-    await h.error("restore", "invalid_checkpoint_state", checkpoint_id="r-2",
-                  checkpoint_dir=str(h.directory / "nowhere"), episode_ids=[wire("r1")])
+    await h.error(
+        "restore",
+        "invalid_checkpoint_state",
+        checkpoint_id="r-2",
+        checkpoint_dir=str(h.directory / "nowhere"),
+        episode_ids=[wire("r1")],
+    )
     assert gc.isenabled()
 
 
@@ -99,8 +110,9 @@ async def test_the_collector_is_paused_while_a_commit_exports_and_writes_and_ena
     h.participant.export_gate = gate = Gate()
     h.participant.records_wrapper = observed
     await h.call("prepare", checkpoint_id="c1")
-    commit = asyncio.create_task(h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                                        episode_ids=[wire("r1"), wire("r2")]))
+    commit = asyncio.create_task(
+        h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1"), wire("r2")])
+    )
     await asyncio.wait_for(gate.entered.wait(), 10)
     assert not gc.isenabled()  # the participant is exporting
     gate.release()
@@ -114,8 +126,9 @@ async def test_a_restore_leaves_the_installed_records_in_the_oldest_generation(h
     await h.checkpoint("c1", [f"r{i}" for i in range(50)])
     await h.call("resume", checkpoint_id="c1")
     h.participant.episodes.clear()
-    await h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory),
-                 episode_ids=[wire(f"r{i}") for i in range(50)])
+    await h.call(
+        "restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory), episode_ids=[wire(f"r{i}") for i in range(50)]
+    )
     installed = list(h.participant.episodes.values())
     assert len(installed) == 50
     # Promoted at once: the first allocation after the pause does not traverse them in a young collection.

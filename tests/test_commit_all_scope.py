@@ -27,10 +27,13 @@ def test_every_restart_any_participant_reported_is_left_out():
     assert commit_all_scope(statuses) == (["a", "b-a1", "c"], ["r", "x"])
 
 
-@pytest.mark.parametrize("statuses", [
-    {"agent": _status("agent", restarts=["r"])},  # no environment at all
-    {"env": _status("environment", restarts=["r"])},  # an environment that does not list its episodes
-])
+@pytest.mark.parametrize(
+    "statuses",
+    [
+        {"agent": _status("agent", restarts=["r"])},  # no environment at all
+        {"env": _status("environment", restarts=["r"])},  # an environment that does not list its episodes
+    ],
+)
 def test_restarts_with_unknown_episodes_ask_for_an_explicit_scope(statuses):
     with pytest.raises(UsageError, match=r"commit --all must leave out 1 restart\(s\) \(r\).*--episode"):
         commit_all_scope(statuses)

@@ -34,16 +34,21 @@ def four(tmp_path):
 
 
 def _other_deployments_checkpoint(directory: Path) -> None:
-    manifests = [CheckpointWriter(directory, kind, instance, "theirs-1").write(
-        [{"episode_id": {"rollout_id": f"t{i}", "attempt": 0}, "owner": instance} for i in range(2)])
-        for kind, instance in OTHER]
-    write_participants_index(directory, "theirs-1", [
-        {name: m[name] for name in ("kind", "instance", "records_sha256")} for m in manifests])
+    manifests = [
+        CheckpointWriter(directory, kind, instance, "theirs-1").write(
+            [{"episode_id": {"rollout_id": f"t{i}", "attempt": 0}, "owner": instance} for i in range(2)]
+        )
+        for kind, instance in OTHER
+    ]
+    write_participants_index(
+        directory, "theirs-1", [{name: m[name] for name in ("kind", "instance", "records_sha256")} for m in manifests]
+    )
 
 
 def _tree(directory: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None)
-            for p in sorted(directory.rglob("*"))}
+    return {
+        str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None) for p in sorted(directory.rglob("*"))
+    }
 
 
 def test_a_commit_into_another_checkpoints_directory_is_refused_with_nothing_written(four, tmp_path, monkeypatch):
@@ -68,7 +73,8 @@ def test_a_commit_into_another_checkpoints_directory_is_refused_with_nothing_wri
     assert refusal.codes == {"(checkpoint)": "invalid_checkpoint_state"}, refusal
     assert sorted(refusal.result["other_checkpoints"]) == sorted(
         [f"{shared}/gym/participants.json lists checkpoint 'theirs-1'"]
-        + [f"{shared}/gym/{kind}/{instance}/manifest.json is of checkpoint 'theirs-1'" for kind, instance in OTHER])
+        + [f"{shared}/gym/{kind}/{instance}/manifest.json is of checkpoint 'theirs-1'" for kind, instance in OTHER]
+    )
     assert "nothing was written" in str(refusal)
     assert _tree(shared) == before
     assert cli("verify", str(tmp_path / "fresh")).returncode == 0

@@ -89,8 +89,12 @@ _WEATHER_TOOL = {
     "name": "get_weather",
     "description": "",
     "strict": True,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-                   "additionalProperties": False},
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -164,8 +168,9 @@ async def mid_turn_agents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> As
     servers = GymServers(tmp_path, monkeypatch, AGENT)
     # The model server's port of the config the agent runs with: the scripted peers answer there.
     port_base = free_port_base()
-    servers.config = build_gym_config(port_base, tmp_path, checkpoint={"enabled": True,
-                                                                       "control_auth_token_env": TOKEN_ENV})
+    servers.config = build_gym_config(
+        port_base, tmp_path, checkpoint={"enabled": True, "control_auth_token_env": TOKEN_ENV}
+    )
     peers = ScriptedPeers(port_base + PORT_OFFSETS[MODEL])
     await peers.start()
     cookies: dict[str, httpx.Cookies] = {}
@@ -212,8 +217,13 @@ async def test_a_continued_turn_answers_as_an_uninterrupted_one_with_every_calls
     assert prepared["phase"] == "prepared", prepared
     assert prepared["report"]["counts"]["turns_running"] == 1  # still generating, and ready
     checkpoint_dir = str(tmp_path / "ck")
-    committed = await _control(first, "commit", checkpoint_id="ck-1", checkpoint_dir=checkpoint_dir,
-                               episode_ids=[{"rollout_id": "cut", "attempt": 0}])
+    committed = await _control(
+        first,
+        "commit",
+        checkpoint_id="ck-1",
+        checkpoint_dir=checkpoint_dir,
+        episode_ids=[{"rollout_id": "cut", "attempt": 0}],
+    )
     assert committed["episode_ids"] == ["cut"]
     turn.cancel()  # the process dies with its held call
     await asyncio.gather(turn, return_exceptions=True)
@@ -223,8 +233,13 @@ async def test_a_continued_turn_answers_as_an_uninterrupted_one_with_every_calls
     first.release_model(cut, 1)
 
     second: Any = await mid_turn_agents()
-    restored = await _control(second, "restore", checkpoint_id="r-1", checkpoint_dir=checkpoint_dir,
-                              episode_ids=[{"rollout_id": "cut", "attempt": 0}])
+    restored = await _control(
+        second,
+        "restore",
+        checkpoint_id="r-1",
+        checkpoint_dir=checkpoint_dir,
+        episode_ids=[{"rollout_id": "cut", "attempt": 0}],
+    )
     assert restored["restored"] == ["cut-a1"]
     await _control(second, "resume", checkpoint_id="r-1")
     continued = await asyncio.wait_for(second.begin_turn(EpisodeId(rollout_id="cut", attempt=1)), 30)
@@ -242,8 +257,11 @@ async def _control(harness: Any, route: str, **body: Any) -> dict[str, Any]:
 
     transport = httpx.ASGITransport(app=harness.built.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30.0) as http:
-        reply = await http.post(f"/ng-control/v1/checkpoint/{route}", json={**body, "deadline_ts": time.time() + 20},
-                                headers={"Authorization": f"Bearer {TOKEN}"})
+        reply = await http.post(
+            f"/ng-control/v1/checkpoint/{route}",
+            json={**body, "deadline_ts": time.time() + 20},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
     assert reply.status_code == 200, reply.text
     return reply.json()
 

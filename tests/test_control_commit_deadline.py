@@ -25,8 +25,12 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
 
 
 def _body(h: Harness, seconds: float) -> dict[str, Any]:
-    return {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory), "episode_ids": None,
-            "deadline_ts": time.time() + seconds}
+    return {
+        "checkpoint_id": "c1",
+        "checkpoint_dir": str(h.directory),
+        "episode_ids": None,
+        "deadline_ts": time.time() + seconds,
+    }
 
 
 def _held_writer(h: Harness) -> tuple[asyncio.Event, threading.Event, threading.Event]:

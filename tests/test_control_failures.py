@@ -29,8 +29,12 @@ def stored(directory: Path) -> list[dict[str, Any]]:
 
 
 def commit_body(directory: Path, scope: list[str] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"checkpoint_id": "c1", "checkpoint_dir": str(directory),
-            "episode_ids": None if scope is None else [wire(k) for k in scope], **extra}
+    return {
+        "checkpoint_id": "c1",
+        "checkpoint_dir": str(directory),
+        "episode_ids": None if scope is None else [wire(k) for k in scope],
+        **extra,
+    }
 
 
 async def test_a_failed_write_keeps_its_export_for_a_retry_into_another_directory(tmp_path: Path) -> None:
@@ -144,8 +148,13 @@ async def test_a_reopening_that_failed_in_a_restores_rollback_is_retried_by_the_
     h = await make_harness(tmp_path)
     try:
         h.participant.open_error = RuntimeError("the model server did not release its held replies")
-        await h.error("restore", "invalid_checkpoint_state", checkpoint_id="restore-1",
-                      checkpoint_dir=str(tmp_path / "never-committed"), episode_ids=[wire("r1")])
+        await h.error(
+            "restore",
+            "invalid_checkpoint_state",
+            checkpoint_id="restore-1",
+            checkpoint_dir=str(tmp_path / "never-committed"),
+            episode_ids=[wire("r1")],
+        )
         assert h.plane.phase == "idle" and h.plane.admission.is_open
         assert len(h.participant.called("open_admission")) == 1
         # The controller resumes everyone after a failed restore: not a no-op while reopening is pending.

@@ -34,8 +34,9 @@ async def test_every_call_extends_the_lease_to_deadline_plus_grace(h: Harness) -
     # An earlier deadline never shortens the lease.
     await h.call("renew", checkpoint_id="c1", deadline_ts=time.time() + 5)
     assert (await h.status())["lease_expires_at"] == pytest.approx(later + 0.3)
-    await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=None,
-                 deadline_ts=later + 10)
+    await h.call(
+        "commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=None, deadline_ts=later + 10
+    )
     assert (await h.status())["lease_expires_at"] == pytest.approx(later + 10.3)
     await h.call("resume", checkpoint_id="c1")
     assert (await h.status())["lease_expires_at"] is None
@@ -58,8 +59,13 @@ async def test_an_expired_lease_after_a_restore_resumes_too(h: Harness) -> None:
     h.participant.add("r1")
     await h.checkpoint("c1", ["r1"])
     await h.call("resume", checkpoint_id="c1")
-    await h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")],
-                 deadline_ts=time.time() + 0.6)
+    await h.call(
+        "restore",
+        checkpoint_id="r-1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1")],
+        deadline_ts=time.time() + 0.6,
+    )
     await wait_until(lambda: h.plane.phase == "idle", timeout=10, what="the self-resume")
     assert h.plane.admission.is_open
 
@@ -69,8 +75,13 @@ async def test_a_failed_self_resume_is_retried_at_the_policy_interval(h: Harness
     h.participant.pending = {"r1-a1", "r2-a1"}
     h.participant.delete_gate = gate = Gate()
     await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 1.0)
-    await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1-a1")],
-                 deadline_ts=time.time() + 0.3)
+    await h.call(
+        "commit",
+        checkpoint_id="c1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1-a1")],
+        deadline_ts=time.time() + 0.3,
+    )
     # The cleanup is held, so each self-resume runs out of its time (one retry interval) and is retried.
     await wait_until(lambda: h.plane.lease.failed_self_resumes >= 2, timeout=10, what="two failed self-resumes")
     assert h.plane.phase == "committed" and not h.plane.admission.is_open

@@ -30,8 +30,12 @@ async def committed(h: Harness, *keys: str, checkpoint_id: str = "step-1") -> No
 
 async def test_hook_install_restore_marks_reads_installs_and_replies(h: Harness) -> None:
     await committed(h, "r1", "r2-a1", "r3")
-    reply = await h.call("restore", checkpoint_id="restore-1", checkpoint_dir=str(h.directory),
-                         episode_ids=[wire("r2-a1"), wire("r1"), wire("unseen")])
+    reply = await h.call(
+        "restore",
+        checkpoint_id="restore-1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r2-a1"), wire("r1"), wire("unseen")],
+    )
     assert reply == {"phase": "restored", "source_checkpoint_id": "step-1", "restored": ["r1-a1", "r2-a2"]}
     # Marks up to the checkpointed attempts: the checkpointed attempts are refused, replacements are not.
     assert h.plane.marks.is_retired("r1", 0) and not h.plane.marks.is_retired("r1", 1)
@@ -74,8 +78,13 @@ async def test_restore_replays_and_fences(h: Harness) -> None:
 
 
 async def test_a_failed_read_reopens_admission_and_keeps_the_marks(h: Harness) -> None:
-    error = await h.error("restore", "invalid_checkpoint_state", checkpoint_id="restore-1",
-                          checkpoint_dir=str(h.directory / "nothing"), episode_ids=[wire("r1-a2")])
+    error = await h.error(
+        "restore",
+        "invalid_checkpoint_state",
+        checkpoint_id="restore-1",
+        checkpoint_dir=str(h.directory / "nothing"),
+        episode_ids=[wire("r1-a2")],
+    )
     assert "manifest" in error["detail"]
     assert h.plane.phase == "idle" and h.plane.admission.is_open
     assert h.plane.marks.is_retired("r1", 2)
@@ -84,8 +93,13 @@ async def test_a_failed_read_reopens_admission_and_keeps_the_marks(h: Harness) -
 async def test_a_failed_install_leaves_nothing_installed(h: Harness) -> None:
     await committed(h, "r1")
     h.participant.install_error = ValueError("record refers to a tool this server does not have")
-    error = await h.error("restore", "invalid_checkpoint_state", checkpoint_id="restore-1",
-                          checkpoint_dir=str(h.directory), episode_ids=[wire("r1")])
+    error = await h.error(
+        "restore",
+        "invalid_checkpoint_state",
+        checkpoint_id="restore-1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1")],
+    )
     assert "tool" in error["detail"]
     assert h.participant.called("delete_restored") == [{"episode_ids": ["r1-a1"]}]
     assert h.participant.episodes == {} and h.plane.admission.is_open and h.plane.phase == "idle"
@@ -162,8 +176,9 @@ async def test_retire_marks_first_then_stops_and_frees(h: Harness) -> None:
 
 async def test_a_retire_that_runs_out_of_time_keeps_its_marks(h: Harness) -> None:
     h.participant.retire_gate = gate = Gate()
-    await h.error("retire", "deadline_exceeded", checkpoint_id="ops-1", episode_ids=[wire("r7-a3")],
-                  deadline_ts=time.time() + 0.4)
+    await h.error(
+        "retire", "deadline_exceeded", checkpoint_id="ops-1", episode_ids=[wire("r7-a3")], deadline_ts=time.time() + 0.4
+    )
     assert h.plane.marks.is_retired("r7", 3)
     gate.release()
 
@@ -224,8 +239,13 @@ async def test_install_error_that_is_typed_keeps_its_code(tmp_path: Path) -> Non
     try:
         await committed(harness, "r1")
         participant.install_error = InvalidCheckpointState("record r1 names an unknown tool")
-        await harness.error("restore", "invalid_checkpoint_state", checkpoint_id="restore-1",
-                            checkpoint_dir=str(harness.directory), episode_ids=[wire("r1")])
+        await harness.error(
+            "restore",
+            "invalid_checkpoint_state",
+            checkpoint_id="restore-1",
+            checkpoint_dir=str(harness.directory),
+            episode_ids=[wire("r1")],
+        )
         assert harness.plane.admission.is_open
     finally:
         await close_harness(harness)

@@ -65,8 +65,11 @@ async def test_take_over_fences_the_old_owner_for_good(h: Harness) -> None:
     assert taken["owner"] == "collect-bbbb@host"
     # The new owner ends what the old one left open; the old one is refused, whatever it sends.
     await h.call("resume", checkpoint_id="c1", owner="collect-bbbb@host")
-    for route, body in (("prepare", {"checkpoint_id": "c3"}), ("owner", {}), ("forget", {"checkpoint_id": "f",
-                                                                                         "rollout_ids": ["r1"]})):
+    for route, body in (
+        ("prepare", {"checkpoint_id": "c3"}),
+        ("owner", {}),
+        ("forget", {"checkpoint_id": "f", "rollout_ids": ["r1"]}),
+    ):
         reply = await h.call(route, expect=409, owner="collect-aaaa@host", **body)
         assert _code(reply) == "owner_fenced" and "taken over by collect-bbbb@host" in reply["error"]["detail"]
     await h.call("owner", owner="collect-bbbb@host", release=True)
@@ -75,8 +78,9 @@ async def test_take_over_fences_the_old_owner_for_good(h: Harness) -> None:
 
 
 async def test_a_late_call_records_no_owner(h: Harness) -> None:
-    reply = await h.call("prepare", expect=409, checkpoint_id="c1", owner="collect-aaaa@host",
-                         deadline_ts=time.time() - 1)
+    reply = await h.call(
+        "prepare", expect=409, checkpoint_id="c1", owner="collect-aaaa@host", deadline_ts=time.time() - 1
+    )
     assert _code(reply) == "deadline_exceeded" and h.plane.owners.owner is None
 
 

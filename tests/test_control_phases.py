@@ -106,14 +106,14 @@ async def test_deadline_passed_on_arrival_changes_nothing(h: Harness) -> None:
 async def test_fencing_conflict_and_stale(h: Harness) -> None:
     await h.call("prepare", checkpoint_id="c1")
     await h.error("prepare", "checkpoint_conflict", checkpoint_id="c2")
-    await h.error("commit", "checkpoint_conflict", checkpoint_id="c2", checkpoint_dir=str(h.directory),
-                  episode_ids=None)
+    await h.error(
+        "commit", "checkpoint_conflict", checkpoint_id="c2", checkpoint_dir=str(h.directory), episode_ids=None
+    )
     await h.error("resume", "checkpoint_conflict", checkpoint_id="c2")
     await h.call("resume", checkpoint_id="c1")
     for route in ("prepare", "renew"):
         await h.error(route, "stale_checkpoint", checkpoint_id="c1")
-    await h.error("commit", "stale_checkpoint", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                  episode_ids=None)
+    await h.error("commit", "stale_checkpoint", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=None)
     assert await h.call("resume", checkpoint_id="c1") == {"phase": "idle", "idempotent": True}
 
 
@@ -150,15 +150,25 @@ async def test_hook_export_commit_writes_the_scope_and_replays(h: Harness) -> No
     assert (h.directory / "gym" / "environment" / "env_one" / "manifest.json").exists()
     assert h.plane.phase == "committed"
     # Same arguments (scope in another order): the same reply, no second export.
-    again = await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory) + "/",
-                         episode_ids=[wire("unseen"), wire("r1"), wire("r2-a1")])
+    again = await h.call(
+        "commit",
+        checkpoint_id="c1",
+        checkpoint_dir=str(h.directory) + "/",
+        episode_ids=[wire("unseen"), wire("r1"), wire("r2-a1")],
+    )
     assert again == reply
     assert len(h.participant.called("export")) == 1
     # Different directory or scope: conflict.
-    await h.error("commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(h.directory / "x"),
-                  episode_ids=[wire("r1"), wire("r2-a1"), wire("unseen")])
-    await h.error("commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                  episode_ids=[wire("r1")])
+    await h.error(
+        "commit",
+        "checkpoint_conflict",
+        checkpoint_id="c1",
+        checkpoint_dir=str(h.directory / "x"),
+        episode_ids=[wire("r1"), wire("r2-a1"), wire("unseen")],
+    )
+    await h.error(
+        "commit", "checkpoint_conflict", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")]
+    )
     # A completed prepare is replayed too, even after the commit.
     assert (await h.call("prepare", checkpoint_id="c1"))["phase"] == "prepared"
 
@@ -181,13 +191,19 @@ async def test_commit_refuses_a_scope_naming_a_restart(h: Harness) -> None:
     h.participant.add("r1")
     h.participant.restarts = {"r9"}
     await h.call("prepare", checkpoint_id="c1")
-    error = await h.error("commit", "restart_in_scope", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                          episode_ids=[wire("r1"), wire("r9")])
+    error = await h.error(
+        "commit",
+        "restart_in_scope",
+        checkpoint_id="c1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1"), wire("r9")],
+    )
     assert "r9" in error["detail"]
     assert h.participant.called("export") == []
     # The refusal consumed nothing: a scope without the restart commits.
-    assert (await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory),
-                         episode_ids=[wire("r1")]))["episode_ids"] == ["r1"]
+    assert (await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")]))[
+        "episode_ids"
+    ] == ["r1"]
 
 
 async def test_readiness_that_regressed_after_prepare_ends_the_checkpoint_for_good(h: Harness) -> None:
@@ -263,8 +279,12 @@ async def test_resume_cancels_a_running_export_and_no_manifest_appears(h: Harnes
     h.participant.add("r1")
     h.participant.export_gate = gate = Gate()
     await h.call("prepare", checkpoint_id="c1")
-    commit = asyncio.create_task(h.post("commit", {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory),
-                                                   "episode_ids": None, "deadline_ts": deadline()}))
+    commit = asyncio.create_task(
+        h.post(
+            "commit",
+            {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory), "episode_ids": None, "deadline_ts": deadline()},
+        )
+    )
     await asyncio.wait_for(gate.entered.wait(), 5)
     assert (await h.call("resume", checkpoint_id="c1"))["idempotent"] is False
     assert (await commit).json()["error"]["code"] == "stale_checkpoint"
@@ -288,8 +308,12 @@ async def test_resume_stops_the_writer_before_it_publishes(h: Harness) -> None:
     h.participant.add("r1", "r2")
     h.participant.records_wrapper = held
     await h.call("prepare", checkpoint_id="c1")
-    commit = asyncio.create_task(h.post("commit", {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory),
-                                                   "episode_ids": None, "deadline_ts": deadline()}))
+    commit = asyncio.create_task(
+        h.post(
+            "commit",
+            {"checkpoint_id": "c1", "checkpoint_dir": str(h.directory), "episode_ids": None, "deadline_ts": deadline()},
+        )
+    )
     await asyncio.wait_for(first_written.wait(), 5)
     await h.call("resume", checkpoint_id="c1")
     release.set()
@@ -305,8 +329,13 @@ async def test_resume_waits_for_restored_state_cleanup_and_may_run_out_of_time(h
     h.participant.pending = {"r1-a1", "r2-a1"}
     h.participant.delete_gate = gate = Gate()
     await h.call("prepare", checkpoint_id="c1")
-    reply = await h.call("commit", checkpoint_id="c1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1-a1")],
-                         deadline_ts=time.time() + 0.3)
+    reply = await h.call(
+        "commit",
+        checkpoint_id="c1",
+        checkpoint_dir=str(h.directory),
+        episode_ids=[wire("r1-a1")],
+        deadline_ts=time.time() + 0.3,
+    )
     assert reply["phase"] == "committed"  # the write is durable; cleanup outlived the deadline
     assert gate.entered.is_set()
     await h.error("resume", "deadline_exceeded", checkpoint_id="c1", deadline_ts=time.time() + 0.3)

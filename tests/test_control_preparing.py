@@ -23,8 +23,9 @@ class Preparing:
 
     @hookimpl
     def preparing(self, checkpoint_id: str, deadline_ts: float) -> None:
-        self.calls.append({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts,
-                           "admission_open": self.plane.admission.is_open})
+        self.calls.append(
+            {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "admission_open": self.plane.admission.is_open}
+        )
         if self.error is not None:
             raise self.error
 

@@ -113,8 +113,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
 
     def new_harness(self) -> Harness:
         self.storage = FailingStorage()
-        return self.run(make_harness(Path(self.tmp.name), clock=lambda: self.now, storage=self.storage,
-                                     limits=LIMITS))
+        return self.run(make_harness(Path(self.tmp.name), clock=lambda: self.now, storage=self.storage, limits=LIMITS))
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -327,7 +326,10 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         self.storage.fail_writes = 1
         exports_before = len(self.h.participant.called("export"))
         error = self.expect(
-            "commit", "invalid_checkpoint_state", checkpoint_id=m.active, checkpoint_dir=directory,
+            "commit",
+            "invalid_checkpoint_state",
+            checkpoint_id=m.active,
+            checkpoint_dir=directory,
             episode_ids=episode_ids,
         )["error"]
         assert self.storage.fail_writes == 0 and "no space left" in error["detail"]
@@ -561,8 +563,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             self.refused_body(route, "rollout_ids", checkpoint_id=checkpoint_id, rollout_ids=["r0"] * n)
             return
         keys = data.draw(st.lists(self.key_pool(), min_size=n, max_size=n), label="keys")
-        self.refused_body(route, "episode_ids", checkpoint_id=checkpoint_id, checkpoint_dir=self.commit_dir("x"),
-                          episode_ids=[wire(k) for k in keys])
+        self.refused_body(
+            route,
+            "episode_ids",
+            checkpoint_id=checkpoint_id,
+            checkpoint_dir=self.commit_dir("x"),
+            episode_ids=[wire(k) for k in keys],
+        )
 
     @rule(route=st.sampled_from(["prepare", "renew", "resume", "commit", "retire", "forget"]), data=st.data())
     def a_deadline_in_milliseconds(self, route: str, data: st.DataObject) -> None:

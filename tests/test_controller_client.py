@@ -81,8 +81,9 @@ async def dropping() -> AsyncIterator[tuple[DroppingServer, dict[str, Any]]]:
 
 
 def _gym_client(config: dict[str, Any]) -> ServerClient:
-    return ServerClient(head_server_config=BaseServerConfig(**config["head_server"]),
-                        global_config_dict=OmegaConf.create(config))
+    return ServerClient(
+        head_server_config=BaseServerConfig(**config["head_server"]), global_config_dict=OmegaConf.create(config)
+    )
 
 
 async def test_gyms_own_client_resends_a_run_after_a_dropped_connection(dropping) -> None:
@@ -123,8 +124,9 @@ async def test_other_calls_keep_gyms_retries(dropping) -> None:
 
 
 def test_the_collection_helper_is_gyms_on_the_controller_client(monkeypatch: pytest.MonkeyPatch) -> None:
-    gym = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=1),
-                       global_config_dict=OmegaConf.create({}))
+    gym = ServerClient(
+        head_server_config=BaseServerConfig(host="127.0.0.1", port=1), global_config_dict=OmegaConf.create({})
+    )
     monkeypatch.setattr(RolloutCollectionHelper, "setup_server_client", lambda self, head=None: gym)
     client = ControllerCollectionHelper().setup_server_client()
     assert isinstance(client, ControllerServerClient)
@@ -133,10 +135,18 @@ def test_the_collection_helper_is_gyms_on_the_controller_client(monkeypatch: pyt
     assert ControllerServerClient.from_client(client) is client
 
 
-@pytest.mark.parametrize(("method", "path", "expected"), [
-    ("POST", "/run", True), ("post", "/ng-rollout/r-a1/run", True), ("POST", "/run?x=1", True),
-    ("POST", "/run/", True), ("GET", "/run", False), ("POST", "/verify", False), ("POST", "/rerun", False),
-])
+@pytest.mark.parametrize(
+    ("method", "path", "expected"),
+    [
+        ("POST", "/run", True),
+        ("post", "/ng-rollout/r-a1/run", True),
+        ("POST", "/run?x=1", True),
+        ("POST", "/run/", True),
+        ("GET", "/run", False),
+        ("POST", "/verify", False),
+        ("POST", "/rerun", False),
+    ],
+)
 def test_which_calls_are_runs(method: str, path: str, expected: bool) -> None:
     assert is_run_call(method, path) is expected
 
@@ -144,15 +154,21 @@ def test_which_calls_are_runs(method: str, path: str, expected: bool) -> None:
 TASK = {"task_id": {"taskset": "t", "task_id": "7"}, "task_input": {"responses_create_params": {"input": "hi"}}}
 
 
-@pytest.mark.parametrize(("row", "attempt", "wire"), [
-    ({**TASK, "_ng_rollout_id": "r7"}, 2, {"rollout_id": "r7-a2", "attempt": 0}),          # NeMo RL's form
-    ({**TASK, "_ng_rollout_id": "r7-a1"}, 2, {"rollout_id": "r7-a2", "attempt": 0}),
-    ({**TASK, "_ng_rollout_id": "r7-a1"}, 0, {"rollout_id": "r7", "attempt": 0}),
-    ({**TASK, "_ng_rollout_id": "r7", "_ng_attempt_index": 1}, 3, {"rollout_id": "r7-a3", "attempt": 0}),
-    ({**TASK, "_ng_task_index": 3, "_ng_rollout_index": 0}, 1, {"rollout_id": "3-0", "attempt": 1}),
-    ({**TASK, "_ng_task_index": 3, "_ng_rollout_index": 0, "_ng_attempt_index": 2}, 0, {"rollout_id": "3-0",
-                                                                                          "attempt": 0}),
-])
+@pytest.mark.parametrize(
+    ("row", "attempt", "wire"),
+    [
+        ({**TASK, "_ng_rollout_id": "r7"}, 2, {"rollout_id": "r7-a2", "attempt": 0}),  # NeMo RL's form
+        ({**TASK, "_ng_rollout_id": "r7-a1"}, 2, {"rollout_id": "r7-a2", "attempt": 0}),
+        ({**TASK, "_ng_rollout_id": "r7-a1"}, 0, {"rollout_id": "r7", "attempt": 0}),
+        ({**TASK, "_ng_rollout_id": "r7", "_ng_attempt_index": 1}, 3, {"rollout_id": "r7-a3", "attempt": 0}),
+        ({**TASK, "_ng_task_index": 3, "_ng_rollout_index": 0}, 1, {"rollout_id": "3-0", "attempt": 1}),
+        (
+            {**TASK, "_ng_task_index": 3, "_ng_rollout_index": 0, "_ng_attempt_index": 2},
+            0,
+            {"rollout_id": "3-0", "attempt": 0},
+        ),
+    ],
+)
 def test_a_row_at_an_attempt_goes_out_through_gyms_own_request_body(row: dict, attempt: int, wire: dict) -> None:
     before = dict(row)
     moved = row_at_attempt(row, attempt)
@@ -170,6 +186,7 @@ def test_a_row_naming_its_attempt_twice_is_refused() -> None:
 
 def test_the_client_names_are_exported_lazily() -> None:
     assert {"ControllerServerClient", "ControllerCollectionHelper", "row_at_attempt", "row_episode"} <= set(
-        coordination.__all__)
+        coordination.__all__
+    )
     with pytest.raises(AttributeError):
         coordination.no_such_name  # noqa: B018

@@ -55,7 +55,10 @@ async def test_down_hung_unknown_and_non_participant_servers_are_reported_within
         # Every probe runs at once, so the whole discovery is bounded by one server's tries.
         assert elapsed < BOUND + 1.0, f"discovery took {elapsed:.2f}s, bound {BOUND:.2f}s"
         assert caught.value.codes == {
-            hung.url: "timeout", odd.url: "unknown_kind", down_url: "unreachable", silent_url: "timeout",
+            hung.url: "timeout",
+            odd.url: "unknown_kind",
+            down_url: "unreachable",
+            silent_url: "timeout",
         }
         # The hung participant was asked TRIES times, then given up on.
         assert hung.ops().count("status") == TRIES
@@ -113,8 +116,13 @@ async def test_servers_come_from_the_head_server_or_a_server_client(tmp_path, mo
     model = start_participants(tmp_path, [dict(FOUR[1])])[0]
     resolved = config_for([model])
     host, port = model.url.removeprefix("http://").split(":")
-    head_spec = dict(FOUR[0], instance="head", name="head", disabled=True,
-                     serves_config={**resolved, "head_server": {"host": host, "port": int(port)}})
+    head_spec = dict(
+        FOUR[0],
+        instance="head",
+        name="head",
+        disabled=True,
+        serves_config={**resolved, "head_server": {"host": host, "port": int(port)}},
+    )
     head = start_participants(tmp_path, [head_spec])[0]
     head_host, head_port = head.url.removeprefix("http://").split(":")
     unresolved = {
@@ -125,15 +133,16 @@ async def test_servers_come_from_the_head_server_or_a_server_client(tmp_path, mo
     monkeypatch.setenv("COORD_TEST_TOKEN", TOKEN)
     try:
         async with await discover(unresolved, probe_timeout=PROBE_TIMEOUT, tries=TRIES) as coordinator:
-            assert [(p.name, p.url, p.kind) for p in coordinator.participants] == [
-                ("policy_model", model.url, "model")]
+            assert [(p.name, p.url, p.kind) for p in coordinator.participants] == [("policy_model", model.url, "model")]
         # Gym's own ServerClient, as a controller inside Gym holds it.
         from nemo_gym.config_types import BaseServerConfig
         from nemo_gym.server_utils import ServerClient
         from omegaconf import OmegaConf
 
-        client = ServerClient(head_server_config=BaseServerConfig(host=head_host, port=int(head_port)),
-                              global_config_dict=OmegaConf.create(resolved))
+        client = ServerClient(
+            head_server_config=BaseServerConfig(host=head_host, port=int(head_port)),
+            global_config_dict=OmegaConf.create(resolved),
+        )
         async with await discover(client, probe_timeout=PROBE_TIMEOUT, tries=TRIES) as coordinator:
             assert [p.name for p in coordinator.participants] == ["policy_model"]
     finally:
@@ -166,10 +175,14 @@ async def test_a_failed_restore_retires_the_replacements_and_resumes_everyone(tm
             assert error.operation == "restore"
             assert [(f.server, f.code) for f in error.failures] == [(agent.name, "invalid_checkpoint_state")]
             assert [(f.server, f.operation, f.code) for f in error.cleanup_failures] == [
-                (tools.name, "retire", "invalid_phase")]
+                (tools.name, "retire", "invalid_phase")
+            ]
             # Every replacement was installed by some participant that replied: all of them are retired.
-            assert error.result == {"next_attempts": {"r1": 2, "r2": 3}, "retired": ["r1-a1", "r2-a2"],
-                                    "left_alone": []}
+            assert error.result == {
+                "next_attempts": {"r1": 2, "r2": 3},
+                "retired": ["r1-a1", "r2-a2"],
+                "left_alone": [],
+            }
             for server in servers:
                 events = server.events()
                 retired = [e["keys"] for e in events if e["op"] == "retired"]
@@ -254,7 +267,10 @@ async def test_resume_keeps_going_past_failing_participants_and_reports_them_all
             with pytest.raises(CoordinationError) as caught:
                 await resume(coordinator, "step-1", timeout=1.0)
             assert caught.value.codes == {
-                tools.name: "checkpoint_conflict", agent.name: "timeout", model.name: "unreachable"}
+                tools.name: "checkpoint_conflict",
+                agent.name: "timeout",
+                model.name: "unreachable",
+            }
             # Past three failures (resources, agent, model), the environment, last in the order, still resumed.
             assert set(caught.value.result) == {env.name}
             assert "resume" in env.ops()

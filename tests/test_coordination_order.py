@@ -94,7 +94,9 @@ async def test_orders_of_every_operation_seen_by_the_participants(four, tmp_path
         for server in four.values():
             on_disk = read_checkpoint(ckpt, server.kind, server.spec["instance"])
             assert [r["episode_id"] for r in on_disk.records] == [
-                {"rollout_id": "r1", "attempt": 0}, {"rollout_id": "r2", "attempt": 1}]
+                {"rollout_id": "r1", "attempt": 0},
+                {"rollout_id": "r2", "attempt": 1},
+            ]
 
         leases = await renew(coordinator, "step-1", timeout=10)
         assert set(leases) == set(s.name for s in four.values())
@@ -154,7 +156,9 @@ async def test_continued_leaves_the_restarts_out(tmp_path):
             result = await prepare(coordinator, "step-3", timeout=10)
             assert result.ready and result.restarts() == ["r2"]
             assert result.continued(["r1", "r2", "r3-a1", "r1"]) == [
-                {"rollout_id": "r1", "attempt": 0}, {"rollout_id": "r3", "attempt": 1}]
+                {"rollout_id": "r1", "attempt": 0},
+                {"rollout_id": "r3", "attempt": 1},
+            ]
             await resume(coordinator, "step-3", timeout=10)
     finally:
         stop_participants(servers)

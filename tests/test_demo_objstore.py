@@ -25,8 +25,9 @@ NG_CHECKPOINT = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli"]
 
 @pytest.mark.slow
 def test_the_demo_story_checkpointed_into_s3_loses_nothing_and_verifies(s3_server, s3_dir, tmp_path: Path) -> None:  # noqa: ANN001
-    result = subprocess.run([*DEMO, "--dir", str(tmp_path), "--checkpoint-dir", s3_dir],
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [*DEMO, "--dir", str(tmp_path), "--checkpoint-dir", s3_dir], capture_output=True, text=True, timeout=1200
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])
     assert summary["rollouts"] == 64 and summary["finished"] == 64 == summary["reward_1"]
@@ -40,8 +41,9 @@ def test_the_demo_story_checkpointed_into_s3_loses_nothing_and_verifies(s3_serve
     published = [name for name in child_dirs(root) if lexists(root / name / "collector" / "manifest.json")]
     assert published
     for name in published:
-        verified = subprocess.run([*NG_CHECKPOINT, "verify", str(root / name)], capture_output=True, text=True,
-                                  timeout=120)
+        verified = subprocess.run(
+            [*NG_CHECKPOINT, "verify", str(root / name)], capture_output=True, text=True, timeout=120
+        )
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "ok    environment/" in verified.stdout and verified.stderr == ""
     texts = [result.stdout, result.stderr, *(p.read_text(errors="replace") for p in (tmp_path / "logs").iterdir())]

@@ -29,8 +29,7 @@ class AcmeBudgetServer:
 async def _participant(tmp_path: Path, server: AcmeBudgetServer) -> tuple[object, object]:
     plugin = _example_module().plugin
     harness = await make_harness(tmp_path, named_plugins={"acme_budget": plugin})
-    assert attach_plugins(harness.pm, server=server, app=None, kind="resources", instance="budget",
-                          settings=None) == []
+    assert attach_plugins(harness.pm, server=server, app=None, kind="resources", instance="budget", settings=None) == []
     return plugin, harness
 
 
@@ -47,8 +46,9 @@ async def test_the_documented_plugin_round_trips_its_budgets(tmp_path: Path) -> 
     after.budgets = {"r2-a1": 99}  # stale state of a continued episode is cleared by install
     plugin, second = await _participant(tmp_path / "b", after)
     try:
-        await second.call("restore", checkpoint_id="re-1", checkpoint_dir=str(first.directory),
-                          episode_ids=[wire("r1"), wire("r2")])
+        await second.call(
+            "restore", checkpoint_id="re-1", checkpoint_dir=str(first.directory), episode_ids=[wire("r1"), wire("r2")]
+        )
     finally:
         await close_harness(second)
     assert after.budgets == {"r1-a1": 3, "r2-a1": 0}

@@ -65,8 +65,9 @@ def _assert_continued_inside_their_turn(result: ScenarioResult) -> None:
         # again, only the call that was held at the crash; the tool output is the one recorded before it.
         assert result.completed_before[result.conversation(rollout)] == {"0": 1}
         assert result.calls_after[result.conversation(rollout)] == {"1": 1}
-        assert _tool_outputs(result.replies[rollout]) == ['{"city":"San Francisco","weather_description":'
-                                                          '"The weather in San Francisco is cold."}']
+        assert _tool_outputs(result.replies[rollout]) == [
+            '{"city":"San Francisco","weather_description":"The weather in San Francisco is cold."}'
+        ]
     for rollout in RESTARTS:
         assert result.completed_after[result.conversation(rollout)] == {"0": 1, "1": 1}
     assert result.summary()["repeated_steps"] == 0

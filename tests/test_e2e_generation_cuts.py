@@ -50,19 +50,25 @@ def answer_of(reply: dict[str, Any]) -> dict[str, Any]:
     """The turn's last model answer as the rollout returns it: its text, token ids and logprobs."""
     assert reply["failure"] is None, reply["failure"]
     message = [item for item in reply["result"]["response"]["output"] if item["type"] == "message"][-1]
-    return {"text": "".join(part.get("text", "") for part in message["content"]),
-            "generation_token_ids": message["generation_token_ids"],
-            "generation_log_probs": message["generation_log_probs"]}
+    return {
+        "text": "".join(part.get("text", "") for part in message["content"]),
+        "generation_token_ids": message["generation_token_ids"],
+        "generation_log_probs": message["generation_log_probs"],
+    }
 
 
 async def _scenario(tmp_path: Path) -> dict[str, Any]:
     from nemo_gym_checkpoint_plugin.coordination import commit, discover, prepare, restore, resume
 
     deployment = Deployment(
-        free_port_base(), tmp_path, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=tmp_path / "logs", extra_env={TOKEN_ENV: TOKEN}, checkpoint=DEFAULT_CHECKPOINT_BLOCK,
-        model={"return_token_id_information": True,
-               "checkpoint_generation_cuts": {"tool_call_parser": "hermes"}},
+        free_port_base(),
+        tmp_path,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=tmp_path / "logs",
+        extra_env={TOKEN_ENV: TOKEN},
+        checkpoint=DEFAULT_CHECKPOINT_BLOCK,
+        model={"return_token_id_information": True, "checkpoint_generation_cuts": {"tool_call_parser": "hermes"}},
     )
     deployment.start()
     urls = deployment.urls
@@ -107,14 +113,20 @@ async def _scenario(tmp_path: Path) -> dict[str, Any]:
             restored = await fake.generated()
             continued = await run("cut-0", 1, conversation)
             after = await fake.generated()
-            status_reply = await http.get(urls[MODEL] + "/ng-control/v1/checkpoint/status",
-                                          headers={"Authorization": f"Bearer {TOKEN}"})
+            status_reply = await http.get(
+                urls[MODEL] + "/ng-control/v1/checkpoint/status", headers={"Authorization": f"Bearer {TOKEN}"}
+            )
             status = await status_reply.json()
     finally:
         deployment.stop()
     return {
-        "uninterrupted": uninterrupted, "continued": continued, "prepared": prepared, "committed": committed,
-        "cut": cut, "frozen": before_crash["paused"], "paused_after_restore": restored["paused"],
+        "uninterrupted": uninterrupted,
+        "continued": continued,
+        "prepared": prepared,
+        "committed": committed,
+        "cut": cut,
+        "frozen": before_crash["paused"],
+        "paused_after_restore": restored["paused"],
         "generated_after_restore": after["generated"][conversation] - restored["generated"][conversation],
         "status": status,
     }
@@ -152,16 +164,26 @@ def test_a_bad_setting_makes_the_wrapped_model_server_refuse_to_start(tmp_path: 
 
     from nemo_gym_checkpoint_plugin.testing.gym_config import WRAP_ENTRYPOINT, build_gym_config, server_location
 
-    config = build_gym_config(free_port_base(), tmp_path, checkpoint=DEFAULT_CHECKPOINT_BLOCK,
-                              model={"checkpoint_generation_cuts": value})
+    config = build_gym_config(
+        free_port_base(), tmp_path, checkpoint=DEFAULT_CHECKPOINT_BLOCK, model={"checkpoint_generation_cuts": value}
+    )
     server_location(config, MODEL)[2]["entrypoint"] = WRAP_ENTRYPOINT
     spec = importlib.util.find_spec("responses_api_models.vllm_model.app")
     assert spec is not None and spec.origin is not None
     model_dir = Path(spec.origin).parent
     done = subprocess.run(
-        [sys.executable, "-m", WRAP_ENTRYPOINT], cwd=model_dir, capture_output=True, text=True, timeout=120,
-        env={**os.environ, TOKEN_ENV: TOKEN, "NEMO_GYM_CONFIG_DICT": OmegaConf.to_yaml(config),
-             "NEMO_GYM_CONFIG_PATH": MODEL, "RAY_USAGE_STATS_ENABLED": "0"},
+        [sys.executable, "-m", WRAP_ENTRYPOINT],
+        cwd=model_dir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            TOKEN_ENV: TOKEN,
+            "NEMO_GYM_CONFIG_DICT": OmegaConf.to_yaml(config),
+            "NEMO_GYM_CONFIG_PATH": MODEL,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        },
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "refusing to start" in done.stderr and "checkpoint_generation_cuts" in done.stderr, done.stderr[-2000:]

@@ -112,10 +112,17 @@ async def _scenario(tmp_path: Path, model: dict[str, Any] | None) -> dict[str, A
         deployment.stop()
     agent_records = _records(tmp_path / "ckpt" / "gym" / "agent" / AGENT)
     return {
-        "prepared": prepared, "held_when_prepared": held_when_prepared, "committed": committed,
-        "restored": restored, "continued": continued, "uninterrupted": uninterrupted,
-        "completed_before": completed_before, "completed_after": completed_after,
-        "tools_before": tools_before, "tools_after": tools_after, "agent_records": agent_records,
+        "prepared": prepared,
+        "held_when_prepared": held_when_prepared,
+        "committed": committed,
+        "restored": restored,
+        "continued": continued,
+        "uninterrupted": uninterrupted,
+        "completed_before": completed_before,
+        "completed_after": completed_after,
+        "tools_before": tools_before,
+        "tools_after": tools_after,
+        "agent_records": agent_records,
     }
 
 

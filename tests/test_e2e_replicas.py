@@ -54,9 +54,14 @@ def _conversation(rollout_id: str) -> str:
 
 def test_two_replica_chains_checkpoint_sigkill_restore_and_finish_every_rollout(tmp_path: Path) -> None:
     deployment = Deployment(
-        free_port_base(port_span(2)), tmp_path, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=tmp_path / "logs", extra_env={TOKEN_ENV: TOKEN},
-        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "wait"}, replicas=2,
+        free_port_base(port_span(2)),
+        tmp_path,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=tmp_path / "logs",
+        extra_env={TOKEN_ENV: TOKEN},
+        checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "wait"},
+        replicas=2,
     )
     deployment.start()
     try:

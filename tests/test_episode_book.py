@@ -370,12 +370,18 @@ async def test_one_retire_of_many_attempts_stops_exactly_those_and_the_earlier_o
     book = EpisodeBook(StepMode.WAIT)
     runs = {f"r{i}": Run(book, f"r{i}") for i in range(6)}
     runs["r6"] = Run(book, "r6", attempt=2)
-    await wait_until(lambda: all(r.episode is not None and r.episode.step == "work" for r in runs.values()),
-                     what="every episode in its step")
+    await wait_until(
+        lambda: all(r.episode is not None and r.episode.step == "work" for r in runs.values()),
+        what="every episode in its step",
+    )
     book.install("c1", {}, [_restored("r1", "seeded", {}), _restored("r5", "seeded", {})])
     # r1 up to attempt 1 names its running attempt 0 and its restored attempt 1; r6 up to 3 names attempt 2.
-    named = [EpisodeId(rollout_id="r0"), EpisodeId(rollout_id="r1", attempt=1), EpisodeId(rollout_id="r2"),
-             EpisodeId(rollout_id="r6", attempt=3)]
+    named = [
+        EpisodeId(rollout_id="r0"),
+        EpisodeId(rollout_id="r1", attempt=1),
+        EpisodeId(rollout_id="r2"),
+        EpisodeId(rollout_id="r6", attempt=3),
+    ]
     await asyncio.wait_for(book.retire(named), 10)
     stopped = {name for name, run in runs.items() if run.task.done()}
     assert stopped == {"r0", "r1", "r2", "r6"} and all(runs[n].task.cancelled() for n in stopped)

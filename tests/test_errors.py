@@ -65,5 +65,6 @@ async def test_attempt_running_names_the_attempts_that_live_elsewhere() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         reply = await client.get("/boom")
     assert reply.status_code == 409
-    assert reply.json() == {"error": {"code": "attempt_running", "detail": "r-a1 runs here",
-                                      "episode_ids": ["q", "r-a1"]}}
+    assert reply.json() == {
+        "error": {"code": "attempt_running", "detail": "r-a1 runs here", "episode_ids": ["q", "r-a1"]}
+    }

@@ -45,17 +45,20 @@ def test_gyms_typed_body_for_an_explicit_id_is_attempt_n_of_the_prefix() -> None
     assert list(decoded) == list(body) and decoded["task"] == body["task"]
 
 
-@pytest.mark.parametrize("body", [
-    {"episode_id": {"rollout_id": "r7", "attempt": 2}, "task": {}},      # no suffix
-    {"episode_id": {"rollout_id": "r7-a0", "attempt": 0}, "task": {}},   # -a0 is a plain id
-    {"episode_id": {"rollout_id": "r7-a01", "attempt": 0}, "task": {}},  # so is -a01
-    {"episode_id": {"rollout_id": "bad id-a1", "attempt": 0}},           # Gym's validation answers
-    {"episode_id": {"rollout_id": "r7-a2", "attempt": -1}},
-    {"episode_id": {"rollout_id": "r7-a2", "attempt": "0"}},
-    {"episode_id": "r7-a2"},
-    {"_ng_rollout_id": "r7-a2"},                                         # a flat row: not this path's
-    ["r7-a2"],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"episode_id": {"rollout_id": "r7", "attempt": 2}, "task": {}},  # no suffix
+        {"episode_id": {"rollout_id": "r7-a0", "attempt": 0}, "task": {}},  # -a0 is a plain id
+        {"episode_id": {"rollout_id": "r7-a01", "attempt": 0}, "task": {}},  # so is -a01
+        {"episode_id": {"rollout_id": "bad id-a1", "attempt": 0}},  # Gym's validation answers
+        {"episode_id": {"rollout_id": "r7-a2", "attempt": -1}},
+        {"episode_id": {"rollout_id": "r7-a2", "attempt": "0"}},
+        {"episode_id": "r7-a2"},
+        {"_ng_rollout_id": "r7-a2"},  # a flat row: not this path's
+        ["r7-a2"],
+    ],
+)
 def test_other_bodies_are_left_alone(body: Any) -> None:
     assert decode_run_body(orjson.dumps(body)) is None
 
@@ -113,8 +116,9 @@ async def test_wrapped_environment_runs_gyms_explicit_attempt_and_refuses_what_i
     assert status == 200, reply
     assert reply["episode_id"] == {"rollout_id": "r7", "attempt": 2} and reply["result"]["reward"] == 1.0
 
-    status, reply = await _post(run, {**_episode_request_body(gym_row("r7-a2")),
-                                      "episode_id": {"rollout_id": "r7-a2", "attempt": 1}})
+    status, reply = await _post(
+        run, {**_episode_request_body(gym_row("r7-a2")), "episode_id": {"rollout_id": "r7-a2", "attempt": 1}}
+    )
     assert status == 422 and reply["error"]["code"] == "ambiguous_episode_id", reply
 
     # The gate sees the decoded attempt: once attempt 3 of r8 is retired, "r8-a3" is refused stale_attempt.

@@ -231,9 +231,18 @@ async def test_token_ids_and_logprobs_only_when_asked_as_vllm_answers(client: ht
     assert "prompt_token_ids" not in logprobs_only and "token_ids" not in choice
     # Without return_tokens_as_token_ids a logprob names its token's text.
     entries = choice["logprobs"]["content"]
-    assert "".join(e["token"] for e in entries) == "<tool_call> " + json.dumps(
-        {"id": choice["message"]["tool_calls"][0]["id"], "name": "get_weather", "arguments": {"city": "San Francisco"}}
-    ) + " </tool_call>"
+    assert (
+        "".join(e["token"] for e in entries)
+        == "<tool_call> "
+        + json.dumps(
+            {
+                "id": choice["message"]["tool_calls"][0]["id"],
+                "name": "get_weather",
+                "arguments": {"city": "San Francisco"},
+            }
+        )
+        + " </tool_call>"
+    )
     assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"] == [] for e in entries)
 
 

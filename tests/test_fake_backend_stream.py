@@ -17,8 +17,15 @@ import pytest
 from nemo_gym_checkpoint_plugin.testing.fake_backend import FakeBackendState, create_app
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until_async
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 ASK = {"logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
 
 
@@ -26,8 +33,10 @@ def turn(user: str, *, tool_result: bool = True) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": user}]
     if tool_result:
         call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "cold"},
+        ]
     return {"model": "fake-model", "messages": messages, "tools": TOOLS}
 
 
@@ -35,7 +44,7 @@ def events(text: str) -> list[Any]:
     found = []
     for line in text.splitlines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             found.append(data if data == "[DONE]" else json.loads(data))
     return found
 
@@ -64,12 +73,16 @@ async def test_a_streamed_answer_carries_the_whole_answer_token_by_token(
 ) -> None:
     body = {**turn("stream me [answer_words=5]", tool_result=tool_result), **ASK}
     answer = (await whole(client, body))["choices"][0]
-    reply = await client.post("/v1/chat/completions", json={**body, "stream": True,
-                                                            "stream_options": {"include_usage": True}})
+    reply = await client.post(
+        "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert reply.headers["content-type"].startswith("text/event-stream")
     chunks = events(reply.text)
-    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"] == [] and chunks[-2]["usage"]["completion_tokens"] == len(
-        answer["token_ids"])
+    assert (
+        chunks[-1] == "[DONE]"
+        and chunks[-2]["choices"] == []
+        and chunks[-2]["usage"]["completion_tokens"] == len(answer["token_ids"])
+    )
     first, tokens = chunks[0], chunks[1:-2]
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["prompt_token_ids"] == (await whole(client, body))["prompt_token_ids"]
@@ -91,8 +104,14 @@ async def test_a_token_id_prompt_continues_the_answer_from_a_partial_answer(clie
     choice = answer["choices"][0]
     generated, cut = choice["token_ids"], 9
     prompt = answer["prompt_token_ids"] + generated[:cut]
-    request = {"model": "fake-model", "prompt": prompt, "max_tokens": 100, "logprobs": 0,
-               "return_tokens_as_token_ids": True, "return_token_ids": True}
+    request = {
+        "model": "fake-model",
+        "prompt": prompt,
+        "max_tokens": 100,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
     rest = (await client.post("/v1/completions", json=request)).json()["choices"][0]
     assert rest["token_ids"] == generated[cut:] and rest["prompt_token_ids"] == prompt
     # Each remaining token has the logprob it has at its place in the whole answer.
@@ -185,8 +204,10 @@ async def test_with_a_reasoning_parser_reasoning_is_split_off_streamed_and_whole
     plain = httpx.ASGITransport(app=create_app())
     async with httpx.AsyncClient(transport=plain, base_url="http://fake") as client:
         content = (await whole(client, body))["choices"][0]["message"]["content"]
-        assert content.startswith("<think> thought0") and "reasoning" not in (await whole(client, body))["choices"][0][
-            "message"]
+        assert (
+            content.startswith("<think> thought0")
+            and "reasoning" not in (await whole(client, body))["choices"][0]["message"]
+        )
 
 
 def _generated_at_least(client: httpx.AsyncClient, count: int) -> Any:

@@ -76,8 +76,11 @@ tokens = st.one_of(
 @st.composite
 def calls(draw: st.DrawFn) -> dict[str, Any]:
     route = draw(st.sampled_from(ROUTES))
-    shape = draw(st.sampled_from(["near_valid", "near_valid", "near_valid", "any_json", "raw_bytes", "wide",
-                                  "huge_list", "too_big"]))
+    shape = draw(
+        st.sampled_from(
+            ["near_valid", "near_valid", "near_valid", "any_json", "raw_bytes", "wide", "huge_list", "too_big"]
+        )
+    )
     body: Any
     if shape in ("near_valid", "wide", "huge_list"):
         body = {"checkpoint_id": draw(ids), "deadline_ts": draw(deadlines)}
@@ -145,13 +148,15 @@ async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
             if call["route"] == "status":
                 response = await harness.client.get(url, headers=headers)
             elif isinstance(body, bytes):
-                response = await harness.client.post(url, content=body,
-                                                     headers={**headers, "content-type": "application/json"})
+                response = await harness.client.post(
+                    url, content=body, headers={**headers, "content-type": "application/json"}
+                )
             else:
                 # allow_nan: send Infinity and NaN as a lax client would.
                 content = json.dumps(body, allow_nan=True).encode()
-                response = await harness.client.post(url, content=content,
-                                                     headers={**headers, "content-type": "application/json"})
+                response = await harness.client.post(
+                    url, content=content, headers={**headers, "content-type": "application/json"}
+                )
             assert response.status_code < 500, (call, response.status_code, response.text)
             if not authorized:
                 assert response.status_code == 401, (call, response.text)
@@ -189,9 +194,18 @@ def _assert_a_documented_refusal(response: Any) -> None:
 
 def test_a_typed_422_is_a_documented_refusal_too(tmp_path: Path) -> None:
     """The case the fuzzer found: a restore from a missing directory is invalid_checkpoint_state, a typed 422."""
-    sequence = [{"route": "restore", "body": {"checkpoint_id": "restore-1", "deadline_ts": ("offset", 5),
-                                              "checkpoint_dir": ("under_tmp", "nowhere"), "episode_ids": []},
-                 "token": "valid"}]
+    sequence = [
+        {
+            "route": "restore",
+            "body": {
+                "checkpoint_id": "restore-1",
+                "deadline_ts": ("offset", 5),
+                "checkpoint_dir": ("under_tmp", "nowhere"),
+                "episode_ids": [],
+            },
+            "token": "valid",
+        }
+    ]
     asyncio.run(_scenario(tmp_path, sequence))
 
 
@@ -208,9 +222,16 @@ def test_fuzz_reaches_the_phases(tmp_path: Path) -> None:
     """A fixed near-valid sequence, so the fuzzer's space is known to include real transitions."""
     sequence = [
         {"route": "prepare", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5)}, "token": "valid"},
-        {"route": "commit", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5),
-                                     "checkpoint_dir": ("under_tmp", "ckpt"), "episode_ids": None},
-         "token": "valid"},
+        {
+            "route": "commit",
+            "body": {
+                "checkpoint_id": "c1",
+                "deadline_ts": ("offset", 5),
+                "checkpoint_dir": ("under_tmp", "ckpt"),
+                "episode_ids": None,
+            },
+            "token": "valid",
+        },
         {"route": "resume", "body": {"checkpoint_id": "c1", "deadline_ts": ("offset", 5)}, "token": "valid"},
     ]
     asyncio.run(_scenario(tmp_path, sequence))
@@ -238,11 +259,14 @@ async def _restore_tampered(tmp: Path, mutations: list, duplicate: bool) -> None
     before = fd_count()
     harness = await make_harness(tmp / "harness")
     try:
-        body = {"checkpoint_id": "re-1", "deadline_ts": time.time() + 20, "checkpoint_dir": str(root),
-                "episode_ids": [{"rollout_id": f"r{i}", "attempt": 0} for i in range(3)]}
+        body = {
+            "checkpoint_id": "re-1",
+            "deadline_ts": time.time() + 20,
+            "checkpoint_dir": str(root),
+            "episode_ids": [{"rollout_id": f"r{i}", "attempt": 0} for i in range(3)],
+        }
         # Bounded: a FIFO or a directory in a file's place must be refused, never waited on.
-        response = await asyncio.wait_for(harness.client.post(f"{CONTROL_PREFIX}/restore", json=body, headers=AUTH),
-                                          30)
+        response = await asyncio.wait_for(harness.client.post(f"{CONTROL_PREFIX}/restore", json=body, headers=AUTH), 30)
         status = (await harness.client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)).json()
     finally:
         await close_harness(harness)
@@ -259,8 +283,20 @@ async def _restore_tampered(tmp: Path, mutations: list, duplicate: bool) -> None
 
 TAMPERING = st.tuples(
     st.sampled_from(["manifest", "records"]),
-    st.sampled_from(["append", "duplicate_line", "flip", "truncate", "remove", "fifo", "directory", "symlink_out",
-                     "symlink_fifo", "bytes"]),
+    st.sampled_from(
+        [
+            "append",
+            "duplicate_line",
+            "flip",
+            "truncate",
+            "remove",
+            "fifo",
+            "directory",
+            "symlink_out",
+            "symlink_fifo",
+            "bytes",
+        ]
+    ),
     st.binary(max_size=64) | st.sampled_from([b"\n", b"{}\n", b"null", b"7" * 300]),
     st.integers(0, 10_000),
 )

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import orjson
@@ -31,8 +31,6 @@ from nemo_gym_checkpoint_plugin._gate import (
     install_gate,
 )
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-
-T = TypeVar("T")
 
 EXEMPT_PATHS = ["/", "/health", "/healthz", "/livez", "/readyz", "/ng-control/v1/checkpoint/status"]
 
@@ -96,7 +94,7 @@ async def gated() -> AsyncIterator[Gated]:
         yield Gated(admission, marks, counters, client, entered)
 
 
-async def bounded(awaitable: Awaitable[T]) -> T:
+async def bounded[T](awaitable: Awaitable[T]) -> T:
     """Await a reply with a bound: a gate that wrongly parks must fail the test, not hang it."""
     return await asyncio.wait_for(awaitable, timeout=10)
 
@@ -370,9 +368,7 @@ async def test_retire_replies_only_after_parked_requests_of_its_attempts_were_an
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=slow_client), base_url="http://gym") as client:
         parked = asyncio.create_task(client.post("/run", content=run_body("r1", 0), headers=JSON))
         await wait_until(lambda: counters.parked == 1)
-        retire = asyncio.create_task(
-            plane.retire("op-1", time.time() + 10, [EpisodeId(rollout_id="r1", attempt=0)])
-        )
+        retire = asyncio.create_task(plane.retire("op-1", time.time() + 10, [EpisodeId(rollout_id="r1", attempt=0)]))
         await wait_until(lambda: counters.refused == 1, what="the parked request refused at once")
         # Its reply is still on its way out, so the retire has not replied. Without that wait the retire
         # (no participant hooks, no I/O) ends within a few loop passes: give it many.

@@ -58,8 +58,10 @@ def test_gc_keeps_the_newest_removes_older_and_abandoned_only_with_yes(root: str
     actions = {row["name"]: (row["action"], row["why"]) for row in dry["checkpoints"]}
     assert actions == {
         in_progress: ("keep", "a write in progress (newer than the oldest kept, not published)"),
-        ids[4]: ("keep", "one of the 2 newest published"), ids[3]: ("keep", "one of the 2 newest published"),
-        ids[2]: ("remove", "older than the newest kept"), ids[1]: ("remove", "an abandoned write"),
+        ids[4]: ("keep", "one of the 2 newest published"),
+        ids[3]: ("keep", "one of the 2 newest published"),
+        ids[2]: ("remove", "older than the newest kept"),
+        ids[1]: ("remove", "an abandoned write"),
         ids[0]: ("remove", "older than the newest kept"),
     }
     assert [row["name"] for row in dry["checkpoints"]] == [in_progress, *reversed(ids)]  # newest first
@@ -85,8 +87,16 @@ def test_a_checkpoint_under_a_live_lease_is_never_removed(root: str, capsys) -> 
 
 
 def write_lease(checkpoint: str, **fields: object) -> None:
-    body = {"schema_version": 1, "operation": "commit", "checkpoint_id": "x", "holder": "0" * 32,
-            "host": "elsewhere", "pid": 1, "expires_at": time.time() + 600, **fields}
+    body = {
+        "schema_version": 1,
+        "operation": "commit",
+        "checkpoint_id": "x",
+        "holder": "0" * 32,
+        "host": "elsewhere",
+        "pid": 1,
+        "expires_at": time.time() + 600,
+        **fields,
+    }
     where = location(checkpoint) / LEASE_DIR / f"{'0' * 32}.json"
     if isinstance(where, Path):
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -95,12 +105,15 @@ def write_lease(checkpoint: str, **fields: object) -> None:
         where.fs.pipe_file(where.native, orjson.dumps(body) if fields.get("raw") is None else fields["raw"])
 
 
-@pytest.mark.parametrize(("fields", "protects"), [
-    ({}, True),  # another host's live lease
-    ({"expires_at": time.time() - 1}, False),  # expired: its controller is gone
-    ({"host": os.uname().nodename, "pid": 2**22 + 11}, False),  # this host, its process dead
-    ({"raw": b"{not json"}, True),  # cannot be read: never removed on a guess
-])
+@pytest.mark.parametrize(
+    ("fields", "protects"),
+    [
+        ({}, True),  # another host's live lease
+        ({"expires_at": time.time() - 1}, False),  # expired: its controller is gone
+        ({"host": os.uname().nodename, "pid": 2**22 + 11}, False),  # this host, its process dead
+        ({"raw": b"{not json"}, True),  # cannot be read: never removed on a guess
+    ],
+)
 def test_which_leases_protect_a_checkpoint(root: str, fields: dict, protects: bool) -> None:
     store = CheckpointStore(root)
     ids = [collect_checkpoint(store, seq) for seq in (1, 2)]
@@ -118,8 +131,11 @@ def test_without_collect_names_checkpoints_are_ordered_by_publish_time(tmp_path:
         os.utime(root / name / "gym" / "participants.json", (stamp, stamp))
     status, dry = gc(str(root), "--keep", "1", capsys=capsys)
     assert status == 0
-    assert [(r["name"], r["action"]) for r in dry["checkpoints"]] == [("mid", "keep"), ("alpha", "remove"),
-                                                                      ("zeta", "remove")]
+    assert [(r["name"], r["action"]) for r in dry["checkpoints"]] == [
+        ("mid", "keep"),
+        ("alpha", "remove"),
+        ("zeta", "remove"),
+    ]
 
 
 def test_a_removal_cut_short_leaves_an_unpublished_checkpoint_the_next_gc_removes(root: str, capsys) -> None:  # noqa: ANN001

@@ -45,8 +45,9 @@ async def wait_for(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("operation", ["restore", "commit"])
-async def test_gc_keeps_a_checkpoint_a_restore_or_commit_is_using(root: str, tmp_path: Path, operation: str,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+async def test_gc_keeps_a_checkpoint_a_restore_or_commit_is_using(
+    root: str, tmp_path: Path, operation: str, capsys: pytest.CaptureFixture
+) -> None:
     store = CheckpointStore(root)
     ids = [published(store, seq) for seq in (1, 2, 3)]
     # The oldest one is used: restored from, or (a retried commit) committed into again.
@@ -73,4 +74,3 @@ async def test_gc_keeps_a_checkpoint_a_restore_or_commit_is_using(root: str, tmp
         assert [c.name for c in plan_retention(root, 1).remove] == [ids[0]]
     finally:
         stop_participants(servers)
-

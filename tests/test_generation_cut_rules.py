@@ -31,8 +31,12 @@ ON = CutSettings(enabled=True, tool_call_parser="hermes")
 
 
 def config_with(tmp_path: Path, value: Any, **model: Any) -> Any:
-    config = build_gym_config(20000, tmp_path, checkpoint={"enabled": True, "control_auth_token_env": "X"},
-                              model={**({"checkpoint_generation_cuts": value} if value is not None else {}), **model})
+    config = build_gym_config(
+        20000,
+        tmp_path,
+        checkpoint={"enabled": True, "control_auth_token_env": "X"},
+        model={**({"checkpoint_generation_cuts": value} if value is not None else {}), **model},
+    )
     return config
 
 
@@ -50,8 +54,10 @@ class ServerConfig:
         (False, CutSettings()),
         (True, CutSettings(enabled=True)),
         ({}, CutSettings(enabled=True)),
-        ({"tool_call_parser": "hermes", "freeze_worker": False},
-         CutSettings(enabled=True, tool_call_parser="hermes", freeze_worker=False)),
+        (
+            {"tool_call_parser": "hermes", "freeze_worker": False},
+            CutSettings(enabled=True, tool_call_parser="hermes", freeze_worker=False),
+        ),
     ],
 )
 def test_the_setting_is_off_by_default_and_per_server(tmp_path: Path, value: Any, expected: CutSettings) -> None:
@@ -96,8 +102,15 @@ def test_with_checkpointing_disabled_the_key_changes_nothing(tmp_path: Path) -> 
     refuse_unsupported(ServerConfig(), CheckpointSettings(enabled=False), config_with(tmp_path, "yes"))
 
 
-BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
-        "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True, "temperature": 1.0}
+BASE = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "tools": [{"type": "function"}],
+    "logprobs": True,
+    "top_logprobs": 0,
+    "return_tokens_as_token_ids": True,
+    "temperature": 1.0,
+}
 
 
 @pytest.mark.parametrize(
@@ -142,8 +155,13 @@ def test_a_call_offering_tools_is_cut_only_with_a_tool_parser() -> None:
 
 def test_sampling_is_what_the_continuation_copies() -> None:
     assert sampling({**BASE, "max_tokens": 50, "top_k": 20}) == {
-        "temperature": 1.0, "top_k": 20, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-        "max_tokens": 50}
+        "temperature": 1.0,
+        "top_k": 20,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "max_tokens": 50,
+    }
 
 
 @pytest.mark.parametrize(
@@ -151,17 +169,41 @@ def test_sampling_is_what_the_continuation_copies() -> None:
     [
         ("plain text", False, True, {"role": "assistant", "content": "plain text"}),
         ("", False, False, {"role": "assistant", "content": None}),
-        ('<tool_call> {"name": "f", "arguments": {"a": 1}} </tool_call>', False, True,
-         {"role": "assistant", "content": None,
-          "tool_calls": [{"id": "K0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}),
-        ('say <tool_call>{"id": "own", "name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"}', False,
-         True, {"role": "assistant", "content": "say ", "tool_calls": [
-             {"id": "own", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-             {"id": "K1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}),
-        ("<tool_call> not json </tool_call>", False, True,
-         {"role": "assistant", "content": "<tool_call> not json </tool_call>"}),
-        ('<tool_call> {"name": "f"} </tool_call>', False, False,
-         {"role": "assistant", "content": '<tool_call> {"name": "f"} </tool_call>'}),
+        (
+            '<tool_call> {"name": "f", "arguments": {"a": 1}} </tool_call>',
+            False,
+            True,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "K0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+            },
+        ),
+        (
+            'say <tool_call>{"id": "own", "name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"}',
+            False,
+            True,
+            {
+                "role": "assistant",
+                "content": "say ",
+                "tool_calls": [
+                    {"id": "own", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                    {"id": "K1", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+                ],
+            },
+        ),
+        (
+            "<tool_call> not json </tool_call>",
+            False,
+            True,
+            {"role": "assistant", "content": "<tool_call> not json </tool_call>"},
+        ),
+        (
+            '<tool_call> {"name": "f"} </tool_call>',
+            False,
+            False,
+            {"role": "assistant", "content": '<tool_call> {"name": "f"} </tool_call>'},
+        ),
         ("<think> why </think> so", True, False, {"role": "assistant", "content": " so", "reasoning": " why "}),
         ("<think> still thinking", True, False, {"role": "assistant", "content": None, "reasoning": " still thinking"}),
         ("no tags at all", True, False, {"role": "assistant", "content": "no tags at all"}),
@@ -175,8 +217,9 @@ def test_the_whole_text_is_parsed_as_the_worker_parses_it(
 
 
 def test_without_a_known_id_a_tool_call_gets_a_new_one() -> None:
-    (call,) = parse_message('<tool_call>{"name": "f", "arguments": {}}</tool_call>', reasoning=False,
-                            tools=True)["tool_calls"]
+    (call,) = parse_message('<tool_call>{"name": "f", "arguments": {}}</tool_call>', reasoning=False, tools=True)[
+        "tool_calls"
+    ]
     assert call["id"].startswith("chatcmpl-tool-") and len(call["id"]) > 20
 
 
@@ -185,8 +228,15 @@ def test_the_fake_models_raw_text_parses_to_the_fake_workers_message(conversatio
     """The plugin's parsers and the fake worker's agree, so a continued fake answer equals an uninterrupted one."""
     from nemo_gym_checkpoint_plugin.testing.fake_answers import Deltas, message_of
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
     for tool_result in (False, True):
         messages = [{"role": "user", "content": conversation}]
         if tool_result:
@@ -200,34 +250,64 @@ def test_the_fake_models_raw_text_parses_to_the_fake_workers_message(conversatio
 
 def chunk(delta: dict[str, Any], ids: list[int], finish: str | None = None, **top: Any) -> dict[str, Any]:
     entries = [{"token": f"token_id:{t}", "logprob": -0.1 * t, "bytes": [], "top_logprobs": []} for t in ids]
-    return {"id": "chatcmpl-1", "created": 5, "model": "m", **top,
-            "choices": [{"index": 0, "delta": delta, "logprobs": {"content": entries}, "finish_reason": finish,
-                         "token_ids": ids}]}
+    return {
+        "id": "chatcmpl-1",
+        "created": 5,
+        "model": "m",
+        **top,
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": {"content": entries}, "finish_reason": finish, "token_ids": ids}
+        ],
+    }
 
 
 def test_the_streamed_chunks_assemble_into_the_whole_answer_carrying_what_was_asked() -> None:
     generation = Generation(None, {}, digest="0" * 64)
     generation.add_chat_chunk(chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[1, 2, 3]))
     generation.add_chat_chunk(chunk({"content": "Hi"}, [7]))
-    generation.add_chat_chunk(chunk({"tool_calls": [{"index": 0, "id": "c", "type": "function",
-                                                     "function": {"name": "f", "arguments": '{"a"'}}]}, [8]))
+    generation.add_chat_chunk(
+        chunk(
+            {
+                "tool_calls": [
+                    {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+                ]
+            },
+            [8],
+        )
+    )
     more = {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
     generation.add_chat_chunk(chunk(more, [9], "tool_calls"))
-    generation.add_chat_chunk({"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3,
-                                                                            "total_tokens": 6}})
+    generation.add_chat_chunk(
+        {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}
+    )
     assert generation.cuttable and generation.snapshot().tokens == 3
     plain = generation.assemble({})
     assert plain == {
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 5, "model": "m", "usage": {
-            "prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
-            "role": "assistant", "content": "Hi",
-            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 5,
+        "model": "m",
+        "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "logprobs": None,
+                "message": {
+                    "role": "assistant",
+                    "content": "Hi",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+                },
+            }
+        ],
     }
     asked = generation.assemble({"logprobs": True, "return_token_ids": True})
     assert asked["prompt_token_ids"] == [1, 2, 3] and asked["choices"][0]["token_ids"] == [7, 8, 9]
-    assert [e["token"] for e in asked["choices"][0]["logprobs"]["content"]] == ["token_id:7", "token_id:8",
-                                                                                "token_id:9"]
+    assert [e["token"] for e in asked["choices"][0]["logprobs"]["content"]] == [
+        "token_id:7",
+        "token_id:8",
+        "token_id:9",
+    ]
 
 
 def a_cut() -> dict[str, Any]:

@@ -202,8 +202,12 @@ async def test_serve_prints_one_json_line_serves_and_stops_on_a_double_sigterm(t
                 reply = await http.get(f"{line['servers'][name]}/ng-control/v1/checkpoint/status", headers=headers)
                 assert reply.status_code == 200, (name, reply.text)
                 kinds[name] = (reply.json()["kind"], reply.json()["phase"])
-        assert kinds == {MODEL: ("model", "idle"), AGENT: ("agent", "idle"), RESOURCES: ("resources", "idle"),
-                         ENVIRONMENT: ("environment", "idle")}
+        assert kinds == {
+            MODEL: ("model", "idle"),
+            AGENT: ("agent", "idle"),
+            RESOURCES: ("resources", "idle"),
+            ENVIRONMENT: ("environment", "idle"),
+        }
 
         os.killpg(pgid, signal.SIGTERM)
         os.killpg(pgid, signal.SIGTERM)  # what make forwards on top of the group's signal
@@ -241,10 +245,13 @@ def test_sigterm_to_make_serve_alone_stops_every_server(tmp_path: Path) -> None:
     # `-o setup`: the venv is this one; the test is about serve, not about (re)installing it.
     with open(tmp_path / "make.stderr", "wb") as stderr:
         make = subprocess.Popen(
-            ["make", "--no-print-directory", "-o", "setup", "serve", f"PORT_BASE={port_base}",
-             f"PY={sys.executable}"],
-            cwd=REPO, env=_serve_env(tmp_path, port_base), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
+            ["make", "--no-print-directory", "-o", "setup", "serve", f"PORT_BASE={port_base}", f"PY={sys.executable}"],
+            cwd=REPO,
+            env=_serve_env(tmp_path, port_base),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
         )
     pgid = make.pid
     try:
@@ -272,8 +279,13 @@ def test_a_second_serve_on_a_busy_port_base_fails_and_changes_nothing(tmp_path: 
     serve = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.serve"]
     with open(tmp_path / "first.stderr", "wb") as stderr:
         first = subprocess.Popen(
-            serve, cwd=REPO, env=_serve_env(tmp_path, port_base), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True,
+            serve,
+            cwd=REPO,
+            env=_serve_env(tmp_path, port_base),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
         )
     try:
         line = _read_json_line(first, timeout=300)
@@ -282,11 +294,13 @@ def test_a_second_serve_on_a_busy_port_base_fails_and_changes_nothing(tmp_path: 
         stat_before = {path: path.stat().st_mtime_ns for path in before}
 
         # The same work dir (what the default NG_SERVE_DIR gives for one PORT_BASE): the lock refuses it.
-        same = subprocess.run(serve, cwd=REPO, env=_serve_env(tmp_path, port_base), capture_output=True,
-                              text=True, timeout=120)
+        same = subprocess.run(
+            serve, cwd=REPO, env=_serve_env(tmp_path, port_base), capture_output=True, text=True, timeout=120
+        )
         # Another work dir on the same ports: the port check refuses it, before writing its own files.
-        other = subprocess.run(serve, cwd=REPO, env=_serve_env(tmp_path, port_base, "other"),
-                               capture_output=True, text=True, timeout=120)
+        other = subprocess.run(
+            serve, cwd=REPO, env=_serve_env(tmp_path, port_base, "other"), capture_output=True, text=True, timeout=120
+        )
 
         assert same.returncode == 2 and other.returncode == 2
         assert same.stdout == other.stdout == ""
@@ -298,8 +312,12 @@ def test_a_second_serve_on_a_busy_port_base_fails_and_changes_nothing(tmp_path: 
         assert not (tmp_path / "other" / "token").exists() and not (tmp_path / "other" / "gym_config.yaml").exists()
         # The first one still serves, with the token it wrote.
         headers = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
-        reply = httpx.get(f"{line['servers'][ENVIRONMENT]}/ng-control/v1/checkpoint/status", headers=headers,
-                          timeout=30, trust_env=False)
+        reply = httpx.get(
+            f"{line['servers'][ENVIRONMENT]}/ng-control/v1/checkpoint/status",
+            headers=headers,
+            timeout=30,
+            trust_env=False,
+        )
         assert reply.status_code == 200, reply.text
         assert first.poll() is None
         first.send_signal(signal.SIGTERM)

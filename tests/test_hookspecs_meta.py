@@ -48,9 +48,22 @@ HOOK_TESTS = _hook_tests()
 
 
 def test_the_spec_modules_hold_the_hooks_of_the_design() -> None:
-    participant = {"export", "install", "retire", "delete_restored", "seed_session", "ready", "wait_ready",
-                   "close_admission", "preparing", "open_admission", "restored_pending", "release_exported",
-                   "status_fields", "attach"}
+    participant = {
+        "export",
+        "install",
+        "retire",
+        "delete_restored",
+        "seed_session",
+        "ready",
+        "wait_ready",
+        "close_admission",
+        "preparing",
+        "open_admission",
+        "restored_pending",
+        "release_exported",
+        "status_fields",
+        "attach",
+    }
     core = {"storage_backend", "lease_policy", "coordination_order"}
     assert set(HOOKSPECS) == participant | core
 

@@ -81,7 +81,9 @@ loose_rollout_ids = st.one_of(
     st.builds(lambda s: s + "-a7", st.text(alphabet="ab-", min_size=1, max_size=6)),
 )
 loose_attempts = st.one_of(
-    st.integers(min_value=-3, max_value=2**70), st.booleans(), st.floats(allow_nan=False, max_value=5),
+    st.integers(min_value=-3, max_value=2**70),
+    st.booleans(),
+    st.floats(allow_nan=False, max_value=5),
     st.sampled_from(["3", None, 3.0]),
 )
 
@@ -111,14 +113,17 @@ def test_from_capture_key_answers_exactly_as_parsing_into_episode_id(key: str) -
     assert _outcome(from_capture_key, key) == expected
 
 
-@pytest.mark.parametrize("wire", [
-    {"rollout_id": "r-a3", "attempt": 0},   # the reserved suffix
-    {"rollout_id": "r-a3\n", "attempt": 0},
-    {"rollout_id": "r\n", "attempt": 1},
-    {"rollout_id": "r", "attempt": -1},
-    {"rollout_id": "r", "extra": 1},
-    {"attempt": 1},
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"rollout_id": "r-a3", "attempt": 0},  # the reserved suffix
+        {"rollout_id": "r-a3\n", "attempt": 0},
+        {"rollout_id": "r\n", "attempt": 1},
+        {"rollout_id": "r", "attempt": -1},
+        {"rollout_id": "r", "extra": 1},
+        {"attempt": 1},
+    ],
+)
 def test_the_fast_paths_refuse_what_episode_id_refuses(wire: dict) -> None:
     with pytest.raises(ValidationError) as expected:
         EpisodeId.model_validate(wire)

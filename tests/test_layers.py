@@ -14,11 +14,27 @@ import pytest
 
 PACKAGE = "nemo_gym_checkpoint_plugin"
 # Modules of the server runtime, by prefix.
-RUNTIME = tuple(f"{PACKAGE}.{name}" for name in (
-    "_control", "_gate", "_explicit_ids", "_routes", "_admission", "_attach", "mixin", "wrap", "_client", "_ray_off",
-    "builtin_participants", "_storage.writer", "_storage.local", "_storage.executor", "_storage.objstore_writer",
-    "_storage.objstore_backend",
-))
+RUNTIME = tuple(
+    f"{PACKAGE}.{name}"
+    for name in (
+        "_control",
+        "_gate",
+        "_explicit_ids",
+        "_routes",
+        "_admission",
+        "_attach",
+        "mixin",
+        "wrap",
+        "_client",
+        "_ray_off",
+        "builtin_participants",
+        "_storage.writer",
+        "_storage.local",
+        "_storage.executor",
+        "_storage.objstore_writer",
+        "_storage.objstore_backend",
+    )
+)
 # Modules of the controller side.
 CONTROLLER = tuple(f"{PACKAGE}.{name}" for name in ("coordination", "cli"))
 TESTING = (f"{PACKAGE}.testing",)

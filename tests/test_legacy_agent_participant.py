@@ -275,9 +275,7 @@ async def test_an_unnamed_body_is_refused_rollout_id_required_and_a_duplicate_at
         # A row naming no episode (no rollout id, no indices): agent work nobody could retire or
         # restart, so it is refused instead of relayed untracked (silently absent from checkpoints).
         for encoding in ("utf-8", "utf-16"):
-            unnamed = await http.post(
-                "/run", content='{"responses_create_params": {}}'.encode(encoding), headers=_JSON
-            )
+            unnamed = await http.post("/run", content='{"responses_create_params": {}}'.encode(encoding), headers=_JSON)
             assert unnamed.status_code == 400, unnamed.text
             assert unnamed.json()["error"]["code"] == "rollout_id_required"
         assert agent.started == [] and book.ready(None).counts["episodes"] == 0

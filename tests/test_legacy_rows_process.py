@@ -52,8 +52,9 @@ async def _status(url: str) -> dict[str, Any]:
 async def test_a_row_without_task_identity_is_a_typed_422_and_the_documented_row_continues(
     gym_deployment_factory,
 ) -> None:
-    harness = gym_deployment_factory(checkpoint=DEFAULT_CHECKPOINT_BLOCK, entrypoints=wrapped_entrypoints(),
-                                     server_dirs={ENVIRONMENT: _legacy_dir()})
+    harness = gym_deployment_factory(
+        checkpoint=DEFAULT_CHECKPOINT_BLOCK, entrypoints=wrapped_entrypoints(), server_dirs={ENVIRONMENT: _legacy_dir()}
+    )
     run = harness.env_url + "/run"
 
     status, reply = await _post(run, flat_row("3-0-a1"))

@@ -37,8 +37,9 @@ def _token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _config(tmp_path: Path, *, all_agents: bool = True, **build: Any) -> Any:
     capture = {"enabled": True, "all_agents": all_agents, "dir": str(tmp_path / "captures")}
-    return build_gym_config(20000, tmp_path, checkpoint=CHECKPOINT, replicas=2,
-                            gym_settings={"token_id_capture": capture}, **build)
+    return build_gym_config(
+        20000, tmp_path, checkpoint=CHECKPOINT, replicas=2, gym_settings={"token_id_capture": capture}, **build
+    )
 
 
 def _start(config: Any, name: str) -> Any:

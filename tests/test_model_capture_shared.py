@@ -94,8 +94,7 @@ async def test_two_model_servers_on_one_directory_export_only_the_calls_each_ans
     ck = tmp_path / "ck"
     replies = []
     for http in (http_a, http_b):
-        reply = await control(http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(ck),
-                              episode_ids=_scope(ROLLOUT))
+        reply = await control(http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(ck), episode_ids=_scope(ROLLOUT))
         replies.append(reply.json())
     assert [r["episode_ids"] for r in replies] == [[ROLLOUT], []], replies
     pending.cancel()
@@ -230,9 +229,14 @@ async def test_the_checkpointed_attempt_s_files_go_once_the_restore_installed_th
     _a2, http_a2 = servers.build(MODEL, return_token_id_information=True)
     await _restore([http_a2], ck, _scope(ROLLOUT))
     await wait_until(
-        lambda: not any(p.name.startswith(f"{ROLLOUT}.tokens.") and not p.name.endswith(".lock")
-                        for p in (tmp_path / "captures").iterdir()),
-        timeout=20, what="attempt 0's capture files removed",
+        lambda: (
+            not any(
+                p.name.startswith(f"{ROLLOUT}.tokens.") and not p.name.endswith(".lock")
+                for p in (tmp_path / "captures").iterdir()
+            )
+        ),
+        timeout=20,
+        what="attempt 0's capture files removed",
     )
     assert len(_ids(store, f"{ROLLOUT}-a1")) == 1
 
@@ -247,8 +251,11 @@ async def test_a_restore_id_used_again_after_its_resume_clears_again(servers: Mo
     checkpointed = _ids(store, ROLLOUT)
     _a2, http_a2 = servers.build(MODEL, return_token_id_information=True)
     await _restore([http_a2], ck, _scope(ROLLOUT))
-    await wait_until(lambda: not list((tmp_path / "captures").glob(".ng-checkpoint-restore-*")), timeout=20,
-                     what="the restore's marker removed at its resume")
+    await wait_until(
+        lambda: not list((tmp_path / "captures").glob(".ng-checkpoint-restore-*")),
+        timeout=20,
+        what="the restore's marker removed at its resume",
+    )
     # The continued attempt runs a call, then everything dies again; the same checkpoint is restored
     # under the same restore id: what the dead continuation wrote must go.
     again = await http_a2.post(capture_path(f"{ROLLOUT}-a1"), json=second_request(ROLLOUT, first.json()["output"]))
@@ -287,8 +294,15 @@ def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_r
     store = TokenCaptureStore(tmp_path / "captures")
     from nemo_gym.token_id_capture.records import TokenEntry
 
-    store.append(TokenEntry(rollout_id="r", model_call_id="c1", prompt_token_ids=[1, 2], generation_token_ids=[3],
-                            generation_log_probs=[-0.5]))
+    store.append(
+        TokenEntry(
+            rollout_id="r",
+            model_call_id="c1",
+            prompt_token_ids=[1, 2],
+            generation_token_ids=[3],
+            generation_log_probs=[-0.5],
+        )
+    )
     captures = TokenCaptures(store)
     (record,) = captures.export(["r"], {"r": {"c1"}})
     line = store.path_for("r").read_bytes()
@@ -298,7 +312,6 @@ def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_r
     # An earlier release's record held the row as a JSON object: the same line is written.
     earlier = {"episode_id": record["episode_id"], "token_entries": [orjson.loads(line)]}
     assert captures.stage("r", "r-a1", earlier).tokens == [("c1", line)]
-    forged = {"episode_id": record["episode_id"],
-              "token_rows": [["c2", line.rstrip(b"\n").decode()]]}
+    forged = {"episode_id": record["episode_id"], "token_rows": [["c2", line.rstrip(b"\n").decode()]]}
     with pytest.raises(InvalidCheckpointState, match="not one JSON row of that model call"):
         captures.stage("r", "r-a1", forged)

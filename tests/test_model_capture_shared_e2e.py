@@ -68,17 +68,28 @@ def _prompt(rollout_id: str) -> str:
 
 
 def _stream_request(output: list[dict[str, Any]] | None) -> dict[str, Any]:
-    weather = {"type": "function", "name": "get_weather", "description": "", "strict": True,
-               "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": ""}},
-                              "required": ["city"], "additionalProperties": False}}
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": ""}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
     body: dict[str, Any] = {
         "input": [{"role": "user", "content": f"weather please ({STREAM}) [answer_words={ANSWER_WORDS}]"}],
         "tools": [weather],
     }
     if output is not None:
         call = next(item for item in output if item["type"] == "function_call")
-        body["input"] += [*output, {"type": "function_call_output", "call_id": call["call_id"],
-                                    "output": '{"weather": "cold"}'}]
+        body["input"] += [
+            *output,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": '{"weather": "cold"}'},
+        ]
         body["stream"] = True
     return body
 
@@ -90,8 +101,13 @@ def _deployment(tmp_path: Path, mode: str) -> Deployment:
         capture.update(external_staging=True, rebuild_response=False)
         env.update({LEDGER_TOKEN_ENV: "ledger-token", STAGING_DIR_ENV: str(tmp_path / "staged")})
     return Deployment(
-        free_port_base(port_span(2)), tmp_path, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=tmp_path / "logs", extra_env=env, replicas=2,
+        free_port_base(port_span(2)),
+        tmp_path,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=tmp_path / "logs",
+        extra_env=env,
+        replicas=2,
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "wait"},
         model={"return_token_id_information": mode == "local"},
         gym_settings={"token_id_capture": capture},
@@ -145,8 +161,9 @@ async def _scenario(deployment: Deployment, tmp_path: Path) -> None:
             return await call("POST", envs[replica] + "/run", json=body)
 
         async def model_calls(name: str) -> dict[str, int]:
-            status = await call("GET", urls[name] + "/ng-control/v1/checkpoint/status",
-                                headers={"Authorization": f"Bearer {TOKEN}"})
+            status = await call(
+                "GET", urls[name] + "/ng-control/v1/checkpoint/status", headers={"Authorization": f"Bearer {TOKEN}"}
+            )
             return status["model_calls"]
 
         def capture_path(key: str) -> str:
@@ -165,7 +182,8 @@ async def _scenario(deployment: Deployment, tmp_path: Path) -> None:
         started = await stream.content.read(4096)
         assert started, "the stream's answer began reaching its caller"
         await wait_until_async(
-            lambda: _calls_are(model_calls, MODEL, in_flight=3, held=0), BOUND,
+            lambda: _calls_are(model_calls, MODEL, in_flight=3, held=0),
+            BOUND,
             "model 1 streaming the answer (2 generating + 1 stream, nothing held)",
         )
 
@@ -176,8 +194,9 @@ async def _scenario(deployment: Deployment, tmp_path: Path) -> None:
             # The generations finish now: their responses are held at both model servers.
             await call("POST", urls[BACKEND] + "/_fake/release", json={"match": None})
             for name in (MODEL, replica_name(MODEL, 2)):
-                await wait_until_async(lambda name=name: _held_at_least(model_calls, name, 2), BOUND,
-                                       f"two responses held at {name}")
+                await wait_until_async(
+                    lambda name=name: _held_at_least(model_calls, name, 2), BOUND, f"two responses held at {name}"
+                )
             scope = prepared.continued([*ALL, STREAM])
             ckpt = tmp_path / "ckpt"
             committed = await commit(coordinator, "shared", str(ckpt), scope, timeout=BOUND)

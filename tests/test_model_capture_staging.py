@@ -36,8 +36,7 @@ LEDGER_TOKEN_ENV = "NEMO_GYM_TOKEN_CAPTURE_CONTROL_TOKEN"
 @pytest.fixture
 async def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[ModelServers]:
     monkeypatch.setenv(LEDGER_TOKEN_ENV, "ledger-control-token")
-    capture = {"enabled": True, "dir": str(tmp_path / "captures"), "external_staging": True,
-               "rebuild_response": False}
+    capture = {"enabled": True, "dir": str(tmp_path / "captures"), "external_staging": True, "rebuild_response": False}
     servers = ModelServers(tmp_path, monkeypatch, {"token_id_capture": capture})
     await servers.start()
     yield servers

@@ -76,8 +76,13 @@ async def test_a_cut_restored_after_a_crash_continues_with_only_the_remainder_ge
     assert servers.state.paused and servers.state.pauses_total == 2  # the model server froze it in place too
     cut = servers.state.generated_total
     assert cut == ANSWER_TOKENS // 3
-    committed = await control(http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=[{"rollout_id": "c1", "attempt": 0}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id="ck-1",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": "c1", "attempt": 0}],
+    )
     assert committed.status_code == 200 and committed.json()["episode_ids"] == ["c1"], committed.text
     assert servers.state.generated_total == cut and not call.done()
 
@@ -111,8 +116,13 @@ async def test_without_a_crash_nothing_is_generated_twice(servers: CutServers, t
     call = await start_call(http, "nc", "nc")
     await _until(lambda: servers.state.paused, "the generation half way")
     assert (await control(http, "prepare", checkpoint_id="ck-nc")).json()["phase"] == "prepared"
-    committed = await control(http, "commit", checkpoint_id="ck-nc", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=[{"rollout_id": "nc", "attempt": 0}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id="ck-nc",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": "nc", "attempt": 0}],
+    )
     assert committed.json()["episode_ids"] == ["nc"]
     await control(http, "resume", checkpoint_id="ck-nc")
     reply = await call
@@ -131,8 +141,13 @@ async def test_a_call_whose_digest_differs_is_generated_from_scratch_and_the_cut
     call = await start_call(http, "dm", "dm")
     await _until(lambda: servers.state.paused, "40 tokens generated")
     await control(http, "prepare", checkpoint_id="ck-dm")
-    await control(http, "commit", checkpoint_id="ck-dm", checkpoint_dir=str(tmp_path / "ck"),
-                  episode_ids=[{"rollout_id": "dm", "attempt": 0}])
+    await control(
+        http,
+        "commit",
+        checkpoint_id="ck-dm",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": "dm", "attempt": 0}],
+    )
     call.cancel()
     await asyncio.gather(call, return_exceptions=True)
     await _until(lambda: servers.state.abandoned_total == 1, "the backend to see the stream dropped")
@@ -164,8 +179,13 @@ async def test_a_constrained_call_is_never_cut(servers: CutServers, tmp_path: Pa
     await _until(lambda: servers.state.paused, "20 tokens generated")
     assert (await control(http, "prepare", checkpoint_id="ck-tc")).json()["phase"] == "prepared"
     assert servers.state.pauses_total == 1  # nothing cuttable runs: the model server froze nothing
-    committed = await control(http, "commit", checkpoint_id="ck-tc", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=[{"rollout_id": "tc", "attempt": 0}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id="ck-tc",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": "tc", "attempt": 0}],
+    )
     assert committed.json()["episode_ids"] == []  # no cut: after a crash the call is generated again
     await control(http, "resume", checkpoint_id="ck-tc")
     servers.state.resume()
@@ -193,8 +213,13 @@ async def test_a_hung_freeze_does_not_delay_prepared_past_its_share_of_the_deadl
     assert elapsed < window * 0.25 + 2.0, elapsed
     freeze = (await built.status())["generation_cuts"]["freeze_worker"]
     assert freeze["timeouts_total"] == 1
-    committed = await control(http, "commit", checkpoint_id="ck-hg", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=[{"rollout_id": "hg", "attempt": 0}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id="ck-hg",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": "hg", "attempt": 0}],
+    )
     assert committed.json()["episode_ids"] == ["hg"]  # the cut is taken where the stream stands
     await control(http, "resume", checkpoint_id="ck-hg")
     await _until(lambda: not servers.state.paused, "the worker resumed")

@@ -28,8 +28,9 @@ WORDS = 200
 @pytest.fixture
 async def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[CutServers]:
     capture = {"enabled": True, "dir": str(tmp_path / "captures")}
-    servers = CutServers(tmp_path, monkeypatch, cuts={"tool_call_parser": "hermes"},
-                         extra_config={"token_id_capture": capture})
+    servers = CutServers(
+        tmp_path, monkeypatch, cuts={"tool_call_parser": "hermes"}, extra_config={"token_id_capture": capture}
+    )
     await servers.start()
     yield servers
     await servers.aclose()
@@ -47,8 +48,10 @@ def conversation(name: str) -> str:
 def second_request(name: str, first_output: list[dict[str, Any]]) -> dict[str, Any]:
     body = first_request(conversation(name))
     call = next(item for item in first_output if item["type"] == "function_call")
-    body["input"] += [*first_output,
-                      {"type": "function_call_output", "call_id": call["call_id"], "output": '{"weather": "cold"}'}]
+    body["input"] += [
+        *first_output,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": '{"weather": "cold"}'},
+    ]
     return body
 
 
@@ -73,8 +76,13 @@ async def test_the_continued_call_is_one_capture_row_and_gym_rebuilds_the_turn(
     assert (await control(http, "prepare", checkpoint_id="ck")).json()["phase"] == "prepared"
     cut = servers.state.generated_total - before
     assert cut == WORDS // 2
-    committed = await control(http, "commit", checkpoint_id="ck", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=[{"rollout_id": ROLLOUT, "attempt": 0}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id="ck",
+        checkpoint_dir=str(tmp_path / "ck"),
+        episode_ids=[{"rollout_id": ROLLOUT, "attempt": 0}],
+    )
     assert committed.json()["episode_ids"] == [ROLLOUT], committed.text
     (records,) = [path.read_text().splitlines() for path in (tmp_path / "ck").rglob("records-*.jsonl")]
     (record,) = [json.loads(line) for line in records]

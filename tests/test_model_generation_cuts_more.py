@@ -47,8 +47,18 @@ def tokens_of(reply: dict[str, Any]) -> list[tuple[Any, ...]]:
     for item in reply["output"]:
         text = "".join(part.get("text", "") for part in item.get("content") or [])
         summary = "".join(part.get("text", "") for part in item.get("summary") or [])
-        found.append((item["type"], text, summary, item.get("name"), item.get("arguments"), item.get("call_id"),
-                      item.get("generation_token_ids"), item.get("generation_log_probs")))
+        found.append(
+            (
+                item["type"],
+                text,
+                summary,
+                item.get("name"),
+                item.get("arguments"),
+                item.get("call_id"),
+                item.get("generation_token_ids"),
+                item.get("generation_log_probs"),
+            )
+        )
     return found
 
 
@@ -72,8 +82,13 @@ async def crash(servers: CutServers, built: Any, call: asyncio.Future[Any], aban
 
 async def checkpoint(http: Any, name: str, directory: Path, rollout: str, attempt: int) -> dict[str, Any]:
     assert (await control(http, "prepare", checkpoint_id=name)).json()["phase"] == "prepared"
-    committed = await control(http, "commit", checkpoint_id=name, checkpoint_dir=str(directory),
-                              episode_ids=[{"rollout_id": rollout, "attempt": attempt}])
+    committed = await control(
+        http,
+        "commit",
+        checkpoint_id=name,
+        checkpoint_dir=str(directory),
+        episode_ids=[{"rollout_id": rollout, "attempt": attempt}],
+    )
     assert committed.status_code == 200, committed.text
     return committed.json()
 
@@ -141,7 +156,7 @@ async def cut_and_continue(servers: CutServers, tmp_path: Path, body: dict[str, 
     assert servers.state.generated_total == total, "only the remainder after the cut is generated"
     assert 0 < cut < total
     assert tokens_of(reply.json()) == tokens_of(expected)
-    (sent, answer), = answers
+    ((sent, answer),) = answers
     await same_as_the_worker_answers(servers, sent, answer)
     return reply.json()
 
@@ -212,13 +227,15 @@ async def test_a_restored_cut_goes_with_a_retire_or_a_commit_that_leaves_its_epi
         assert (await fresh.status())["generation_cuts"]["restored_pending"] == 1
         await control(http2, "resume", checkpoint_id=f"rs-{way}")
         if way == "retire":
-            retired = await control(http2, "retire", checkpoint_id="retire-1",
-                                    episode_ids=[{"rollout_id": "r", "attempt": 1}])
+            retired = await control(
+                http2, "retire", checkpoint_id="retire-1", episode_ids=[{"rollout_id": "r", "attempt": 1}]
+            )
             assert retired.status_code == 200, retired.text
         else:
             await control(http2, "prepare", checkpoint_id="ck-empty")
-            empty = await control(http2, "commit", checkpoint_id="ck-empty", checkpoint_dir=str(tmp_path / "empty"),
-                                  episode_ids=[])
+            empty = await control(
+                http2, "commit", checkpoint_id="ck-empty", checkpoint_dir=str(tmp_path / "empty"), episode_ids=[]
+            )
             assert empty.json()["episode_ids"] == []
             await control(http2, "resume", checkpoint_id="ck-empty")
         assert (await fresh.status())["generation_cuts"]["restored_pending"] == 0, way

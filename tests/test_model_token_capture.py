@@ -63,7 +63,10 @@ async def control(http: httpx.AsyncClient, route: str, **body: Any) -> httpx.Res
 def dead_executions(store: TokenCaptureStore) -> None:
     """What processes of attempts 1 and 2 left before they died: entries, a dangling intent, a frozen state."""
     dead = TokenEntry(
-        rollout_id=f"{ROLLOUT}-a1", model_call_id="dead-call", prompt_token_ids=[1], generation_token_ids=[2],
+        rollout_id=f"{ROLLOUT}-a1",
+        model_call_id="dead-call",
+        prompt_token_ids=[1],
+        generation_token_ids=[2],
         generation_log_probs=[-0.1],
     )
     store.append(dead)
@@ -90,8 +93,9 @@ async def test_restored_capture_holds_every_call_once_and_gym_rebuilds_it(
     await wait_until(lambda: first.participant.held == 1, timeout=20, what="its response held")
     assert len(store.read_entries(ROLLOUT)) == 2  # Gym captured the held call before its reply was held
     scope = [{"rollout_id": ROLLOUT, "attempt": 0}, {"rollout_id": "idle", "attempt": 0}]
-    committed = await control(http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(tmp_path / "ck"),
-                              episode_ids=scope)
+    committed = await control(
+        http, "commit", checkpoint_id="ck-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=scope
+    )
     assert committed.status_code == 200, committed.text
     assert committed.json()["episode_ids"] == [ROLLOUT]
     records = [line for line in (tmp_path / "ck").rglob("records-*.jsonl")][0].read_text().splitlines()

@@ -59,8 +59,12 @@ async def _crash_and_continue(tmp_path: Path, captures: Path) -> dict[str, Any]:
     from nemo_gym_checkpoint_plugin.coordination import commit, discover, prepare, restore, resume
 
     deployment = Deployment(
-        free_port_base(), tmp_path, entrypoints=wrapped_entrypoints(), own_process_groups=True,
-        log_dir=tmp_path / "logs", extra_env={TOKEN_ENV: TOKEN},
+        free_port_base(),
+        tmp_path,
+        entrypoints=wrapped_entrypoints(),
+        own_process_groups=True,
+        log_dir=tmp_path / "logs",
+        extra_env={TOKEN_ENV: TOKEN},
         checkpoint={**DEFAULT_CHECKPOINT_BLOCK, "step_mode": "wait"},
         model={"return_token_id_information": True},
         # Run-wide, so every server (and the restarted ones) writes the one ledger the trainer reads.

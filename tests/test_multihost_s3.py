@@ -23,17 +23,25 @@ TOKEN = "multihost-s3-token"
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux" or not lan_supported(),
-                       reason="needs named network namespaces, a bridge and veth pairs (Linux, root, iproute2)"),
+    pytest.mark.skipif(
+        sys.platform != "linux" or not lan_supported(),
+        reason="needs named network namespaces, a bridge and veth pairs (Linux, root, iproute2)",
+    ),
 ]
 
 
 def test_every_host_killed_and_the_checkpoint_restored_from_s3_on_fresh_hosts(tmp_path: Path) -> None:
     lan = Lan()
     try:
-        done = subprocess.run(lan.argv(lan.hub, [sys.executable, str(HERE / "multihost_driver.py"), lan.tag,
-                                                 lan.prefix, str(tmp_path), TOKEN]),
-                              capture_output=True, text=True, timeout=900, cwd=HERE)
+        done = subprocess.run(
+            lan.argv(
+                lan.hub, [sys.executable, str(HERE / "multihost_driver.py"), lan.tag, lan.prefix, str(tmp_path), TOKEN]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=HERE,
+        )
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         report = orjson.loads(done.stdout.strip().splitlines()[-1])
     finally:
@@ -51,7 +59,11 @@ def test_every_host_killed_and_the_checkpoint_restored_from_s3_on_fresh_hosts(tm
     assert result["checkpoint_dir"].startswith("s3://")
     assert "gym/participants.json" in report["objects"]
     assert {o.split("/")[1] for o in report["objects"] if o.startswith("gym/") and o.count("/") == 3} == {
-        "environment", "model", "agent", "resources"}
+        "environment",
+        "model",
+        "agent",
+        "resources",
+    }
     assert report["verify"]["status"] == 0, report["verify"]
     assert report["hosts_left"] == [] and report["leaks"] == []
     # The scenario, as the single-host e2e test asserts it, counted by the fresh servers.

@@ -36,8 +36,10 @@ from nemo_gym_checkpoint_plugin.testing.harness import wait_until
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sys.platform != "linux" or not namespaces_supported(),
-                       reason="needs a network namespace (Linux, root) to keep Ray on loopback"),
+    pytest.mark.skipif(
+        sys.platform != "linux" or not namespaces_supported(),
+        reason="needs a network namespace (Linux, root) to keep Ray on loopback",
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,9 +83,21 @@ class NgRunDeployment:
     def start_ray(self) -> None:
         """docs/ng_run.md's recipe: a Ray head bound to 127.0.0.1 (no dashboard), which ng_run joins."""
         before = set(self.ns.processes())
-        started = self.ns.command([sys.executable, RAY, "start", "--head", "--node-ip-address=127.0.0.1",
-                                   f"--port={RAY_PORT}", "--include-dashboard=false", "--num-cpus=1",
-                                   "--disable-usage-stats"], timeout=240, env=self.env)
+        started = self.ns.command(
+            [
+                sys.executable,
+                RAY,
+                "start",
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={RAY_PORT}",
+                "--include-dashboard=false",
+                "--num-cpus=1",
+                "--disable-usage-stats",
+            ],
+            timeout=240,
+            env=self.env,
+        )
         assert started.returncode == 0, started.stdout + started.stderr
         self.ray = sorted(set(self.ns.processes()) - before)
         assert self.ray, "ray start left no process"
@@ -106,13 +120,26 @@ class NgRunDeployment:
         """
         self.starts += 1
         self.env["PYTHONUNBUFFERED"] = "1"  # ng_run's "servers ready" line reaches its log when printed
-        self.backend = self._spawn([sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.fake_backend",
-                                    "--host", "127.0.0.1", "--port", "18000"], f"backend-{self.starts}.log")
+        self.backend = self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "nemo_gym_checkpoint_plugin.testing.fake_backend",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "18000",
+            ],
+            f"backend-{self.starts}.log",
+        )
         log_path = self.work / f"ng_run-{self.starts}.log"
         # Its own session: Ctrl-C in a terminal signals the whole foreground group, and so can the test.
-        self.launcher = self._spawn([sys.executable, NG_RUN, f"+config_paths=[{EXAMPLE}]",
-                                     f"+ray_head_node_address=127.0.0.1:{RAY_PORT}"], log_path.name,
-                                    cwd=self.work, start_new_session=True)
+        self.launcher = self._spawn(
+            [sys.executable, NG_RUN, f"+config_paths=[{EXAMPLE}]", f"+ray_head_node_address=127.0.0.1:{RAY_PORT}"],
+            log_path.name,
+            cwd=self.work,
+            start_new_session=True,
+        )
 
         def ready() -> bool:
             if self.launcher.poll() is not None:
@@ -120,8 +147,11 @@ class NgRunDeployment:
             # ng_run's own readiness wait is over (a Ctrl-C during it exits 1): its line, then every status.
             if "servers ready!" not in log_path.read_text(errors="replace"):
                 return False
-            status = self.ns.command([*NG_CHECKPOINT, "status", "--config", self.config, "--json",
-                                     "--probe-timeout", "1", "--tries", "1"], timeout=60, env=self.env)
+            status = self.ns.command(
+                [*NG_CHECKPOINT, "status", "--config", self.config, "--json", "--probe-timeout", "1", "--tries", "1"],
+                timeout=60,
+                env=self.env,
+            )
             return status.returncode == 0
 
         wait_until(ready, START_TIMEOUT, "every server ng_run started to answer its status")
@@ -189,8 +219,9 @@ def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_thro
     work = tmp_path / "work"
     work.mkdir()
     # 1. enable: the example is already checkpointed (nothing written); each server's venv imports the plugin.
-    enabled = subprocess.run([*NG_CHECKPOINT, "enable", str(EXAMPLE), "--json"], cwd=work,
-                             capture_output=True, text=True, timeout=300)
+    enabled = subprocess.run(
+        [*NG_CHECKPOINT, "enable", str(EXAMPLE), "--json"], cwd=work, capture_output=True, text=True, timeout=300
+    )
     assert enabled.returncode == 0, enabled.stderr
     done = orjson.loads(enabled.stdout)
     assert done["written"] is None and done["config"] == str(EXAMPLE)
@@ -205,46 +236,58 @@ def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_thro
     ray_tmp = tempfile.mkdtemp(prefix="ngray-")  # short: Ray's unix socket paths must fit 107 bytes
     home = work / "home"
     home.mkdir()
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "NG_CHECKPOINT"))},
-           TOKEN_ENV: TOKEN, "RAY_TMPDIR": ray_tmp, "RAY_USAGE_STATS_ENABLED": "0", "HOME": str(home)}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "NG_CHECKPOINT"))},
+        TOKEN_ENV: TOKEN,
+        "RAY_TMPDIR": ray_tmp,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HOME": str(home),
+    }
     deployment = NgRunDeployment(namespace, work, env)
     try:
         deployment.start_ray()
         deployment.start()
-        status = namespace.command([*NG_CHECKPOINT, "status", "--config", str(EXAMPLE), "--json"],
-                                   timeout=60, env=env)
+        status = namespace.command([*NG_CHECKPOINT, "status", "--config", str(EXAMPLE), "--json"], timeout=60, env=env)
         participants = orjson.loads(status.stdout)["participants"]
         assert sorted((p["name"], p["kind"], p["phase"]) for p in participants) == [
-            ("example_single_tool_call", "resources", "idle"), ("policy_model", "model", "idle"),
-            ("simple_agent", "agent", "idle"), ("single_agent_turn", "environment", "idle")]
+            ("example_single_tool_call", "resources", "idle"),
+            ("policy_model", "model", "idle"),
+            ("simple_agent", "agent", "idle"),
+            ("single_agent_turn", "environment", "idle"),
+        ]
         # ng_run, every server it started and Ray are in the namespace: nothing listens beyond loopback.
         inside = namespace.processes()
         assert deployment.launcher.pid in inside and len(inside) > 6
         listening = namespace.listening(deployment.launcher.pid)
         assert {port for _a, port in listening} >= {18000, 18001, 18002, 18003, 18004, 18005, RAY_PORT}
         assert [a for a, _p in listening if not namespace.is_loopback(a)] == []
-        assert "Connecting to Ray cluster at specified address: 127.0.0.1" in \
-            (work / "ng_run-1.log").read_text()
+        assert "Connecting to Ray cluster at specified address: 127.0.0.1" in (work / "ng_run-1.log").read_text()
 
         checkpoint_dir = work / "ckpt"
-        result = namespace.run(run_scenario(deployment, checkpoint_dir, TOKEN, ["cont-1", "cont-2"], ["rst-1"],
-                                            timeout=START_TIMEOUT), timeout=3 * START_TIMEOUT)
+        result = namespace.run(
+            run_scenario(deployment, checkpoint_dir, TOKEN, ["cont-1", "cont-2"], ["rst-1"], timeout=START_TIMEOUT),
+            timeout=3 * START_TIMEOUT,
+        )
         summary = result.summary()
         assert deployment.starts == 2  # the restore ran against a fresh ng_run
         assert summary["finished"] == 3 and summary["lost"] == 0 and summary["reward_1"] == 3
         assert summary["continued"] == 2 and summary["restarted"] == 1
         assert summary["repeated_steps"] == 0
         assert sorted(result.restored) == ["cont-1-a1", "cont-2-a1"]
-        verified = subprocess.run([*NG_CHECKPOINT, "verify", str(checkpoint_dir)], capture_output=True, text=True,
-                                  timeout=120)
+        verified = subprocess.run(
+            [*NG_CHECKPOINT, "verify", str(checkpoint_dir)], capture_output=True, text=True, timeout=120
+        )
         assert verified.returncode == 0, verified.stdout + verified.stderr
 
         # 3. Stop as Ctrl-C does (SIGINT to ng_run's foreground group): ng_run and every server exit.
         group = deployment.launcher.pid
         os.killpg(group, signal.SIGINT)
         assert deployment.launcher.wait(120) == 0
-        wait_until(lambda: not any(_pgid(pid) == group for pid in namespace.processes()), 60,
-                   "every process ng_run started to exit")
+        wait_until(
+            lambda: not any(_pgid(pid) == group for pid in namespace.processes()),
+            60,
+            "every process ng_run started to exit",
+        )
         # Then what the test started itself: the backend, and the Ray cluster. Nothing is left.
         deployment.backend.terminate()
         deployment.backend.wait(30)

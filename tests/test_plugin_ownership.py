@@ -37,12 +37,15 @@ class SidecarVerifier:
         return ParticipantExport(records=[{"episode_id": wire(k), **self.notes[k]} for k in keys])
 
     @hookimpl
-    def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[Any],
-                scope: list[EpisodeId]) -> None:
-        self.installs.append({
-            "records": [(r.replacement.capture_key, dict(r.record)) for r in records],
-            "scope": [e.capture_key for e in scope],
-        })
+    def install(
+        self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[Any], scope: list[EpisodeId]
+    ) -> None:
+        self.installs.append(
+            {
+                "records": [(r.replacement.capture_key, dict(r.record)) for r in records],
+                "scope": [e.capture_key for e in scope],
+            }
+        )
 
 
 def _records_file(directory: Path) -> list[dict[str, Any]]:
@@ -86,22 +89,30 @@ async def test_hook_install_hands_each_plugin_its_own_records_and_the_whole_scop
     harness = await make_harness(tmp_path / "second", own, named_plugins={VERIFIER: verifier})
     try:
         # r9 is continued by the restore but the checkpoint holds no record of it.
-        reply = await harness.call("restore", checkpoint_id="re-1", checkpoint_dir=str(directory),
-                                   episode_ids=[wire("r1"), wire("r2"), wire("r9")])
+        reply = await harness.call(
+            "restore",
+            checkpoint_id="re-1",
+            checkpoint_dir=str(directory),
+            episode_ids=[wire("r1"), wire("r2"), wire("r9")],
+        )
     finally:
         await close_harness(harness)
 
     assert reply["restored"] == ["r1-a1", "r2-a1"]
     [own_install] = own.called("install")
     assert [(r.replacement.capture_key, r.record.get("plugin")) for r in own_install["records"]] == [
-        ("r1-a1", None), ("r2-a1", None)]
-    assert verifier.installs == [{
-        "records": [
-            ("r1-a1", {"episode_id": wire("r1"), "score_so_far": 0.5, "plugin": VERIFIER}),
-            ("r2-a1", {"episode_id": wire("r2"), "score_so_far": 0.25, "plugin": VERIFIER}),
-        ],
-        "scope": ["r1-a1", "r2-a1", "r9-a1"],
-    }]
+        ("r1-a1", None),
+        ("r2-a1", None),
+    ]
+    assert verifier.installs == [
+        {
+            "records": [
+                ("r1-a1", {"episode_id": wire("r1"), "score_so_far": 0.5, "plugin": VERIFIER}),
+                ("r2-a1", {"episode_id": wire("r2"), "score_so_far": 0.25, "plugin": VERIFIER}),
+            ],
+            "scope": ["r1-a1", "r2-a1", "r9-a1"],
+        }
+    ]
 
 
 async def test_a_record_of_a_plugin_this_server_lacks_fails_the_restore_naming_it(tmp_path: Path) -> None:
@@ -109,8 +120,13 @@ async def test_a_record_of_a_plugin_this_server_lacks_fails_the_restore_naming_i
     own = Participant()
     harness = await make_harness(tmp_path / "second", own)
     try:
-        error = await harness.error("restore", "invalid_checkpoint_state", checkpoint_id="re-1",
-                                    checkpoint_dir=str(directory), episode_ids=[wire("r1")])
+        error = await harness.error(
+            "restore",
+            "invalid_checkpoint_state",
+            checkpoint_id="re-1",
+            checkpoint_dir=str(directory),
+            episode_ids=[wire("r1")],
+        )
         status = await harness.status()
     finally:
         await close_harness(harness)
@@ -126,8 +142,13 @@ async def test_the_participants_own_records_may_not_claim_an_owner(tmp_path: Pat
     harness = await make_harness(tmp_path, own)
     try:
         await harness.call("prepare", checkpoint_id="ck-1")
-        error = await harness.error("commit", "export_failed", checkpoint_id="ck-1",
-                                    checkpoint_dir=str(harness.directory), episode_ids=[wire("r1")])
+        error = await harness.error(
+            "commit",
+            "export_failed",
+            checkpoint_id="ck-1",
+            checkpoint_dir=str(harness.directory),
+            episode_ids=[wire("r1")],
+        )
     finally:
         await close_harness(harness)
     assert "plugin" in error["detail"]
@@ -182,8 +203,16 @@ def test_the_public_api_names_what_a_plugin_author_needs_and_the_local_backend_f
     for name in api.__all__:
         assert getattr(api, name) is not None, name
     assert api.ENTRY_POINT_GROUP == "nemo_gym_checkpoint"
-    assert {"hookimpl", "EpisodeId", "ParticipantExport", "Readiness", "RestoredRecord", "SeedDeclaration",
-            "InvalidCheckpointState", "StorageBackend"} <= set(api.__all__)
+    assert {
+        "hookimpl",
+        "EpisodeId",
+        "ParticipantExport",
+        "Readiness",
+        "RestoredRecord",
+        "SeedDeclaration",
+        "InvalidCheckpointState",
+        "StorageBackend",
+    } <= set(api.__all__)
     backend = get_storage_backend(make_plugin_manager(load_entry_points=False), "local")
     assert isinstance(backend, api.StorageBackend)
     assert isinstance(backend.open_writer("/tmp/unused", "model", "m", "ck"), api.StorageWriter)
@@ -196,7 +225,11 @@ async def test_one_record_per_owner_and_episode_is_allowed_two_of_one_owner_are_
     directory = await _checkpoint_with_both(tmp_path)
     both = read_checkpoint(directory, "environment", "env_one")
     assert sorted((r["episode_id"]["rollout_id"], r.get("plugin", "")) for r in both.records) == [
-        ("r1", ""), ("r1", VERIFIER), ("r2", ""), ("r2", VERIFIER)]
+        ("r1", ""),
+        ("r1", VERIFIER),
+        ("r2", ""),
+        ("r2", VERIFIER),
+    ]
 
     # The same owner twice for one episode is refused, naming the episode and the owner.
     folder = participant_dir(directory, "environment", "env_one")
@@ -206,7 +239,6 @@ async def test_one_record_per_owner_and_episode_is_allowed_two_of_one_owner_are_
     from nemo_gym_checkpoint_plugin._storage.writer import CheckpointWriter
 
     copy = tmp_path / "copy"
-    CheckpointWriter(copy, "environment", "env_one", "ck-dup").write(
-        [orjson.loads(line) for line in [*lines, tagged]])
+    CheckpointWriter(copy, "environment", "env_one", "ck-dup").write([orjson.loads(line) for line in [*lines, tagged]])
     with pytest.raises(InvalidCheckpointState, match=f"r[12].*{VERIFIER}.*twice"):
         read_checkpoint(copy, "environment", "env_one")

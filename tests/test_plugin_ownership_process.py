@@ -83,9 +83,9 @@ def test_a_third_party_plugin_and_the_builtin_each_get_back_their_own_records(
     deployment = new_deployment(tmp_path / "work", TOKEN, step_mode="wait")
     deployment.start()
     try:
-        result = asyncio.run(run_scenario(
-            deployment, tmp_path / "ckpt", TOKEN, CONTINUED, RESTARTS, step_mode="wait", timeout=90
-        ))
+        result = asyncio.run(
+            run_scenario(deployment, tmp_path / "ckpt", TOKEN, CONTINUED, RESTARTS, step_mode="wait", timeout=90)
+        )
     finally:
         deployment.stop()
 
@@ -97,8 +97,10 @@ def test_a_third_party_plugin_and_the_builtin_each_get_back_their_own_records(
     [install] = [e for e in entries if "install" in e]
     assert install["pid"] != export["pid"]  # the fresh process after the SIGKILL
     assert install["install"] == [
-        [f"{key}-a1", {"episode_id": {"rollout_id": key, "attempt": 0}, "note": f"sidecar of {key}",
-                       "plugin": "sidecar"}]
+        [
+            f"{key}-a1",
+            {"episode_id": {"rollout_id": key, "attempt": 0}, "note": f"sidecar of {key}", "plugin": "sidecar"},
+        ]
         for key in CONTINUED
     ]
     assert install["scope"] == [f"{key}-a1" for key in CONTINUED]

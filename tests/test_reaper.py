@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 BOUND = 180.0
 
-_INNER = '''
+_INNER = """
 import os, subprocess, sys, threading, urllib.request
 from pathlib import Path
 
@@ -48,7 +48,7 @@ def test_leaves_a_server_running():
     Path(os.environ["LEAK_PID_FILE"]).write_text(str(server.pid))
     if os.environ["LEAK_MODE"] == "hang":
         threading.Event().wait()  # until the outer test kills this run
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -75,9 +75,21 @@ def _run_inner(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[bytes], int,
     pid_file = tmp_path / "server.pid"
     env = {**os.environ, "LEAK_PORT": str(port), "LEAK_PID_FILE": str(pid_file), "LEAK_MODE": mode}
     inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "nemo_gym_checkpoint_plugin.testing.pytest_plugin", str(tmp_path / "test_inner.py")],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "nemo_gym_checkpoint_plugin.testing.pytest_plugin",
+            str(tmp_path / "test_inner.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     server = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), BOUND, "the inner test's server"))
     return inner, server, port

@@ -29,13 +29,16 @@ def test_a_record_of_the_scope_gets_its_ids_without_validating_again(monkeypatch
     assert restored.record["x"] == 1
 
 
-@pytest.mark.parametrize("wire", [
-    {"rollout_id": "other", "attempt": 0},      # not in the scope
-    {"rollout_id": "r", "attempt": True},       # equal to ("r", 1) as a key, but not an int
-    {"rollout_id": "r", "attempt": 2.0},        # equal to ("r", 2) as a key, but a float
-    {"rollout_id": "r", "attempt": 2, "extra": 1},
-    {"rollout_id": "r-a3", "attempt": 0},
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"rollout_id": "other", "attempt": 0},  # not in the scope
+        {"rollout_id": "r", "attempt": True},  # equal to ("r", 1) as a key, but not an int
+        {"rollout_id": "r", "attempt": 2.0},  # equal to ("r", 2) as a key, but a float
+        {"rollout_id": "r", "attempt": 2, "extra": 1},
+        {"rollout_id": "r-a3", "attempt": 0},
+    ],
+)
 def test_a_record_the_scope_does_not_name_exactly_gets_episode_ids_answer(wire: dict) -> None:
     record = {"episode_id": wire}
     try:

@@ -66,8 +66,9 @@ async def test_the_scheme_is_case_insensitive(h: Harness, scheme: str) -> None:
     assert (await h.client.get(f"{CONTROL_PREFIX}/status", headers=headers)).status_code == 200
     response = await h.post("prepare", {"checkpoint_id": "c1", "deadline_ts": deadline()}, headers=headers)
     assert response.status_code == 200 and response.json()["phase"] == "prepared"
-    wrong = await h.post("resume", {"checkpoint_id": "c1", "deadline_ts": deadline()},
-                         headers={"Authorization": f"{scheme} {TOKEN}x"})
+    wrong = await h.post(
+        "resume", {"checkpoint_id": "c1", "deadline_ts": deadline()}, headers={"Authorization": f"{scheme} {TOKEN}x"}
+    )
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "unauthorized"
 
 
@@ -91,8 +92,11 @@ def test_the_token_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
 
 
 async def test_the_token_is_checked_before_the_body_is_read(h: Harness) -> None:
-    response = await h.client.post(f"{CONTROL_PREFIX}/prepare", content=b"{not json",
-                                   headers={"Authorization": "Bearer nope", "content-type": "application/json"})
+    response = await h.client.post(
+        f"{CONTROL_PREFIX}/prepare",
+        content=b"{not json",
+        headers={"Authorization": "Bearer nope", "content-type": "application/json"},
+    )
     assert response.status_code == 401
 
 
@@ -103,9 +107,7 @@ async def test_unknown_fields_are_refused(h: Harness, route: str) -> None:
     assert h.participant.calls == []
 
 
-@pytest.mark.parametrize(
-    "checkpoint_id", ["", "-leading-dash", ".hidden", "a/b", "a b", "x" * 129, "é", 7, None]
-)
+@pytest.mark.parametrize("checkpoint_id", ["", "-leading-dash", ".hidden", "a/b", "a b", "x" * 129, "é", 7, None])
 async def test_checkpoint_id_pattern_and_length(h: Harness, checkpoint_id: Any) -> None:
     response = await h.post("prepare", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline()})
     assert response.status_code == 422
@@ -124,16 +126,18 @@ async def test_deadline_must_be_a_number(h: Harness, deadline_ts: Any) -> None:
 @pytest.mark.parametrize("raw", [b"Infinity", b"NaN", b"-Infinity", b"1e999"])
 async def test_deadline_must_be_finite(h: Harness, raw: bytes) -> None:
     body = b'{"checkpoint_id": "c1", "deadline_ts": ' + raw + b"}"
-    response = await h.client.post(f"{CONTROL_PREFIX}/prepare", content=body,
-                                   headers={**AUTH, "content-type": "application/json"})
+    response = await h.client.post(
+        f"{CONTROL_PREFIX}/prepare", content=body, headers={**AUTH, "content-type": "application/json"}
+    )
     assert response.status_code == 422, (raw, response.text)
     assert h.plane.phase == "idle"
 
 
 @pytest.mark.parametrize("raw", [b"\x80", b"{not json", b"", b"[]", b"null"])
 async def test_undecodable_bodies_are_422(h: Harness, raw: bytes) -> None:
-    response = await h.client.post(f"{CONTROL_PREFIX}/prepare", content=raw,
-                                   headers={**AUTH, "content-type": "application/json"})
+    response = await h.client.post(
+        f"{CONTROL_PREFIX}/prepare", content=raw, headers={**AUTH, "content-type": "application/json"}
+    )
     assert response.status_code == 422, response.text
 
 
@@ -179,8 +183,13 @@ async def test_status_reply(h: Harness) -> None:
         "lease_expires_at": None,
         "retired_rollouts": 0,
         "retired_marks": {},
-        "report": {"ready": False, "blockers": ["r2"], "blocker_count": 1, "counts": {"episodes": 2},
-                   "restarts": ["r1"]},
+        "report": {
+            "ready": False,
+            "blockers": ["r2"],
+            "blocker_count": 1,
+            "counts": {"episodes": 2},
+            "restarts": ["r1"],
+        },
         "held_episodes": 2,  # hook status_fields: a participant field; its "kind" did not replace ours
     }
 
@@ -206,8 +215,9 @@ async def test_attach_installs_router_and_error_handler() -> None:
     assert isinstance(app.state.checkpoint_control, Plane)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         assert (await client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)).json() == {"phase": "stub"}
-        response = await client.post(f"{CONTROL_PREFIX}/prepare", headers=AUTH,
-                                     json={"checkpoint_id": "c1", "deadline_ts": deadline()})
+        response = await client.post(
+            f"{CONTROL_PREFIX}/prepare", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": deadline()}
+        )
         assert response.status_code == 409
         assert response.json() == {"error": {"code": "stale_checkpoint", "detail": "c1 was resumed"}}
     with pytest.raises(ValueError, match="non-empty"):

@@ -42,12 +42,17 @@ def test_the_documented_defaults() -> None:
 
 def ids_body(n: int, **extra: Any) -> dict[str, Any]:
     # A generous deadline: this is about the loop staying free, not about speed on a loaded machine.
-    return {"checkpoint_id": "c1", "deadline_ts": deadline(300),
-            "episode_ids": [{"rollout_id": f"rollout-{i:07d}", "attempt": i % 3} for i in range(n)], **extra}
+    return {
+        "checkpoint_id": "c1",
+        "deadline_ts": deadline(300),
+        "episode_ids": [{"rollout_id": f"rollout-{i:07d}", "attempt": i % 3} for i in range(n)],
+        **extra,
+    }
 
 
-async def test_a_retire_at_the_id_limit_is_validated_off_the_event_loop(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_retire_at_the_id_limit_is_validated_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     h = await make_harness(tmp_path)
     limit = BodyLimits().max_ids
     validating = threading.Event()
@@ -64,8 +69,11 @@ async def test_a_retire_at_the_id_limit_is_validated_off_the_event_loop(tmp_path
     monkeypatch.setattr(bodies, "validate_body", held)
     try:
         content = orjson.dumps(ids_body(limit))
-        retire = asyncio.create_task(h.client.post(f"{CONTROL_PREFIX}/retire", content=content,
-                                                   headers={**AUTH, "content-type": "application/json"}))
+        retire = asyncio.create_task(
+            h.client.post(
+                f"{CONTROL_PREFIX}/retire", content=content, headers={**AUTH, "content-type": "application/json"}
+            )
+        )
         await wait_until(validating.is_set, timeout=30, what="the retire's validation to start")
         assert (await h.status())["phase"] == "idle"
         assert not retire.done()
@@ -87,8 +95,9 @@ async def test_a_retire_at_the_id_limit_is_validated_off_the_event_loop(tmp_path
         ("forget", "rollout_ids", {}),
     ],
 )
-async def test_a_list_over_the_id_limit_is_422_and_changes_nothing(small: Harness, route: str, field: str,
-                                                                    extra: dict[str, Any]) -> None:
+async def test_a_list_over_the_id_limit_is_422_and_changes_nothing(
+    small: Harness, route: str, field: str, extra: dict[str, Any]
+) -> None:
     items: list[Any] = [wire(f"r{i}") for i in range(SMALL.max_ids + 1)]
     if field == "rollout_ids":
         items = [f"r{i}" for i in range(SMALL.max_ids + 1)]
@@ -98,8 +107,9 @@ async def test_a_list_over_the_id_limit_is_422_and_changes_nothing(small: Harnes
     assert error["type"] == "too_long" and error["loc"] == ["body", field]
     assert small.plane.phase == "idle" and small.participant.calls == [] and len(small.plane.marks) == 0
     # At the limit the body is accepted (the plane may still refuse the call, e.g. nothing to restore).
-    response = await small.post(route, {"checkpoint_id": "c1", "deadline_ts": deadline(),
-                                        field: items[:SMALL.max_ids], **extra})
+    response = await small.post(
+        route, {"checkpoint_id": "c1", "deadline_ts": deadline(), field: items[: SMALL.max_ids], **extra}
+    )
     assert "detail" not in response.json(), response.text
 
 
@@ -115,11 +125,22 @@ async def test_a_declared_length_over_the_limit_is_413_before_the_body_is_read(s
         sent.append(message)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": f"{CONTROL_PREFIX}/retire", "raw_path": f"{CONTROL_PREFIX}/retire".encode(), "query_string": b"",
-        "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1),
-        "headers": [(b"authorization", AUTH["Authorization"].encode()), (b"content-type", b"application/json"),
-                    (b"content-length", str(10**12).encode())],
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": f"{CONTROL_PREFIX}/retire",
+        "raw_path": f"{CONTROL_PREFIX}/retire".encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("127.0.0.1", 80),
+        "client": ("127.0.0.1", 1),
+        "headers": [
+            (b"authorization", AUTH["Authorization"].encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(10**12).encode()),
+        ],
     }
     await small.app(scope, receive, send)
     assert sent[0]["status"] == 413 and received == []
@@ -134,8 +155,9 @@ async def test_a_streamed_body_over_the_limit_is_413_without_reading_it_all(smal
             chunks.append(n)
             yield b" " * 500
 
-    response = await small.client.post(f"{CONTROL_PREFIX}/retire", content=endless(),
-                                       headers={**AUTH, "content-type": "application/json"})
+    response = await small.client.post(
+        f"{CONTROL_PREFIX}/retire", content=endless(), headers={**AUTH, "content-type": "application/json"}
+    )
     assert response.status_code == 413 and response.json()["detail"][0]["type"] == "body_too_large"
     assert len(chunks) <= SMALL.max_body_bytes // 500 + 2
     assert small.plane.phase == "idle" and len(small.plane.marks) == 0
@@ -143,17 +165,21 @@ async def test_a_streamed_body_over_the_limit_is_413_without_reading_it_all(smal
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "latin-1"])
 async def test_bodies_that_are_not_utf8_json_are_422(small: Harness, encoding: str) -> None:
-    text = json.dumps({"checkpoint_id": "c1", "deadline_ts": deadline(), "rollout_ids": ["r\u00e9"]},
-                      ensure_ascii=False)
-    response = await small.client.post(f"{CONTROL_PREFIX}/forget", content=text.encode(encoding),
-                                       headers={**AUTH, "content-type": "application/json"})
+    text = json.dumps(
+        {"checkpoint_id": "c1", "deadline_ts": deadline(), "rollout_ids": ["r\u00e9"]}, ensure_ascii=False
+    )
+    response = await small.client.post(
+        f"{CONTROL_PREFIX}/forget", content=text.encode(encoding), headers={**AUTH, "content-type": "application/json"}
+    )
     assert response.status_code == 422 and response.json()["detail"][0]["type"] == "json_invalid"
     assert small.participant.calls == []
 
 
 async def test_item_errors_are_capped(small: Harness) -> None:
-    response = await small.post("retire", {"checkpoint_id": "c1", "deadline_ts": deadline(),
-                                           "episode_ids": [{"rollout_id": "-bad"}] * SMALL.max_ids})
+    response = await small.post(
+        "retire",
+        {"checkpoint_id": "c1", "deadline_ts": deadline(), "episode_ids": [{"rollout_id": "-bad"}] * SMALL.max_ids},
+    )
     assert response.status_code == 422
     assert {e["loc"][1] for e in response.json()["detail"]} == {"episode_ids"}
 
@@ -175,13 +201,22 @@ async def test_a_large_commit_scope_commits(tmp_path: Path) -> None:
 
 items = st.one_of(
     st.fixed_dictionaries(
-        {"rollout_id": st.one_of(st.sampled_from(["r1", "r1-a2", "r-a0", "r-a01", "a.b_c-d", "-x", "é", "r\n"]),
-                                 st.text(max_size=6), st.integers(-(2**63), 2**63 - 1))},
-        optional={"attempt": st.one_of(st.integers(-2, 2**63 - 1), st.booleans(),
-                                       st.sampled_from(["1", 1.0, 1.5, None])),
-                  "other": st.just(1)},
+        {
+            "rollout_id": st.one_of(
+                st.sampled_from(["r1", "r1-a2", "r-a0", "r-a01", "a.b_c-d", "-x", "é", "r\n"]),
+                st.text(max_size=6),
+                st.integers(-(2**63), 2**63 - 1),
+            )
+        },
+        optional={
+            "attempt": st.one_of(st.integers(-2, 2**63 - 1), st.booleans(), st.sampled_from(["1", 1.0, 1.5, None])),
+            "other": st.just(1),
+        },
     ),
-    st.text(max_size=3), st.integers(0, 2**63 - 1), st.none(), st.lists(st.integers(0, 9), max_size=2),
+    st.text(max_size=3),
+    st.integers(0, 2**63 - 1),
+    st.none(),
+    st.lists(st.integers(0, 9), max_size=2),
 )
 
 
@@ -207,8 +242,9 @@ plain_ids = st.one_of(
     st.sampled_from(["r1", "r1-a2", "r-a0", "r-a01", "a.b_c-d", "-x", "é", "r\n", "a\nb", "", "x-a1\ny", "r-a"]),
     st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,6}(-a[0-9]{1,2})?", fullmatch=True),
 )
-plain_items = st.fixed_dictionaries({"rollout_id": plain_ids},
-                                    optional={"attempt": st.one_of(st.integers(-1, 5), st.just(True))})
+plain_items = st.fixed_dictionaries(
+    {"rollout_id": plain_ids}, optional={"attempt": st.one_of(st.integers(-1, 5), st.just(True))}
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -217,14 +253,19 @@ def test_the_whole_list_check_takes_exactly_what_the_model_takes(episode_ids: li
     """The fast path over a whole list (one regular expression over the joined ids) accepts a list only
     when the model accepts every item unchanged, with the same pairs and keys."""
     try:
-        expected = [(e.rollout_id, e.attempt) for e in RetireBody.model_validate(
-            {"checkpoint_id": "c1", "deadline_ts": 1.0, "episode_ids": episode_ids}).episode_ids]
+        expected = [
+            (e.rollout_id, e.attempt)
+            for e in RetireBody.model_validate(
+                {"checkpoint_id": "c1", "deadline_ts": 1.0, "episode_ids": episode_ids}
+            ).episode_ids
+        ]
     except ValidationError:
         expected = None
     got = bodies._plain_episodes(episode_ids)
     exact = expected is not None and all(
         type(item.get("attempt", 0)) is int and item["rollout_id"] == rollout_id
-        for item, (rollout_id, _) in zip(episode_ids, expected, strict=True))
+        for item, (rollout_id, _) in zip(episode_ids, expected, strict=True)
+    )
     if got is None:
         assert not exact, f"a list the model takes unchanged went the slow way: {episode_ids}"
         return
@@ -240,8 +281,9 @@ async def test_numbers_beyond_64_bits_are_never_a_500(small: Harness, number: by
         ("retire", b'{"checkpoint_id":"c1","deadline_ts":1e10,"episode_ids":[{"rollout_id":"r1","attempt":%s}]}'),
         ("prepare", b'{"checkpoint_id": "c1", "deadline_ts": %s}'),
     ]:
-        response = await small.client.post(f"{CONTROL_PREFIX}/{route}", content=body % number,
-                                           headers={**AUTH, "content-type": "application/json"})
+        response = await small.client.post(
+            f"{CONTROL_PREFIX}/{route}", content=body % number, headers={**AUTH, "content-type": "application/json"}
+        )
         assert response.status_code in (200, 409, 422), (route, response.text)
 
 

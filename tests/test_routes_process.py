@@ -34,9 +34,22 @@ def server() -> Iterator[str]:
     port = _free_port()
     env = {**os.environ, "NG_CHECKPOINT_TEST_TOKEN": TOKEN, "RAY_USAGE_STATS_ENABLED": "0"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "control_server_app:make_app", "--factory",
-         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-        cwd=TESTS, env=env, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "control_server_app:make_app",
+            "--factory",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=TESTS,
+        env=env,
+        start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -62,14 +75,23 @@ def test_checkpoint_over_a_real_server(server: str, tmp_path: Path) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=f"{server}{CONTROL_PREFIX}", timeout=10) as client:
         assert client.get("/status").status_code == 401
-        assert client.post("/prepare", json={"checkpoint_id": "c1", "deadline_ts": time.time() + 10},
-                           headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            client.post(
+                "/prepare",
+                json={"checkpoint_id": "c1", "deadline_ts": time.time() + 10},
+                headers={"Authorization": "Bearer wrong"},
+            ).status_code
+            == 401
+        )
         status = client.get("/status", headers=auth).json()
         assert (status["kind"], status["instance"], status["phase"]) == (KIND, INSTANCE, "idle")
         body = {"checkpoint_id": "c1", "deadline_ts": time.time() + 10}
         assert client.post("/prepare", json=body, headers=auth).json()["phase"] == "prepared"
-        commit = client.post("/commit", headers=auth, json={
-            **body, "checkpoint_dir": str(tmp_path), "episode_ids": [wire("r1"), wire("r2-a1")]}).json()
+        commit = client.post(
+            "/commit",
+            headers=auth,
+            json={**body, "checkpoint_dir": str(tmp_path), "episode_ids": [wire("r1"), wire("r2-a1")]},
+        ).json()
         assert commit["episode_ids"] == ["r1", "r2-a1"] and commit["manifest"]["record_count"] == 2
         assert (tmp_path / "gym" / KIND / INSTANCE / "manifest.json").exists()
         assert client.post("/resume", json=body, headers=auth).json() == {"phase": "idle", "idempotent": False}

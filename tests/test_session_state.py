@@ -221,12 +221,22 @@ async def test_a_configured_mode_overrules_the_built_in_table(make: Any) -> None
 
 def _action(text: str) -> dict[str, Any]:
     return {
-        "id": "r", "created_at": 0.0, "model": "m", "object": "response", "parallel_tool_calls": True,
-        "tool_choice": "auto", "tools": [],
-        "output": [{
-            "id": "msg", "role": "assistant", "status": "completed", "type": "message",
-            "content": [{"annotations": [], "text": text, "type": "output_text"}],
-        }],
+        "id": "r",
+        "created_at": 0.0,
+        "model": "m",
+        "object": "response",
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "output": [
+            {
+                "id": "msg",
+                "role": "assistant",
+                "status": "completed",
+                "type": "message",
+                "content": [{"annotations": [], "text": text, "type": "output_text"}],
+            }
+        ],
     }
 
 

@@ -111,8 +111,9 @@ async def _scenario(deployment: Deployment, checkpoint_dir: Path) -> dict[str, A
         # Mid-turn: the agent parks at its boundary after the tool call; the held model call never blocks.
         prepared = await prepare(coordinator, "ck-state", timeout=60)
         assert prepared.ready, prepared.to_json()
-        committed = await commit(coordinator, "ck-state", str(checkpoint_dir), prepared.continued([crashed]),
-                                 timeout=60)
+        committed = await commit(
+            coordinator, "ck-state", str(checkpoint_dir), prepared.continued([crashed]), timeout=60
+        )
     completed_before = (await fake.stats())["completed"][conversation]
 
     deployment.kill()
@@ -121,8 +122,9 @@ async def _scenario(deployment: Deployment, checkpoint_dir: Path) -> dict[str, A
 
     coordinator = await discover(deployment.config, TOKEN)
     async with coordinator:
-        restored = await restore(coordinator, "rs-state", str(checkpoint_dir), [{"rollout_id": crashed, "attempt": 0}],
-                                 timeout=60)
+        restored = await restore(
+            coordinator, "rs-state", str(checkpoint_dir), [{"rollout_id": crashed, "attempt": 0}], timeout=60
+        )
         await resume(coordinator, "rs-state", timeout=60)
     continued = await _run(env, counter_body(crashed, attempt=1))
     return {

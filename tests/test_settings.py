@@ -163,13 +163,17 @@ def test_a_token_breaking_the_rule_is_refused_naming_source_and_rule(
     with pytest.raises(SettingsError) as refused:
         load_settings({"checkpoint": block}, environ={"T": token})
     message = str(refused.value)
-    assert message == (f"the control token from {source} {problem} "
-                       "(the token must be at least 16 characters of printable ASCII, without spaces)")
+    assert message == (
+        f"the control token from {source} {problem} "
+        "(the token must be at least 16 characters of printable ASCII, without spaces)"
+    )
     if len(token) > 1:
         assert token not in message
 
 
 def test_a_sixteen_character_ascii_token_is_accepted() -> None:
     token = "!0123456789abcd~"
-    assert load_settings({"checkpoint": {"enabled": True, "control_auth_token_env": "T"}}, environ={"T": token})[1] \
+    assert (
+        load_settings({"checkpoint": {"enabled": True, "control_auth_token_env": "T"}}, environ={"T": token})[1]
         == token
+    )

@@ -19,8 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 SUMMARY_KEYS = {
-    "rollouts", "finished", "reward_1", "continued", "restarted", "lost", "repeated_steps", "checkpoint_dir",
-    "identical_to_uninterrupted", "prepare_s", "commit_s", "restore_s",
+    "rollouts",
+    "finished",
+    "reward_1",
+    "continued",
+    "restarted",
+    "lost",
+    "repeated_steps",
+    "checkpoint_dir",
+    "identical_to_uninterrupted",
+    "prepare_s",
+    "commit_s",
+    "restore_s",
 }
 DEMO = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.demo"]
 
@@ -60,7 +70,6 @@ def test_setup_second_run_only_checks_its_stamp() -> None:
     assert "installing" not in result.stdout
 
 
-
 def test_first_install_says_each_step_and_lets_pip_show_its_progress(tmp_path: Path) -> None:
     # A copy of the repository's set-up inputs, with a stand-in for .venv's python: pip is recorded, not run.
     (tmp_path / "scripts").mkdir()
@@ -77,23 +86,29 @@ def test_first_install_says_each_step_and_lets_pip_show_its_progress(tmp_path: P
     python.chmod(0o755)
     env = {**os.environ, "NG_PYTHON": sys.executable}
 
-    first = subprocess.run([str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
-                           check=True, timeout=60)
+    first = subprocess.run(
+        [str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
 
     steps = [line for line in first.stdout.splitlines() if line.startswith("setup: [")]
     assert [step.split("]")[0] for step in steps] == ["setup: [1/3", "setup: [2/3", "setup: [3/3"]
     (pip_args,) = [line for line in first.stdout.splitlines() if line.startswith("pip args: ")]
     assert "--quiet" not in pip_args.split() and "-q" not in pip_args.split()
     assert "Collecting nemo-gym==0.7.0" in first.stdout  # pip's own lines reach the user
-    second = subprocess.run([str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
-                            check=True, timeout=60)
+    second = subprocess.run(
+        [str(tmp_path / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
     assert second.stdout == "setup: .venv is up to date\n"
+
 
 @pytest.mark.slow
 def test_demo_checkpoints_crashes_restores_and_finishes(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.demo", "--dir", str(tmp_path)],
-        capture_output=True, text=True, check=True, timeout=900,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=900,
     )
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])
     assert set(summary) == SUMMARY_KEYS
@@ -111,8 +126,14 @@ def test_demo_checkpoints_crashes_restores_and_finishes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_demo_honours_port_base_and_removes_its_temporary_directory(tmp_path: Path) -> None:
     port_base = free_port_base()
-    result = subprocess.run([*DEMO, "--rollouts", "2"], env=_demo_env(tmp_path, PORT_BASE=str(port_base)),
-                            capture_output=True, text=True, check=True, timeout=300)
+    result = subprocess.run(
+        [*DEMO, "--rollouts", "2"],
+        env=_demo_env(tmp_path, PORT_BASE=str(port_base)),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     lines = result.stdout.strip().splitlines()
     summary = orjson.loads(lines[-1])
     assert set(summary) == SUMMARY_KEYS
@@ -151,8 +172,15 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout: float) -> str
 @pytest.mark.parametrize(("marker", "keep"), [("starting the Gym deployment", "1"), ("processes ready", "")])
 def test_ctrl_c_stops_the_demo_with_one_line_and_no_server_left(tmp_path: Path, marker: str, keep: str) -> None:
     env = _demo_env(tmp_path, NG_DEMO_KEEP=keep) if keep else _demo_env(tmp_path)
-    proc = subprocess.Popen([*DEMO, "--rollouts", "4"], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*DEMO, "--rollouts", "4"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _read_until(proc, marker, timeout=300)
         proc.send_signal(signal.SIGINT)  # the demo alone, as a terminal's Ctrl-C reaches it (servers have own groups)

@@ -26,11 +26,20 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     digest = hashlib.sha256((pdir(tmp_path) / manifest["records_file"]).read_bytes()).hexdigest()
     assert files == ["manifest.json", f"records-{digest}.jsonl"]
     on_disk = orjson.loads((pdir(tmp_path) / "manifest.json").read_bytes())
-    assert on_disk == manifest == {
-        "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "step-1",
-        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 5,
-        "generation": 3,
-    }
+    assert (
+        on_disk
+        == manifest
+        == {
+            "schema_version": 1,
+            "kind": "model",
+            "instance": "policy_model",
+            "checkpoint_id": "step-1",
+            "records_file": f"records-{digest}.jsonl",
+            "records_sha256": digest,
+            "record_count": 5,
+            "generation": 3,
+        }
+    )
     lines = (pdir(tmp_path) / manifest["records_file"]).read_bytes().splitlines()
     assert [orjson.loads(line) for line in lines] == records
 
@@ -272,8 +281,12 @@ def test_flipped_byte_fails_the_digest(good: Path) -> None:
 
 @pytest.mark.parametrize(
     ("line", "message"),
-    [(b"[1]\n", "not a JSON object"), (b"{\"x\": 1}\n", "no valid episode_id"), (b"{bad\n", "not JSON"),
-     (b'{"episode_id": {"rollout_id": "r-a1", "attempt": 0}}\n', "no valid episode_id")],
+    [
+        (b"[1]\n", "not a JSON object"),
+        (b'{"x": 1}\n', "no valid episode_id"),
+        (b"{bad\n", "not JSON"),
+        (b'{"episode_id": {"rollout_id": "r-a1", "attempt": 0}}\n', "no valid episode_id"),
+    ],
 )
 def test_bad_record_in_a_digest_valid_file(tmp_path: Path, line: bytes, message: str) -> None:
     # A file whose digest and count match but whose content is not a valid record.
@@ -281,9 +294,19 @@ def test_bad_record_in_a_digest_valid_file(tmp_path: Path, line: bytes, message:
     directory.mkdir(parents=True)
     digest = hashlib.sha256(line).hexdigest()
     (directory / f"records-{digest}.jsonl").write_bytes(line)
-    (directory / "manifest.json").write_bytes(orjson.dumps({
-        "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "c",
-        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 1}))
+    (directory / "manifest.json").write_bytes(
+        orjson.dumps(
+            {
+                "schema_version": 1,
+                "kind": "model",
+                "instance": "policy_model",
+                "checkpoint_id": "c",
+                "records_file": f"records-{digest}.jsonl",
+                "records_sha256": digest,
+                "record_count": 1,
+            }
+        )
+    )
     with pytest.raises(InvalidCheckpointState, match=message):
         restore(tmp_path)
 
@@ -326,7 +349,7 @@ def test_racing_writers_of_different_checkpoints_one_wins_one_is_refused(tmp_pat
     for thread in threads:
         thread.join()
     published = load_manifest(pdir(tmp_path))
-    winner, loser = (("one", "two") if published["checkpoint_id"] == "one" else ("two", "one"))
+    winner, loser = ("one", "two") if published["checkpoint_id"] == "one" else ("two", "one")
     assert outcomes[winner] == published
     assert isinstance(outcomes[loser], InvalidCheckpointState)
     assert [p.name for p in pdir(tmp_path).glob("records-*.jsonl")] == [published["records_file"]]
@@ -349,8 +372,18 @@ def test_big_integers_come_back_exactly_without_any_manifest_extra(tmp_path: Pat
     line = b'{"episode_id":{"rollout_id":"r","attempt":0},"big":123456789012345678901234567890}\n'
     digest = hashlib.sha256(line).hexdigest()
     (directory / f"records-{digest}.jsonl").write_bytes(line)
-    (directory / "manifest.json").write_bytes(orjson.dumps({
-        "schema_version": 1, "kind": "model", "instance": "policy_model", "checkpoint_id": "c",
-        "records_file": f"records-{digest}.jsonl", "records_sha256": digest, "record_count": 1}))
+    (directory / "manifest.json").write_bytes(
+        orjson.dumps(
+            {
+                "schema_version": 1,
+                "kind": "model",
+                "instance": "policy_model",
+                "checkpoint_id": "c",
+                "records_file": f"records-{digest}.jsonl",
+                "records_sha256": digest,
+                "record_count": 1,
+            }
+        )
+    )
     (back,) = read_checkpoint(other, "model", "policy_model").records
     assert back["big"] == 123456789012345678901234567890 and type(back["big"]) is int

@@ -133,14 +133,17 @@ def test_decode_refuses_garbage() -> None:
         decode_line(b'{"a": \n')
 
 
-@pytest.mark.parametrize("line", [
-    b'{"a":123456789012345678901234567890}\n',
-    b'{"a":[1,2,-99999999999999999999]}\n',
-    b'{"a":[0.5,"x",[18446744073709551616]]}\n',
-    b'[{"deep":[[1,[2,[3,100000000000000000000000]]]]}]\n',
-    b'{"a":[1e300,123456789012345678901234567890]}\n',
-    b'12345678901234567890123\n',
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"a":123456789012345678901234567890}\n',
+        b'{"a":[1,2,-99999999999999999999]}\n',
+        b'{"a":[0.5,"x",[18446744073709551616]]}\n',
+        b'[{"deep":[[1,[2,[3,100000000000000000000000]]]]}]\n',
+        b'{"a":[1e300,123456789012345678901234567890]}\n',
+        b"12345678901234567890123\n",
+    ],
+)
 def test_integers_beyond_64_bits_written_by_any_writer_decode_exactly(line: bytes) -> None:
     """No manifest extra tells the reader a file is free of them: every line is screened (cheaply)."""
     import json
@@ -170,8 +173,11 @@ def _has_non_finite(value: object) -> bool:
 
 json_values_with_tuples = st.recursive(
     st.one_of(json_scalars, st.floats(min_value=-1e-3, max_value=1e-3)),
-    lambda children: st.lists(children, max_size=5) | st.tuples(children, children)
-    | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=8), children, max_size=5)
+    ),
     max_leaves=30,
 )
 
@@ -183,14 +189,17 @@ def test_the_nan_walk_finds_exactly_the_non_finite_numbers(value: object) -> Non
     assert _needs_fallback(value) is _has_non_finite(value)
 
 
-@pytest.mark.parametrize("record", [
-    {"a": None, "b": math.nan},                               # a None beside it: the line has null anyway
-    {"m": [{"x": None}, {"y": [1, 2, math.inf]}]},            # a list that starts with an int
-    {"m": [1, "x", -math.inf]},                               # a list that is not all numbers
-    {"t": (0.5, [None, math.nan])},
-    {"n": [1e308, 1e308], "z": [math.nan]},                   # a sum that overflows is looked at closer
-    {"s": "null", "v": math.nan},
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"a": None, "b": math.nan},  # a None beside it: the line has null anyway
+        {"m": [{"x": None}, {"y": [1, 2, math.inf]}]},  # a list that starts with an int
+        {"m": [1, "x", -math.inf]},  # a list that is not all numbers
+        {"t": (0.5, [None, math.nan])},
+        {"n": [1e308, 1e308], "z": [math.nan]},  # a sum that overflows is looked at closer
+        {"s": "null", "v": math.nan},
+    ],
+)
 def test_a_non_finite_number_is_never_skipped(record: dict) -> None:
     from nemo_gym_checkpoint_plugin._storage.codec import encode_record
 
@@ -211,12 +220,15 @@ def json_roundtrip(value: object) -> object:
 # -- the decoder's screen: a run of 19 digits not after a "." may be an integer beyond 64 bits -------------------
 
 
-@pytest.mark.parametrize("line", [
-    b'{"f":0.00030000000000000003,"a":123456789012345678901234}\n',      # a fraction's run first
-    b'{"f":[0.0001230000052601099,0.0001230000052601099],"a":-99999999999999999999}\n',
-    b'[0.0000000000000000000000000000000000000001,-12345678901234567890]\n',  # a 40-digit fraction
-    b'[ 12345678901234567890123]\n',
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"f":0.00030000000000000003,"a":123456789012345678901234}\n',  # a fraction's run first
+        b'{"f":[0.0001230000052601099,0.0001230000052601099],"a":-99999999999999999999}\n',
+        b"[0.0000000000000000000000000000000000000001,-12345678901234567890]\n",  # a 40-digit fraction
+        b"[ 12345678901234567890123]\n",
+    ],
+)
 def test_an_integer_beyond_64_bits_after_long_fractions_decodes_exactly(line: bytes) -> None:
     import json
 

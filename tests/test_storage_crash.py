@@ -24,7 +24,9 @@ def run_and_kill(root: Path, pause_at: str, kill_after: str) -> list[str]:
     seen = []
     with subprocess.Popen(
         [sys.executable, str(HERE / "crash_writer.py"), str(root), str(COUNT), str(SIZE), pause_at],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     ) as child:
         try:
             assert child.stdout is not None

@@ -22,14 +22,18 @@ from nemo_gym_checkpoint_plugin._storage.executor import STORAGE_THREADS, run_st
 PDIR = ("gym", "model", "policy_model")
 
 
-@pytest.mark.parametrize(("target", "code", "words"), [
-    ("fsync", errno.ENOSPC, "no space left on device"),
-    ("replace", errno.EROFS, "read-only filesystem"),
-    ("link", errno.EACCES, "permission denied"),
-    ("link", errno.EDQUOT, "disk quota exceeded"),
-])
-def test_every_os_failure_while_storing_is_write_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        target: str, code: int, words: str) -> None:
+@pytest.mark.parametrize(
+    ("target", "code", "words"),
+    [
+        ("fsync", errno.ENOSPC, "no space left on device"),
+        ("replace", errno.EROFS, "read-only filesystem"),
+        ("link", errno.EACCES, "permission denied"),
+        ("link", errno.EDQUOT, "disk quota exceeded"),
+    ],
+)
+def test_every_os_failure_while_storing_is_write_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, code: int, words: str
+) -> None:
     def fail(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise OSError(code, os.strerror(code), str(args[0]) if args and isinstance(args[0], (str, Path)) else None)
 
@@ -71,11 +75,14 @@ def test_directories_that_cannot_hold_state_are_write_failed(tmp_path: Path, mon
         write(tmp_path / "ro", [record("a")])
 
 
-@pytest.mark.parametrize(("records", "writer_kwargs"), [
-    ([record("a", when=object())], {}),            # not JSON
-    ([{"no_episode_id": 1}], {}),                  # no episode_id
-    ([record("a", blob="x" * 500)], {"max_record_bytes": 100}),  # too big
-])
+@pytest.mark.parametrize(
+    ("records", "writer_kwargs"),
+    [
+        ([record("a", when=object())], {}),  # not JSON
+        ([{"no_episode_id": 1}], {}),  # no episode_id
+        ([record("a", blob="x" * 500)], {"max_record_bytes": 100}),  # too big
+    ],
+)
 def test_export_errors_stay_plain_invalid_checkpoint_state(tmp_path: Path, records, writer_kwargs) -> None:
     writer = writer_module.CheckpointWriter(tmp_path, "model", "policy_model", "c1", **writer_kwargs)
     with pytest.raises(InvalidCheckpointState) as refused:
@@ -138,8 +145,12 @@ async def test_commit_and_restore_run_storage_on_the_storage_threads(tmp_path: P
         h.participant.add("r1")
         await h.checkpoint("c1", ["r1"])
         await h.call("resume", checkpoint_id="c1")
-        await h.call("restore", checkpoint_id="re-1", checkpoint_dir=str(h.directory),
-                     episode_ids=[{"rollout_id": "r1", "attempt": 0}])
+        await h.call(
+            "restore",
+            checkpoint_id="re-1",
+            checkpoint_dir=str(h.directory),
+            episode_ids=[{"rollout_id": "r1", "attempt": 0}],
+        )
     finally:
         await close_harness(h)
     assert threads["write"].startswith("checkpoint-storage"), threads

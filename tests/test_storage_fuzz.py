@@ -24,11 +24,13 @@ TARGETS = ["manifest", "records", "index"]
 
 
 def build(root: Path) -> None:
-    manifests = [CheckpointWriter(root, kind, instance, "c1").write(
-        [record(f"r{i}", big=2**70 if i == 1 else i, text="t" * 50) for i in range(4)])
-        for kind, instance in PARTICIPANTS]
-    write_participants_index(root, "c1", [{k: m[k] for k in ("kind", "instance", "records_sha256")}
-                                          for m in manifests])
+    manifests = [
+        CheckpointWriter(root, kind, instance, "c1").write(
+            [record(f"r{i}", big=2**70 if i == 1 else i, text="t" * 50) for i in range(4)]
+        )
+        for kind, instance in PARTICIPANTS
+    ]
+    write_participants_index(root, "c1", [{k: m[k] for k in ("kind", "instance", "records_sha256")} for m in manifests])
 
 
 def path_of(root: Path, target: str, which: int) -> Path:
@@ -99,10 +101,24 @@ def tamper(path: Path, how: str, data: bytes, position: int) -> None:
 MUTATION = st.tuples(
     st.sampled_from(TARGETS),
     st.integers(0, len(PARTICIPANTS) - 1),
-    st.sampled_from(["append", "duplicate_line", "flip", "truncate", "remove", "fifo", "directory", "symlink_out",
-                     "symlink_fifo", "bytes"]),
-    st.binary(max_size=200) | st.sampled_from([b"\n", b"{}\n", b'{"episode_id":{"rollout_id":"r0","attempt":0}}\n',
-                                               b"null", b"[]", b"7" * 300]),
+    st.sampled_from(
+        [
+            "append",
+            "duplicate_line",
+            "flip",
+            "truncate",
+            "remove",
+            "fifo",
+            "directory",
+            "symlink_out",
+            "symlink_fifo",
+            "bytes",
+        ]
+    ),
+    st.binary(max_size=200)
+    | st.sampled_from(
+        [b"\n", b"{}\n", b'{"episode_id":{"rollout_id":"r0","attempt":0}}\n', b"null", b"[]", b"7" * 300]
+    ),
     st.integers(0, 10_000),
 )
 
@@ -130,8 +146,11 @@ def test_tampered_directories_are_refused_cleanly(mutations: list) -> None:
                     pass
                 except BaseException as exc:  # noqa: BLE001 - collected to fail the test
                     problems.append(exc)
-            for call in (lambda: check_participants_index(root), lambda: verify_checkpoint(root),
-                         lambda: inspect_checkpoint(root, episodes=True)):
+            for call in (
+                lambda: check_participants_index(root),
+                lambda: verify_checkpoint(root),
+                lambda: inspect_checkpoint(root, episodes=True),
+            ):
                 try:
                     call()
                 except InvalidCheckpointState:

@@ -59,12 +59,15 @@ def make_dir(path: Path) -> None:
 # -- special files -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("where", "special", "message"), [
-    ("manifest", make_fifo, "not a regular file .a FIFO"),
-    ("records", make_fifo, "not a regular file .a FIFO"),
-    ("records", make_dir, "not a regular file .a directory"),
-    ("manifest", make_dir, "not a regular file .a directory"),
-])
+@pytest.mark.parametrize(
+    ("where", "special", "message"),
+    [
+        ("manifest", make_fifo, "not a regular file .a FIFO"),
+        ("records", make_fifo, "not a regular file .a FIFO"),
+        ("records", make_dir, "not a regular file .a directory"),
+        ("manifest", make_dir, "not a regular file .a directory"),
+    ],
+)
 def test_special_files_are_refused_without_blocking_or_leaking(tmp_path: Path, where, special, message) -> None:
     write(tmp_path, [record("a")])
     special(pdir(tmp_path) / "manifest.json" if where == "manifest" else records_path(tmp_path))
@@ -89,8 +92,9 @@ def test_writer_refuses_a_fifo_manifest_without_blocking(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("kind", ["environment", "model", "agent", "resources"])
 def test_a_repeated_capture_key_is_refused_naming_it(tmp_path: Path, kind: str) -> None:
-    CheckpointWriter(tmp_path, kind, "p", "c1").write([record("a", v=1), record("r", 1), record("b"),
-                                                      record("r", 1, v=2)])
+    CheckpointWriter(tmp_path, kind, "p", "c1").write(
+        [record("a", v=1), record("r", 1), record("b"), record("r", 1, v=2)]
+    )
     for scope in (None, {"a"}, set()):  # wherever it lies, in scope or not
         with pytest.raises(InvalidCheckpointState, match="repeats episode r-a1") as refused:
             read_checkpoint(tmp_path, kind, "p", scope=scope)
@@ -173,8 +177,7 @@ def test_a_write_removes_what_a_dead_writer_left(tmp_path: Path) -> None:
     leave_leftovers(pdir(tmp_path))
     (pdir(tmp_path) / "notes.txt").write_text("not ours")  # never touched: not a name a writer uses
     manifest = write(tmp_path, [record("a")])
-    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == ["manifest.json", "notes.txt",
-                                                                 manifest["records_file"]]
+    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == ["manifest.json", "notes.txt", manifest["records_file"]]
 
 
 def test_a_live_writer_s_files_are_left_alone(tmp_path: Path) -> None:
@@ -188,8 +191,9 @@ def test_a_live_writer_s_files_are_left_alone(tmp_path: Path) -> None:
         manifest = write(tmp_path, [record("a")])
     finally:
         os.close(fd)
-    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == sorted([*names, "manifest.json",
-                                                                        manifest["records_file"]])
+    assert sorted(p.name for p in pdir(tmp_path).iterdir()) == sorted(
+        [*names, "manifest.json", manifest["records_file"]]
+    )
 
 
 def test_with_a_manifest_published_only_temporary_files_go(tmp_path: Path) -> None:
@@ -197,7 +201,8 @@ def test_with_a_manifest_published_only_temporary_files_go(tmp_path: Path) -> No
     leave_leftovers(pdir(tmp_path))
     assert write(tmp_path, [record("a")]) == first
     assert sorted(p.name for p in pdir(tmp_path).iterdir()) == sorted(
-        ["manifest.json", first["records_file"], f"records-{'0' * 64}.jsonl"])
+        ["manifest.json", first["records_file"], f"records-{'0' * 64}.jsonl"]
+    )
 
 
 # -- stop() racing the publication -------------------------------------------------------------------------------

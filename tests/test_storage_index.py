@@ -27,15 +27,20 @@ def entry(manifest: dict) -> dict:
 
 
 def two_participants(root: Path) -> list[dict]:
-    return [write(root, [record("a")], kind="model", instance="m", checkpoint_id="c1"),
-            write(root, [record("b")], kind="agent", instance="g", checkpoint_id="c1")]
+    return [
+        write(root, [record("a")], kind="model", instance="m", checkpoint_id="c1"),
+        write(root, [record("b")], kind="agent", instance="g", checkpoint_id="c1"),
+    ]
 
 
 def test_index_is_created_once_and_read_back(tmp_path: Path) -> None:
     manifests = two_participants(tmp_path)
     index = write_participants_index(tmp_path, "c1", [entry(m) for m in manifests])
-    assert index == {"schema_version": 1, "checkpoint_id": "c1",
-                     "participants": sorted((entry(m) for m in manifests), key=lambda e: (e["kind"], e["instance"]))}
+    assert index == {
+        "schema_version": 1,
+        "checkpoint_id": "c1",
+        "participants": sorted((entry(m) for m in manifests), key=lambda e: (e["kind"], e["instance"])),
+    }
     assert orjson.loads(index_path(tmp_path).read_bytes()) == index == read_participants_index(tmp_path)
     # The same index again (a retried commit): fine. Another one: refused, never replaced.
     assert write_participants_index(tmp_path, "c1", [entry(m) for m in reversed(manifests)]) == index
@@ -63,9 +68,16 @@ def test_a_participant_replaced_by_another_write_is_named(tmp_path: Path) -> Non
         check_participants_index(tmp_path)
 
 
-@pytest.mark.parametrize("body", [b"[]", b"{", b'{"schema_version": 2, "checkpoint_id": "c", "participants": []}',
-                                  b'{"schema_version": 1, "checkpoint_id": "c", "participants": [{"kind": "../x", '
-                                  b'"instance": "i", "records_sha256": "00"}]}'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[]",
+        b"{",
+        b'{"schema_version": 2, "checkpoint_id": "c", "participants": []}',
+        b'{"schema_version": 1, "checkpoint_id": "c", "participants": [{"kind": "../x", '
+        b'"instance": "i", "records_sha256": "00"}]}',
+    ],
+)
 def test_a_malformed_index_is_refused(tmp_path: Path, body: bytes) -> None:
     index_path(tmp_path).parent.mkdir(parents=True)
     index_path(tmp_path).write_bytes(body)
@@ -93,7 +105,8 @@ async def test_the_controller_writes_the_index_and_restore_checks_it_first(
             index = read_participants_index(ckpt)
             assert index["checkpoint_id"] == "step-1"
             assert sorted((e["kind"], e["instance"], e["records_sha256"]) for e in index["participants"]) == sorted(
-                (m["kind"], m["instance"], m["records_sha256"]) for m in committed.manifests.values())
+                (m["kind"], m["instance"], m["records_sha256"]) for m in committed.manifests.values()
+            )
             # The agent's whole directory is lost: restore fails naming it, before asking anyone.
             shutil.rmtree(ckpt / "gym" / "agent")
             with pytest.raises(CoordinationError, match="agent/agent is listed") as caught:

@@ -27,8 +27,9 @@ KIND, INSTANCE = "model", "policy_model"
 
 
 def backend(**settings):  # noqa: ANN003, ANN201
-    return get_storage_backend(make_plugin_manager(load_entry_points=False),
-                               StorageSettings(backend="fsspec", **settings))
+    return get_storage_backend(
+        make_plugin_manager(load_entry_points=False), StorageSettings(backend="fsspec", **settings)
+    )
 
 
 def s3() -> fsspec.AbstractFileSystem:
@@ -38,7 +39,7 @@ def s3() -> fsspec.AbstractFileSystem:
 def keys(url: str) -> list[str]:
     """Every object under ``url``, relative to it."""
     prefix = ObjectPath(url).native
-    return sorted(name[len(prefix) + 1:] for name in s3().find(prefix))
+    return sorted(name[len(prefix) + 1 :] for name in s3().find(prefix))
 
 
 def write(url: str, records: list[dict], checkpoint_id: str = "step-1", **extras) -> dict:  # noqa: ANN003
@@ -46,8 +47,9 @@ def write(url: str, records: list[dict], checkpoint_id: str = "step-1", **extras
 
 
 def test_round_trip_writes_digest_named_records_and_a_manifest_only(s3_dir: str) -> None:
-    records = [record(f"r{i}", i % 3, blob="x" * 1000, nan=float("nan"), big=2**70, order={"z": 1, "a": 2})
-               for i in range(50)]
+    records = [
+        record(f"r{i}", i % 3, blob="x" * 1000, nan=float("nan"), big=2**70, order={"z": 1, "a": 2}) for i in range(50)
+    ]
     manifest = write(s3_dir, records, extra_field={"kept": True})
     assert manifest["records_file"] == f"records-{manifest['records_sha256']}.jsonl"
     assert manifest["record_count"] == 50 and manifest["extra_field"] == {"kept": True}
@@ -191,18 +193,24 @@ def test_file_urls_go_through_fsspec_with_the_same_rules(tmp_path: Path) -> None
     url = f"file://{tmp_path}/ckpt"
     manifest = backend().open_writer(url, KIND, INSTANCE, "step-1").write([record("a"), record("b")])
     assert sorted(p.name for p in (tmp_path / "ckpt" / "gym" / KIND / INSTANCE).iterdir()) == [
-        "manifest.json", manifest["records_file"]]
+        "manifest.json",
+        manifest["records_file"],
+    ]
     assert backend().read(url, KIND, INSTANCE, scope={"b"}).records == [record("b")]
 
 
-@pytest.mark.parametrize("url, message", [
-    ("s3://AKIAEXAMPLE:hunter2secret@bucket/run", "must not carry credentials"),
-    ("s3://bucket/run?versionId=3", "must not contain a query"),
-    ("s3://bucket/../other", "must not contain . or .. components"),
-    ("s3://", "names no bucket"),
-])
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("s3://AKIAEXAMPLE:hunter2secret@bucket/run", "must not carry credentials"),
+        ("s3://bucket/run?versionId=3", "must not contain a query"),
+        ("s3://bucket/../other", "must not contain . or .. components"),
+        ("s3://", "names no bucket"),
+    ],
+)
 def test_urls_that_cannot_name_a_checkpoint_directory_are_refused_without_repeating_them(
-    url: str, message: str,
+    url: str,
+    message: str,
 ) -> None:
     with pytest.raises(ValueError, match=message) as refused:
         ObjectPath(url)

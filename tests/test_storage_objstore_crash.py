@@ -34,8 +34,12 @@ PARTICIPANTS = {("environment", "env"): COUNT, ("model", "policy_model"): 3}
 def run_and_kill(url: str, pause_at: str, kill_after: str | None = None) -> list[str]:
     """Start the writer; SIGKILL it once it pauses (or prints a line starting with ``kill_after``)."""
     seen: list[str] = []
-    with subprocess.Popen([sys.executable, str(HERE / "crash_objstore_writer.py"), url, str(COUNT), str(SIZE),
-                           pause_at], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as child:
+    with subprocess.Popen(
+        [sys.executable, str(HERE / "crash_objstore_writer.py"), url, str(COUNT), str(SIZE), pause_at],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as child:
         try:
             assert child.stdout is not None
             for line in child.stdout:
@@ -107,8 +111,12 @@ def test_sigkill_paused_at_a_point_leaves_complete_or_refused(s3_dir: str, pause
     assert outcome(s3_dir) == ALL and len(env_records(s3_dir)) == 1
 
 
-RUNNING = ([f"record:env:{k}" for k in random.Random(28).sample(range(COUNT), 3)]
-           + ["s3:upload_part:", "s3-before:complete_multipart_upload:", "s3:put_object:", "record:policy_model:"])
+RUNNING = [f"record:env:{k}" for k in random.Random(28).sample(range(COUNT), 3)] + [
+    "s3:upload_part:",
+    "s3-before:complete_multipart_upload:",
+    "s3:put_object:",
+    "record:policy_model:",
+]
 
 
 @pytest.mark.slow

@@ -41,8 +41,9 @@ class UndeclaredBackend:
 
 
 def test_unknown_backend_is_a_settings_error_listing_the_backends_available() -> None:
-    pm = make_plugin_manager([DeclaredBackend()], load_entry_points=False,
-                             named_plugins={"mystery": UndeclaredBackend()})
+    pm = make_plugin_manager(
+        [DeclaredBackend()], load_entry_points=False, named_plugins={"mystery": UndeclaredBackend()}
+    )
     with pytest.raises(UnknownStorageBackend) as refused:
         get_storage_backend(pm, "locl")
     message = str(refused.value)

@@ -58,8 +58,10 @@ def _imports_the_kit(path: Path) -> list[str]:
             names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
         else:
             continue
-        if any(name == "nemo_gym_checkpoint_plugin.testing" or name.startswith("nemo_gym_checkpoint_plugin.testing.")
-               for name in names):
+        if any(
+            name == "nemo_gym_checkpoint_plugin.testing" or name.startswith("nemo_gym_checkpoint_plugin.testing.")
+            for name in names
+        ):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -99,7 +101,10 @@ print(json.dumps({"imported": names, "kit": kit}))
 def test_importing_every_product_module_loads_no_testing_module(tmp_path: Path) -> None:
     reply = subprocess.run(
         [sys.executable, "-c", _IMPORT_EVERY_PRODUCT_MODULE],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )
     assert reply.returncode == 0, reply.stderr[-3000:]
@@ -123,8 +128,9 @@ print(" ".join(sorted(names)))
 
 @pytest.mark.slow
 def test_the_kit_imports_without_httpx(tmp_path: Path) -> None:
-    reply = subprocess.run([sys.executable, "-c", _IMPORT_THE_KIT_WITHOUT_HTTPX], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=120)
+    reply = subprocess.run(
+        [sys.executable, "-c", _IMPORT_THE_KIT_WITHOUT_HTTPX], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert reply.returncode == 0, reply.stderr[-3000:]
     modules = reply.stdout.split()
     for name in ("crash_scenario", "demo", "serve", "harness", "pytest_plugin", "deployment", "fake_backend"):
@@ -170,8 +176,23 @@ def _build_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
         shutil.copy2(ROOT / name, source / name)
     out = tmp_path / "dist"
     # Build isolation fetches setuptools (the build backend) from the package index.
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "-q", "-w", str(out),
-          str(source)], tmp_path, env, timeout=300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        tmp_path,
+        env,
+        timeout=300,
+    )
     (wheel,) = out.glob("nemo_gym_checkpoint-*.whl")
     return wheel
 
@@ -182,8 +203,11 @@ def _fresh_venv(tmp_path: Path, env: dict[str, str]) -> tuple[Path, Path]:
     # sys._base_executable: the interpreter .venv was made from (sys.executable is .venv's own).
     _run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env)
     python = venv / "bin" / "python"
-    purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                        tmp_path, env).stdout.strip())
+    purelib = Path(
+        _run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path, env
+        ).stdout.strip()
+    )
     # A plain path line: .venv's site-packages goes on sys.path, but its own .pth files (the
     # editable finder of the source tree among them) are not processed.
     (purelib / "see_dotvenv.pth").write_text(sysconfig.get_path("purelib") + "\n")
@@ -198,8 +222,22 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_from_outside_the_source_tree(t
     venv, purelib = _fresh_venv(tmp_path, env)
     python = venv / "bin" / "python"
     # --ignore-installed: .venv's editable install of the same version is visible; never touch it.
-    _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
-          "--disable-pip-version-check", "-q", str(wheel)], tmp_path, env)
+    _run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            "--disable-pip-version-check",
+            "-q",
+            str(wheel),
+        ],
+        tmp_path,
+        env,
+    )
     outside = tmp_path / "elsewhere"
     outside.mkdir()
 
@@ -212,22 +250,31 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_from_outside_the_source_tree(t
     # The public API a plugin author imports is in the wheel, every name it promises there.
     assert Path(probe["api"]) == installed / "api.py"
     assert {"hookimpl", "EpisodeId", "ParticipantExport", "StorageBackend", "InvalidCheckpointState"} <= set(
-        probe["api_names"])
+        probe["api_names"]
+    )
     assert Path(probe["nemo_gym"]).is_relative_to(sysconfig.get_path("purelib"))  # nemo-gym from .venv
     assert probe["editable_finders"] == []
     assert not Path(probe["package"]).is_relative_to(ROOT)
 
     assert "verify" in _run([str(venv / "bin" / "ng-checkpoint"), "--help"], outside, env).stdout
-    assert "--rollouts" in _run([str(python), "-m", "nemo_gym_checkpoint_plugin.testing.demo", "--help"],
-                                outside, env).stdout
-    assert "PORT_BASE" in _run([str(python), "-m", "nemo_gym_checkpoint_plugin.testing.serve", "--help"],
-                               outside, env).stdout
+    assert (
+        "--rollouts"
+        in _run([str(python), "-m", "nemo_gym_checkpoint_plugin.testing.demo", "--help"], outside, env).stdout
+    )
+    assert (
+        "PORT_BASE"
+        in _run([str(python), "-m", "nemo_gym_checkpoint_plugin.testing.serve", "--help"], outside, env).stdout
+    )
 
     # The fake backend runs from the installed package, as the kit's Deployment starts it.
     port = free_port_base(span=1)
     backend = subprocess.Popen(
         [str(python), "-m", "nemo_gym_checkpoint_plugin.testing.fake_backend", "--port", str(port)],
-        cwd=outside, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=outside,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -74,13 +74,23 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root)
     assert made.returncode == 0, made.stderr
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root)
-                .stdout.strip())
+    site = Path(
+        _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root).stdout.strip()
+    )
     # The project venv behind this one (its .pth files too: the project's editable install).
     (site / "_project_venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
     installed = _run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "--no-index",
-         "--no-build-isolation", str(EXAMPLE)],
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            str(EXAMPLE),
+        ],
         root,
     )
     assert installed.returncode == 0, installed.stdout + installed.stderr
@@ -88,8 +98,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _installed_dir(venv: Path) -> Path:
-    found = _run([str(venv / "bin" / "python"), "-c", "import tally_verifier; print(tally_verifier.__file__)"],
-                 venv.parent)
+    found = _run(
+        [str(venv / "bin" / "python"), "-c", "import tally_verifier; print(tally_verifier.__file__)"], venv.parent
+    )
     assert found.returncode == 0, found.stderr
     return Path(found.stdout.strip()).parent
 
@@ -105,8 +116,17 @@ def test_the_package_is_installed_in_its_own_venv_only(venv: Path) -> None:
 
 def test_the_packages_own_contract_suite_passes_against_the_installed_copy(venv: Path) -> None:
     ran = _run(
-        [str(venv / "bin" / "python"), "-m", "pytest", str(EXAMPLE / "tests"), "-q", "-p", "no:cacheprovider",
-         "--rootdir", str(EXAMPLE)],
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            str(EXAMPLE / "tests"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(EXAMPLE),
+        ],
         venv.parent,
     )
     assert ran.returncode == 0, ran.stdout[-4000:] + ran.stderr[-2000:]
@@ -150,16 +170,18 @@ async def _crash_and_restore(deployment: Deployment, checkpoint_dir: Path) -> di
         prepared = await prepare(coordinator, "ck-tally", timeout=60)
         assert prepared.ready, prepared.to_json()
         assert (await fake.stats())["held"] == 1
-        committed = await commit(coordinator, "ck-tally", str(checkpoint_dir), prepared.continued([rollout]),
-                                 timeout=60)
+        committed = await commit(
+            coordinator, "ck-tally", str(checkpoint_dir), prepared.continued([rollout]), timeout=60
+        )
     pids = {name: proc.pid for name, proc in deployment.processes.items()}
     deployment.kill()
     await asyncio.gather(first, return_exceptions=True)
     await asyncio.to_thread(deployment.start)
     coordinator = await discover(deployment.config, TOKEN)
     async with coordinator:
-        restored = await restore(coordinator, "rs-tally", str(checkpoint_dir), [{"rollout_id": rollout, "attempt": 0}],
-                                 timeout=60)
+        restored = await restore(
+            coordinator, "rs-tally", str(checkpoint_dir), [{"rollout_id": rollout, "attempt": 0}], timeout=60
+        )
         await resume(coordinator, "rs-tally", timeout=60)
     return {
         "status_before": status_before,

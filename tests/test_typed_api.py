@@ -39,8 +39,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, source / name)
-    reply = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "--disable-pip-version-check", "-q", "-w", str(out), str(source)], out)
+    reply = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        out,
+    )
     assert reply.returncode == 0, reply.stdout[-2000:] + reply.stderr[-3000:]
     (built,) = out.glob("nemo_gym_checkpoint-*.whl")
     return built
@@ -69,14 +83,37 @@ def test_a_third_party_plugin_written_against_api_passes_mypy_strict(wheel: Path
     venv = tmp_path / "venv"
     assert _run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], tmp_path).returncode == 0
     python = venv / "bin" / "python"
-    purelib = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                        tmp_path).stdout.strip())
-    reply = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "-q",
-                  "--target", str(purelib), str(wheel)], tmp_path)
+    purelib = Path(
+        _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).stdout.strip()
+    )
+    reply = _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            "--target",
+            str(purelib),
+            str(wheel),
+        ],
+        tmp_path,
+    )
     assert reply.returncode == 0, reply.stderr[-3000:]
     (purelib / "see_dotvenv.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    mypy = [sys.executable, "-m", "mypy", "--strict", "--python-executable", str(python), "--no-incremental",
-            "--cache-dir", str(tmp_path / "mypy-cache")]
+    mypy = [
+        sys.executable,
+        "-m",
+        "mypy",
+        "--strict",
+        "--python-executable",
+        str(python),
+        "--no-incremental",
+        "--cache-dir",
+        str(tmp_path / "mypy-cache"),
+    ]
 
     reply = _run([*mypy, str(PLUGIN)], tmp_path)
     assert reply.returncode == 0, reply.stdout[-4000:] + reply.stderr[-2000:]

@@ -65,16 +65,18 @@ async def _scenario(deployment: Deployment, checkpoint_dir: Path) -> dict[str, A
             await _call("POST", resources + "/health/test/release")
         prepared = await preparing
         assert prepared.ready, prepared.to_json()
-        committed = await commit(coordinator, "ck-verify", str(checkpoint_dir), prepared.continued([ROLLOUT]),
-                                 timeout=60)
+        committed = await commit(
+            coordinator, "ck-verify", str(checkpoint_dir), prepared.continued([ROLLOUT]), timeout=60
+        )
     deployment.kill()
     await asyncio.gather(first, return_exceptions=True)
     await asyncio.to_thread(deployment.start)
     await _call("POST", resources + "/health/test/release")  # a replayed verify answers at once
     coordinator = await discover(deployment.config, TOKEN)
     async with coordinator:
-        await restore(coordinator, "rs-verify", str(checkpoint_dir), [{"rollout_id": ROLLOUT, "attempt": 0}],
-                      timeout=60)
+        await restore(
+            coordinator, "rs-verify", str(checkpoint_dir), [{"rollout_id": ROLLOUT, "attempt": 0}], timeout=60
+        )
         await resume(coordinator, "rs-verify", timeout=60)
     reply = await send_rollout(env, ROLLOUT, attempt=1)
     return {

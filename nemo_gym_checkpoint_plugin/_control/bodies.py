@@ -97,16 +97,18 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     return bytes(body)
 
 
-async def parse_body(raw: bytes, model: type[BaseModel], head: type[BaseModel], lists: tuple[ListField, ...],
-                     limits: BodyLimits) -> Any:
+async def parse_body(
+    raw: bytes, model: type[BaseModel], head: type[BaseModel], lists: tuple[ListField, ...], limits: BodyLimits
+) -> Any:
     """``model`` from ``raw``, validated in a worker thread unless it is small (see the module docstring)."""
     if len(raw) <= INLINE_BODY_BYTES:
         return validate_body(raw, model, head, lists, limits)
     return await asyncio.to_thread(validate_body, raw, model, head, lists, limits)
 
 
-def validate_body(raw: bytes, model: type[BaseModel], head: type[BaseModel], lists: tuple[ListField, ...],
-                  limits: BodyLimits) -> Any:
+def validate_body(
+    raw: bytes, model: type[BaseModel], head: type[BaseModel], lists: tuple[ListField, ...], limits: BodyLimits
+) -> Any:
     """Parse and validate (blocking): ``head`` checks every field but the ``lists``, checked in bulk here."""
     try:
         data = orjson.loads(raw)
@@ -137,9 +139,13 @@ def _check_list(spec: ListField, value: Any, limits: BodyLimits, errors: list[di
         errors.append(_error("list_type", (spec.name,), "Input should be a valid list"))
         return None
     if len(value) > limits.max_ids:
-        errors.append(_error("too_long", (spec.name,),
-                             f"List should have at most {limits.max_ids} items (the control routes' limit), "
-                             f"not {len(value)}"))
+        errors.append(
+            _error(
+                "too_long",
+                (spec.name,),
+                f"List should have at most {limits.max_ids} items (the control routes' limit), not {len(value)}",
+            )
+        )
         return None
     if len(value) < spec.min_length:
         errors.append(_error("too_short", (spec.name,), f"List should have at least {spec.min_length} item"))
@@ -203,8 +209,13 @@ def _episodes(name: str, items: list[Any], errors: list[dict[str, Any]]) -> Epis
             rollout_id = item.get("rollout_id")
             attempt = item.get("attempt", 0)
             # Exactly what EpisodeId accepts unchanged; anything else goes through EpisodeId below.
-            if (type(rollout_id) is str and type(attempt) is int and attempt >= 0 and _ROLLOUT_ID(rollout_id)
-                    and ("-a" not in rollout_id or not _RESERVED_SUFFIX(rollout_id))):
+            if (
+                type(rollout_id) is str
+                and type(attempt) is int
+                and attempt >= 0
+                and _ROLLOUT_ID(rollout_id)
+                and ("-a" not in rollout_id or not _RESERVED_SUFFIX(rollout_id))
+            ):
                 pairs.append((rollout_id, attempt))
                 keys.add(rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}")
                 continue

@@ -142,8 +142,9 @@ class CommitMixin:
                 logger.warning("commit of %s: restored-state cleanup still running at its deadline", checkpoint_id)
         return reply
 
-    async def _stop_late_write(self: ControlPlane, active: Active, task: asyncio.Task[Any],
-                               deadline_ts: float) -> dict[str, Any]:
+    async def _stop_late_write(
+        self: ControlPlane, active: Active, task: asyncio.Task[Any], deadline_ts: float
+    ) -> dict[str, Any]:
         """The deadline passed first: stop the write (no manifest after this reply), or reply the published one."""
         checkpoint_id = active.checkpoint_id
         async with self._lock:
@@ -164,8 +165,9 @@ class CommitMixin:
             deadline_ts=deadline_ts,
         )
 
-    async def _write_after(self: ControlPlane, active: Active, stopped: asyncio.Task[Any],
-                           args: tuple[Any, ...]) -> dict[str, Any]:
+    async def _write_after(
+        self: ControlPlane, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...]
+    ) -> dict[str, Any]:
         """A retry after a deadline stopped the write: wait for that write to end, then write again."""
         await asyncio.wait([stopped])
         async with self._lock:
@@ -213,9 +215,7 @@ class CommitMixin:
         with collector_paused():
             return await self._export_and_write_unpaused(active, args)
 
-    async def _export_and_write_unpaused(
-        self: ControlPlane, active: Active, args: tuple[Any, ...]
-    ) -> dict[str, Any]:
+    async def _export_and_write_unpaused(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
         checkpoint_id = active.checkpoint_id
         scope = None if args[1] is None else frozenset(args[1])
         try:
@@ -223,8 +223,9 @@ class CommitMixin:
         except BaseException as exc:
             _raise(self._export_failed(active, exc), exc)
         written: list[str] = []
-        active.kept = KeptExport(_scoped(exported.records, scope, written), exported.manifest_extras,
-                                 exported.reply_extras)
+        active.kept = KeptExport(
+            _scoped(exported.records, scope, written), exported.manifest_extras, exported.reply_extras
+        )
         active.kept.written = written
         return await self._write(active, args)
 
@@ -249,7 +250,8 @@ class CommitMixin:
             if active.writes_stopped and kept.source_error is None and isinstance(exc, Exception):
                 # Stopped at a commit's deadline: the export is kept for a retry, like a failed write.
                 active.write_error = DeadlineExceeded(
-                    f"the write of {checkpoint_id} was stopped when a commit reached its deadline; retry the commit")
+                    f"the write of {checkpoint_id} was stopped when a commit reached its deadline; retry the commit"
+                )
                 raise active.write_error from exc
             # The participant's iterator failed inside the write: an export failure, whatever the writer made of it.
             _raise(self._export_failed(active, kept.source_error or exc), exc)

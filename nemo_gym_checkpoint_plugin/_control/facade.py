@@ -106,8 +106,7 @@ def _owned(answer: Any, owner: str | None) -> ParticipantExport | None:
     if not isinstance(answer, ParticipantExport):
         answer = ParticipantExport(records=answer)
     records = _own_records(answer.records) if owner is None else _tagged_records(answer.records, owner)
-    return ParticipantExport(records=records, manifest_extras=answer.manifest_extras,
-                             reply_extras=answer.reply_extras)
+    return ParticipantExport(records=records, manifest_extras=answer.manifest_extras, reply_extras=answer.reply_extras)
 
 
 def _direct(impls: list[Any]) -> Any:
@@ -177,8 +176,11 @@ class Participants:
 
     async def wait_ready(self, checkpoint_id: str) -> None:
         """Return when any implementation returned (the others are cancelled); poll without any."""
-        waiters = [asyncio.ensure_future(r) for r in self._hook.wait_ready(checkpoint_id=checkpoint_id)
-                   if inspect.isawaitable(r)]
+        waiters = [
+            asyncio.ensure_future(r)
+            for r in self._hook.wait_ready(checkpoint_id=checkpoint_id)
+            if inspect.isawaitable(r)
+        ]
         if not waiters:
             await asyncio.sleep(POLL_SECONDS)  # wait-ok: no plugin can signal a change, so re-ask ready soon
             return

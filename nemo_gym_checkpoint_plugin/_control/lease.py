@@ -70,8 +70,9 @@ class Lease:
                 await self._on_expiry()
             except Exception:
                 self.failed_self_resumes += 1
-                logger.exception("checkpoint lease expired and the self-resume failed; retrying in %ss",
-                                 self.policy.retry_seconds)
+                logger.exception(
+                    "checkpoint lease expired and the self-resume failed; retrying in %ss", self.policy.retry_seconds
+                )
                 # wait-ok: docs/protocol.md's retry interval after a failed self-resume.
                 await asyncio.sleep(self.policy.retry_seconds)
                 continue

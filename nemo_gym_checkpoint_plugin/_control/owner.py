@@ -49,8 +49,9 @@ class OwnerLease:
     def owner(self) -> str | None:
         """The owner while its lease runs (an expired lease is no owner)."""
         if self._owner is not None and self._expires_at is not None and self._expires_at <= self._clock():
-            logger.warning("the owner lease of %s expired at %s; the deployment has no owner", self._owner,
-                           _when(self._expires_at))
+            logger.warning(
+                "the owner lease of %s expired at %s; the deployment has no owner", self._owner, _when(self._expires_at)
+            )
             self._owner = self._expires_at = None
         return self._owner
 
@@ -64,8 +65,9 @@ class OwnerLease:
             self._expires_at = expires
         self._owner = owner
 
-    def admit(self, owner: str | None, operation: str, deadline_ts: float, *, acquire: bool = False,
-              take_over: bool = False) -> None:
+    def admit(
+        self, owner: str | None, operation: str, deadline_ts: float, *, acquire: bool = False, take_over: bool = False
+    ) -> None:
         """Let the call through (recording or extending ownership), or raise ``OwnerConflict``/``OwnerFenced``.
 
         ``acquire``: the operation records its owner when nobody owns the participant (prepare,
@@ -74,7 +76,10 @@ class OwnerLease:
         if owner is not None and owner in self._fenced:
             raise OwnerFenced(
                 f"owner {owner} was taken over by {self._fenced[owner]} and is fenced for good: it may not "
-                f"{operation} this deployment again", owner=owner, by=self._fenced[owner])
+                f"{operation} this deployment again",
+                owner=owner,
+                by=self._fenced[owner],
+            )
         current = self.owner
         if current is None:
             if owner is not None and (acquire or take_over):
@@ -97,13 +102,18 @@ class OwnerLease:
         raise OwnerConflict(
             f"this deployment is owned by {current} until {_when(self._expires_at)}: {caller} may not {operation} "
             f"it; to take it over (which fences {current} for good) call with take_over",
-            owner=current, expires_at=self._expires_at)
+            owner=current,
+            expires_at=self._expires_at,
+        )
 
     def release(self, owner: str) -> bool:
         """End ``owner``'s ownership; False when it did not own the participant (nothing changes)."""
         if owner in self._fenced:
-            raise OwnerFenced(f"owner {owner} was taken over by {self._fenced[owner]} and is fenced for good",
-                              owner=owner, by=self._fenced[owner])
+            raise OwnerFenced(
+                f"owner {owner} was taken over by {self._fenced[owner]} and is fenced for good",
+                owner=owner,
+                by=self._fenced[owner],
+            )
         if self.owner != owner:
             return False
         self._owner = self._expires_at = None

@@ -246,8 +246,9 @@ class ControlPlane(CommitMixin, RestoreMixin):
         A late call is ``deadline_exceeded`` first: it changes nothing, ownership included.
         """
         self._check_deadline(deadline_ts)
-        self.owners.admit(owner, operation, deadline_ts, acquire=operation in ("prepare", "restore"),
-                          take_over=take_over)
+        self.owners.admit(
+            owner, operation, deadline_ts, acquire=operation in ("prepare", "restore"), take_over=take_over
+        )
 
     def own(self, owner: str, deadline_ts: float, *, take_over: bool = False, release: bool = False) -> dict[str, Any]:
         """The ``owner`` route: take (or renew, or take over) ownership, or release it."""

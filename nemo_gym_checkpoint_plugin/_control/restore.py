@@ -79,7 +79,8 @@ class RestoreMixin:
                     raise InvalidPhase(
                         f"restore {checkpoint_id}: this {self.kind} server has served episodes; a checkpoint is "
                         "restored into servers that have served none (fresh processes), never half way into "
-                        "live ones; nothing was marked or installed")
+                        "live ones; nothing was marked or installed"
+                    )
                 # Marks first: from here on the checkpointed attempts are refused, whatever happens next.
                 await self._mark_all(episode_ids)
                 active = Active(checkpoint_id, "restore")
@@ -91,7 +92,10 @@ class RestoreMixin:
         return await self._joined(task, deadline_ts, f"restore {checkpoint_id}")
 
     async def _read_and_install(
-        self: ControlPlane, active: Active, checkpoint_dir: str, keys: tuple[str, ...],
+        self: ControlPlane,
+        active: Active,
+        checkpoint_dir: str,
+        keys: tuple[str, ...],
         pairs: Mapping[tuple[str, int], None],
     ) -> dict[str, Any]:
         try:
@@ -198,7 +202,10 @@ def _restored_record(record: Mapping[str, Any], pairs: Mapping[tuple[str, int], 
     if type(wire) is dict and len(wire) == 2:
         rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt")
         if type(rollout_id) is str and type(attempt) is int and (rollout_id, attempt) in pairs:
-            return RestoredRecord(checkpointed=construct_episode(rollout_id, attempt),
-                                  replacement=construct_episode(rollout_id, attempt + 1), record=record)
+            return RestoredRecord(
+                checkpointed=construct_episode(rollout_id, attempt),
+                replacement=construct_episode(rollout_id, attempt + 1),
+                record=record,
+            )
     checkpointed = episode_from_wire(wire)
     return RestoredRecord(checkpointed=checkpointed, replacement=_replacement(checkpointed), record=record)

@@ -15,14 +15,13 @@ import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 __all__ = ["STORAGE_THREADS", "run_storage", "storage_executor"]
 
 STORAGE_THREADS = 4
 THREAD_PREFIX = "checkpoint-storage"
 
-_T = TypeVar("_T")
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 
@@ -36,7 +35,7 @@ def storage_executor() -> ThreadPoolExecutor:
         return _executor
 
 
-async def run_storage(function: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+async def run_storage[T](function: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run ``function(*args, **kwargs)`` on the storage pool and await its result (context carried, like
     ``asyncio.to_thread``)."""
     loop = asyncio.get_running_loop()

@@ -88,6 +88,7 @@ def make_private_dirs(path: Path, base: Path | None = None) -> None:
     if not path.is_dir():
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
 
+
 def _make_private_below(base: Path, parts: tuple[str, ...]) -> None:
     make_private_dirs(base)
     where = base
@@ -173,8 +174,13 @@ def open_regular(path: Path, directory: Path, what: str) -> int:
 
 
 def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

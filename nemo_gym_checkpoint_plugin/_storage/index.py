@@ -98,22 +98,36 @@ def index_problems(checkpoint_dir: str | Path | Location, index: Mapping[str, An
         kind, instance = entry["kind"], entry["instance"]
         directory = participant_dir(checkpoint_dir, kind, instance)
         if not lexists(directory):
-            problems.append((kind, instance, f"participant {kind}/{instance} is listed in {INDEX_NAME} but "
-                                             f"{directory} is missing"))
+            problems.append(
+                (kind, instance, f"participant {kind}/{instance} is listed in {INDEX_NAME} but {directory} is missing")
+            )
             continue
         try:
             manifest = load_manifest(directory, kind=kind, instance=instance)
         except InvalidCheckpointState as exc:
-            problems.append((kind, instance, f"participant {kind}/{instance} is listed in {INDEX_NAME} but "
-                                             f"{exc.detail}"))
+            problems.append(
+                (kind, instance, f"participant {kind}/{instance} is listed in {INDEX_NAME} but {exc.detail}")
+            )
             continue
         if manifest["checkpoint_id"] != index["checkpoint_id"]:
-            problems.append((kind, instance, f"participant {kind}/{instance} holds checkpoint "
-                                             f"{manifest['checkpoint_id']!r}, {INDEX_NAME} lists "
-                                             f"{index['checkpoint_id']!r}"))
+            problems.append(
+                (
+                    kind,
+                    instance,
+                    f"participant {kind}/{instance} holds checkpoint "
+                    f"{manifest['checkpoint_id']!r}, {INDEX_NAME} lists "
+                    f"{index['checkpoint_id']!r}",
+                )
+            )
         elif manifest["records_sha256"] != entry["records_sha256"]:
-            problems.append((kind, instance, f"participant {kind}/{instance}: its manifest's records_sha256 "
-                                             f"differs from {INDEX_NAME}'s (another write replaced it)"))
+            problems.append(
+                (
+                    kind,
+                    instance,
+                    f"participant {kind}/{instance}: its manifest's records_sha256 "
+                    f"differs from {INDEX_NAME}'s (another write replaced it)",
+                )
+            )
     return problems
 
 
@@ -144,8 +158,11 @@ def write_participants_index(
     path = index_path(checkpoint_dir)
     if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
         raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
-    index = {"schema_version": SCHEMA_VERSION, "checkpoint_id": checkpoint_id,
-             "participants": _entries(participants, path)}
+    index = {
+        "schema_version": SCHEMA_VERSION,
+        "checkpoint_id": checkpoint_id,
+        "participants": _entries(participants, path),
+    }
     if isinstance(path, ObjectPath):
         return _create_object_index(path, index)
     tmp = path.parent / f".participants.{uuid.uuid4().hex}.tmp"

@@ -32,8 +32,15 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FIELDS = ("schema_version", "kind", "instance", "checkpoint_id", "records_file", "records_sha256",
-                   "record_count")
+MANIFEST_FIELDS = (
+    "schema_version",
+    "kind",
+    "instance",
+    "checkpoint_id",
+    "records_file",
+    "records_sha256",
+    "record_count",
+)
 INDEX_NAME = "participants.json"
 # A record's encoded size (its line, newline included) is bounded, so a reader never holds an
 # endless line; ``checkpoint.storage.max_record_bytes`` changes it. 64 MiB holds an episode of

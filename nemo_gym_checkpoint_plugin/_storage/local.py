@@ -70,7 +70,8 @@ def _path_only(checkpoint_dir: object) -> None:
         raise WriteFailed(
             f"{checkpoint_dir} is a URL: the storage backend 'local' writes filesystem paths only; set "
             "checkpoint.storage.backend: fsspec (and install the URL's filesystem, e.g. s3fs) to use an object store",
-            path=str(checkpoint_dir), cause="url needs the fsspec backend",
+            path=str(checkpoint_dir),
+            cause="url needs the fsspec backend",
         )
 
 

@@ -63,9 +63,16 @@ __all__ = [
 _URL = re.compile(r"^(?P<protocol>[A-Za-z][A-Za-z0-9+.-]+)://(?P<rest>.*)$", re.DOTALL)
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f?#]")
 # Environment variables whose values are secrets some filesystem reads; scrubbed from messages.
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "GOOGLE_API_KEY",
-               "AZURE_STORAGE_KEY", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
-               "AZURE_STORAGE_CONNECTION_STRING")
+_SECRET_ENV = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "GOOGLE_API_KEY",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_CONNECTION_STRING",
+)
 
 
 class StoreUnsafe(WriteFailed):
@@ -91,8 +98,10 @@ def normalize_url(url: str) -> str:
     authority = rest.split("/", 1)[0]
     if "@" in authority:
         # Never repeated: it is most likely a key and a secret.
-        raise ValueError("a checkpoint_dir URL must not carry credentials (user:secret@...); they come from the "
-                         "filesystem's own environment and configuration (for S3: AWS_* variables, ~/.aws)")
+        raise ValueError(
+            "a checkpoint_dir URL must not carry credentials (user:secret@...); they come from the "
+            "filesystem's own environment and configuration (for S3: AWS_* variables, ~/.aws)"
+        )
     if _FORBIDDEN.search(rest):
         raise ValueError("a checkpoint_dir URL must not contain a query (?), a fragment (#) or control characters")
     leading = "/" if rest.startswith("/") else ""
@@ -185,8 +194,9 @@ def filesystem(protocol: str) -> Any:
                 fs = fsspec.filesystem(protocol, **options)
             except (ImportError, ValueError) as exc:
                 # fsspec's message names the package to install (s3fs, gcsfs...).
-                raise WriteFailed(f"{protocol}:// is not available: {scrub(str(exc))}", cause="no_filesystem",
-                                  path=f"{protocol}://") from None
+                raise WriteFailed(
+                    f"{protocol}:// is not available: {scrub(str(exc))}", cause="no_filesystem", path=f"{protocol}://"
+                ) from None
             _filesystems[protocol] = fs
         return fs
 
@@ -233,6 +243,7 @@ def read_failed(where: ObjectPath, what: str, exc: BaseException) -> InvalidChec
 
 # -- reading -------------------------------------------------------------------------------------
 
+
 def exists(path: ObjectPath) -> bool:
     """Whether an object (or a prefix holding some) is there; a store that cannot say is a read failure."""
     try:
@@ -249,8 +260,7 @@ def read_small(path: ObjectPath, what: str, limit: int) -> bytes:
     except Exception as exc:
         raise read_failed(path, what, exc) from None
     if len(data) > limit:
-        raise InvalidCheckpointState(f"{path.parent}: {what} is larger than {limit} bytes",
-                                     directory=str(path.parent))
+        raise InvalidCheckpointState(f"{path.parent}: {what} is larger than {limit} bytes", directory=str(path.parent))
     return bytes(data)
 
 
@@ -301,8 +311,9 @@ def open_stream(path: ObjectPath, what: str) -> IO[bytes]:
             raise read_failed(path, what, exc) from None
     try:
         # Two blocks cached, not fsspec's default 32: the cache never grows with the object.
-        return path.fs.open(path.native, "rb", block_size=READ_BLOCK, cache_type="background",
-                            cache_options={"maxblocks": 2})
+        return path.fs.open(
+            path.native, "rb", block_size=READ_BLOCK, cache_type="background", cache_options={"maxblocks": 2}
+        )
     except Exception as exc:
         raise read_failed(path, what, exc) from None
 
@@ -330,5 +341,3 @@ def entries(path: ObjectPath) -> list[tuple[str, bool]]:
             continue  # some stores list a prefix's own placeholder
         found.append((name.rsplit("/", 1)[-1], entry.get("type") == "directory"))
     return sorted(found)
-
-

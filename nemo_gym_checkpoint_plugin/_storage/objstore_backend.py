@@ -37,8 +37,9 @@ class FsspecStorage(LocalStorage):
     def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
         where = location(checkpoint_dir)
         if isinstance(where, ObjectPath):
-            return ObjectStoreWriter(where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes,
-                                     spool_dir=self.spool_dir)
+            return ObjectStoreWriter(
+                where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes, spool_dir=self.spool_dir
+            )
         return CheckpointWriter(where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
 
     def read(
@@ -50,8 +51,14 @@ class FsspecStorage(LocalStorage):
         scope: Collection[str] | None = None,
         validate: Callable[[dict[str, Any]], None] | None = None,
     ) -> RestoredCheckpoint:
-        return read_checkpoint(location(checkpoint_dir), kind, instance, scope=scope, validate=validate,
-                               max_record_bytes=self.max_record_bytes)
+        return read_checkpoint(
+            location(checkpoint_dir),
+            kind,
+            instance,
+            scope=scope,
+            validate=validate,
+            max_record_bytes=self.max_record_bytes,
+        )
 
     def read_manifest(self, checkpoint_dir: str | Path, kind: str, instance: str) -> dict[str, Any]:
         return load_manifest(participant_dir(location(checkpoint_dir), kind, instance), kind=kind, instance=instance)

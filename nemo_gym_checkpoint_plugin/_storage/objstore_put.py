@@ -91,8 +91,11 @@ def put_records(directory: ObjectPath, lines: Iterable[bytes], spool_dir: str | 
         upload(spool, target)
         stored = size(target)
         if stored != written:
-            raise WriteFailed(f"{target}: the store holds {stored} bytes after the upload of {written}",
-                              path=str(target), cause="upload not stored whole")
+            raise WriteFailed(
+                f"{target}: the store holds {stored} bytes after the upload of {written}",
+                path=str(target),
+                cause="upload not stored whole",
+            )
         return digest, count
     finally:
         with contextlib.suppress(OSError):
@@ -129,7 +132,9 @@ def _unsafe(where: ObjectPath, why: str) -> StoreUnsafe:
     return StoreUnsafe(
         f"{where}: the store cannot hold a checkpoint: {why}; a second writer could replace a published "
         "manifest. Use a store that honours exclusive creates (S3 If-None-Match: *, GCS ifGenerationMatch=0) "
-        "or a filesystem path", path=str(where), cause="no_exclusive_create",
+        "or a filesystem path",
+        path=str(where),
+        cause="no_exclusive_create",
     )
 
 

@@ -82,8 +82,14 @@ class ObjectStoreWriter(CheckpointWriter):
     _durable = False  # the spool: uploaded, then removed
 
     def __init__(
-        self, checkpoint_dir: str | ObjectPath, kind: str, instance: str, checkpoint_id: str, *,
-        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES, spool_dir: str | Path | None = None,
+        self,
+        checkpoint_dir: str | ObjectPath,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        spool_dir: str | Path | None = None,
     ) -> None:
         super().__init__(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
         if not isinstance(self.checkpoint_dir, ObjectPath):
@@ -123,8 +129,11 @@ class ObjectStoreWriter(CheckpointWriter):
             present = lexists(self.directory / MANIFEST_NAME)
         except InvalidCheckpointState as exc:
             # The store did not answer (not a bad checkpoint): a failed write, the export kept for a retry.
-            raise WriteFailed(f"{self.directory}: cannot look for a published manifest: {exc.detail}",
-                              path=str(self.directory), cause="store unavailable") from None
+            raise WriteFailed(
+                f"{self.directory}: cannot look for a published manifest: {exc.detail}",
+                path=str(self.directory),
+                cause="store unavailable",
+            ) from None
         if not present:
             return None
         return self._same_id(load_manifest(self.directory, kind=self.kind, instance=self.instance))
@@ -137,8 +146,11 @@ class ObjectStoreWriter(CheckpointWriter):
             stored = size(records)
             if stored != spooled:
                 # A store that acknowledged the upload and holds something else: never vouch for it.
-                raise WriteFailed(f"{records}: the store holds {stored} bytes after the upload of {spooled}",
-                                  path=str(records), cause="upload not stored whole")
+                raise WriteFailed(
+                    f"{records}: the store holds {stored} bytes after the upload of {spooled}",
+                    path=str(records),
+                    cause="upload not stored whole",
+                )
             with self._lock:
                 self._check_stop()
                 try:

@@ -66,8 +66,10 @@ def capture_key_of(episode_id: Any) -> str:
     if not keys_ok:
         raise ValueError("episode_id must be an object with exactly rollout_id and attempt")
     rollout_id, attempt = episode_id["rollout_id"], episode_id["attempt"]
-    if not isinstance(rollout_id, str) or not SAFE_COMPONENT.fullmatch(rollout_id) or (
-        "-a" in rollout_id and _RESERVED_SUFFIX.search(rollout_id)
+    if (
+        not isinstance(rollout_id, str)
+        or not SAFE_COMPONENT.fullmatch(rollout_id)
+        or ("-a" in rollout_id and _RESERVED_SUFFIX.search(rollout_id))
     ):
         raise ValueError(f"rollout_id {rollout_id!r} is not a valid rollout id")
     if type(attempt) is not int or attempt < 0:
@@ -150,8 +152,12 @@ def iter_verified_lines(
             if item.error is not None:
                 raise _bad(directory, f"records file cannot be read: {item.error}") from item.error
             if item.too_long:
-                raise _bad(directory, f"record {item.count} is longer than max_record_bytes ({max_record_bytes} "
-                                      "bytes); refused without reading it whole", record=item.count)
+                raise _bad(
+                    directory,
+                    f"record {item.count} is longer than max_record_bytes ({max_record_bytes} "
+                    "bytes); refused without reading it whole",
+                    record=item.count,
+                )
             if item.truncated:
                 raise _bad(directory, f"records file ends in a truncated line (after {item.count} records)")
             if item.count != manifest["record_count"]:
@@ -204,8 +210,9 @@ def read_checkpoint(
         owned = (owner_name, key)
         if owned in seen:
             owner = "" if owned[0] is None else f" of plugin {owned[0]!r}"
-            raise _bad(directory, f"record {number} repeats episode {key}{owner}: a capture key appears twice",
-                       episode=key)
+            raise _bad(
+                directory, f"record {number} repeats episode {key}{owner}: a capture key appears twice", episode=key
+            )
         seen.add(owned)
         if wanted is not None and key not in wanted:
             continue

@@ -167,8 +167,16 @@ def read_leases(path: Location) -> list[Lease]:
         holder = name[: -len(".json")]
         try:
             data = orjson.loads(read_small(path / LEASE_DIR / name, path / LEASE_DIR, name, MAX_MANIFEST_BYTES))
-            leases.append(Lease(str(data["operation"]), data.get("checkpoint_id"), holder, data.get("host"),
-                                data.get("pid"), float(data["expires_at"])))
+            leases.append(
+                Lease(
+                    str(data["operation"]),
+                    data.get("checkpoint_id"),
+                    holder,
+                    data.get("host"),
+                    data.get("pid"),
+                    float(data["expires_at"]),
+                )
+            )
         except (InvalidCheckpointState, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             leases.append(Lease("?", None, holder, None, None, None, problem=str(exc).splitlines()[0][:200]))
     return leases
@@ -198,10 +206,16 @@ def checkpoints(root: str | Path | Location, candidates: Callable[[str], bool] |
     return sorted(found, key=lambda c: c.order)
 
 
-def plan_retention(root: str | Path | Location, keep: int, *, now: float | None = None,
-                   candidates: Callable[[str], bool] | None = None,
-                   belongs: Callable[[Checkpoint], bool] | None = None, unpublished_failed: bool = False,
-                   in_use: Collection[str] = ()) -> RetentionPlan:
+def plan_retention(
+    root: str | Path | Location,
+    keep: int,
+    *,
+    now: float | None = None,
+    candidates: Callable[[str], bool] | None = None,
+    belongs: Callable[[Checkpoint], bool] | None = None,
+    unpublished_failed: bool = False,
+    in_use: Collection[str] = (),
+) -> RetentionPlan:
     """Apply the rule of the module docstring to ``root`` (only the checkpoints ``candidates`` accepts).
 
     ``in_use`` holds the paths (``str``) of checkpoints in use; ``belongs`` and ``unpublished_failed``
@@ -265,8 +279,9 @@ def _remove(where: Location, *, tree: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def hold_lease(checkpoint_dir: str | Path | Location, operation: str, checkpoint_id: str,
-               deadline_ts: float) -> Iterator[Lease]:
+def hold_lease(
+    checkpoint_dir: str | Path | Location, operation: str, checkpoint_id: str, deadline_ts: float
+) -> Iterator[Lease]:
     """Hold a lease on ``checkpoint_dir`` while a commit into it or a restore from it runs.
 
     Expires at ``deadline_ts`` plus a margin, so a controller that dies leaves no lease that
@@ -279,8 +294,17 @@ def hold_lease(checkpoint_dir: str | Path | Location, operation: str, checkpoint
     holder = uuid.uuid4().hex
     lease = Lease(operation, checkpoint_id, holder, socket.gethostname(), os.getpid(), deadline_ts + LEASE_MARGIN)
     path = where / LEASE_DIR / f"{holder}.json"
-    body = orjson.dumps({"schema_version": 1, "operation": operation, "checkpoint_id": checkpoint_id,
-                         "holder": holder, "host": lease.host, "pid": lease.pid, "expires_at": lease.expires_at})
+    body = orjson.dumps(
+        {
+            "schema_version": 1,
+            "operation": operation,
+            "checkpoint_id": checkpoint_id,
+            "holder": holder,
+            "host": lease.host,
+            "pid": lease.pid,
+            "expires_at": lease.expires_at,
+        }
+    )
     written = _write_lease(path, body)
     try:
         yield lease

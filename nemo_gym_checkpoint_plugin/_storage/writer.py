@@ -83,7 +83,12 @@ class CheckpointWriter:
     _durable = True
 
     def __init__(
-        self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str, *,
+        self,
+        checkpoint_dir: str | Path,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
@@ -167,8 +172,9 @@ class CheckpointWriter:
         except OSError as exc:
             raise write_failed(exc, self.directory, "cannot hold checkpoint state") from None
         if not self.directory.is_dir():
-            raise WriteFailed(f"{self.directory} cannot hold checkpoint state: not a directory",
-                              path=str(self.directory))
+            raise WriteFailed(
+                f"{self.directory} cannot hold checkpoint state: not a directory", path=str(self.directory)
+            )
         return top
 
     def _existing_manifest(self) -> dict | None:
@@ -221,7 +227,8 @@ class CheckpointWriter:
                         key = _episode_key(record)
                         raise InvalidCheckpointState(
                             f"record of episode {key} is {len(line)} bytes encoded, more than max_record_bytes "
-                            f"({limit})", episode=key,
+                            f"({limit})",
+                            episode=key,
                         )
                     sink.write(line)
                     count += 1

@@ -51,10 +51,14 @@ __all__ = ["build_parser", "main"]
 USAGE_ERROR = 2
 DEFAULT_WATCH = 2.0
 
-TOKEN_HELP = (f"the control token, first match wins: --token-file or --token-env (explicit), else the "
-              f"config's checkpoint.control_auth_token_env, else {TOKEN_ENV}; the token is never printed")
-EPILOG = (f"deployment: --config or --url, else the Gym config ${CONFIG_ENV} names. {TOKEN_HELP}. "
-          "exit status: 0 ok, 1 a server failed or a checkpoint does not verify, 2 usage, 3 prepare not ready")
+TOKEN_HELP = (
+    f"the control token, first match wins: --token-file or --token-env (explicit), else the "
+    f"config's checkpoint.control_auth_token_env, else {TOKEN_ENV}; the token is never printed"
+)
+EPILOG = (
+    f"deployment: --config or --url, else the Gym config ${CONFIG_ENV} names. {TOKEN_HELP}. "
+    "exit status: 0 ok, 1 a server failed or a checkpoint does not verify, 2 usage, 3 prepare not ready"
+)
 
 
 def _positive(value: str) -> float:
@@ -89,24 +93,44 @@ def _version() -> str:
 def _common(json_only: bool = False) -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: the subcommand's --json must not reset a --json given before the subcommand.
-    parent.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print one JSON document on stdout, errors included (for scripts)")
+    parent.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print one JSON document on stdout, errors included (for scripts)",
+    )
     if json_only:
         return parent
     where = parent.add_argument_group("deployment", f"{TOKEN_HELP}.")
-    where.add_argument("--config", metavar="GYM_YAML",
-                       help=f"the Gym config: top-level server blocks with host/port (default: ${CONFIG_ENV})")
-    where.add_argument("--url", action="append", metavar="URL",
-                       help="a server's base URL, e.g. http://127.0.0.1:8001 (repeatable; instead of --config)")
+    where.add_argument(
+        "--config",
+        metavar="GYM_YAML",
+        help=f"the Gym config: top-level server blocks with host/port (default: ${CONFIG_ENV})",
+    )
+    where.add_argument(
+        "--url",
+        action="append",
+        metavar="URL",
+        help="a server's base URL, e.g. http://127.0.0.1:8001 (repeatable; instead of --config)",
+    )
     token = where.add_mutually_exclusive_group()
     token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
     token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
-    where.add_argument("--probe-timeout", type=_positive, default=2.0, metavar="S",
-                       help="seconds to wait for each status probe (default 2)")
+    where.add_argument(
+        "--probe-timeout",
+        type=_positive,
+        default=2.0,
+        metavar="S",
+        help="seconds to wait for each status probe (default 2)",
+    )
     where.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
-    where.add_argument("--owner", type=_owner_id, metavar="ID",
-                       help="the owner id this CLI drives the deployment as (default cli-<user>@<host>); a "
-                            "deployment another controller owns refuses every command but status, naming it")
+    where.add_argument(
+        "--owner",
+        type=_owner_id,
+        metavar="ID",
+        help="the owner id this CLI drives the deployment as (default cli-<user>@<host>); a "
+        "deployment another controller owns refuses every command but status, naming it",
+    )
     # Seconds between "still waiting" lines when stderr is not a terminal (hidden: for tests and logs).
     where.add_argument("--progress-every", type=_positive, default=10.0, help=argparse.SUPPRESS)
     return parent
@@ -115,14 +139,20 @@ def _common(json_only: bool = False) -> argparse.ArgumentParser:
 def _operation(sub: argparse._SubParsersAction, name: str, help_text: str, parents: list) -> argparse.ArgumentParser:
     parser = sub.add_parser(name, help=help_text, description=help_text, parents=parents, epilog=EPILOG)
     parser.add_argument("checkpoint_id", help="the operation's checkpoint id")
-    parser.add_argument("--deadline", type=_positive, default=DEFAULT_TIMEOUT, metavar="S",
-                        help=f"seconds from now the participants have to finish (default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument(
+        "--deadline",
+        type=_positive,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help=f"seconds from now the participants have to finish (default {DEFAULT_TIMEOUT:g})",
+    )
     return parser
 
 
 def _scope_args(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--episode", action="append", metavar="KEY",
-                        help=f"{what}: a capture key (r or r-aN), repeatable")
+    parser.add_argument(
+        "--episode", action="append", metavar="KEY", help=f"{what}: a capture key (r or r-aN), repeatable"
+    )
     parser.add_argument("--episodes-file", metavar="FILE", help="capture keys, one per line")
 
 
@@ -133,21 +163,38 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    parser.add_argument("--json", action="store_true", default=False,
-                        help="print one JSON document on stdout, errors included (also accepted after COMMAND)")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=False,
+        help="print one JSON document on stdout, errors included (also accepted after COMMAND)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     live = [_common()]
-    status = sub.add_parser("status", parents=live, epilog=EPILOG,
-                            help="every participant's kind, phase, checkpoint, lease and notes",
-                            description="Probe every server and show each participant's kind, phase, checkpoint "
-                                        "id, lease, blockers, restarts and retired rollouts (--json: everything).")
-    status.add_argument("--watch", nargs="?", type=_positive, const=DEFAULT_WATCH, metavar="SECONDS",
-                        help=f"refresh every SECONDS (default {DEFAULT_WATCH:g}) until Ctrl-C")
+    status = sub.add_parser(
+        "status",
+        parents=live,
+        epilog=EPILOG,
+        help="every participant's kind, phase, checkpoint, lease and notes",
+        description="Probe every server and show each participant's kind, phase, checkpoint "
+        "id, lease, blockers, restarts and retired rollouts (--json: everything).",
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=_positive,
+        const=DEFAULT_WATCH,
+        metavar="SECONDS",
+        help=f"refresh every SECONDS (default {DEFAULT_WATCH:g}) until Ctrl-C",
+    )
     # Stop a watch after N refreshes (hidden: for tests and scripts that want a bounded watch).
     status.add_argument("--count", type=_count, help=argparse.SUPPRESS)
     prepare = _operation(sub, "prepare", "close admission stage by stage and wait for readiness", live)
-    prepare.add_argument("--take-over", action="store_true",
-                         help="take the deployment over from the controller that owns it, fencing it for good")
+    prepare.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the deployment over from the controller that owns it, fencing it for good",
+    )
     commit = _operation(sub, "commit", "write every participant's state into a checkpoint directory", live)
     commit.add_argument("--dir", required=True, help="the checkpoint directory (shared by every participant)")
     _scope_args(commit, "the commit scope")
@@ -158,8 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("--dir", required=True, help="the checkpoint directory to restore from")
     _scope_args(restore, "a checkpointed attempt to restore (the checkpoint must hold it)")
     restore.add_argument("--all", action="store_true", help="scope: every episode the checkpoint holds")
-    restore.add_argument("--take-over", action="store_true",
-                         help="take the deployment over from the controller that owns it, fencing it for good")
+    restore.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the deployment over from the controller that owns it, fencing it for good",
+    )
     retire = _operation(sub, "retire", "retire episode attempts everywhere", live)
     _scope_args(retire, "an attempt to retire")
     forget = _operation(sub, "forget", "remove retired marks of rollouts everywhere", live)
@@ -167,28 +217,48 @@ def build_parser() -> argparse.ArgumentParser:
     _operation(sub, "renew", "extend every participant's lease", live)
 
     offline = [_common(json_only=True)]
-    inspect = sub.add_parser("inspect", parents=offline, help="list a checkpoint directory's participants",
-                             description="Show each participant of a checkpoint directory: kind, instance, "
-                                         "checkpoint id, record count, records size and digest (no server needed).")
+    inspect = sub.add_parser(
+        "inspect",
+        parents=offline,
+        help="list a checkpoint directory's participants",
+        description="Show each participant of a checkpoint directory: kind, instance, "
+        "checkpoint id, record count, records size and digest (no server needed).",
+    )
     inspect.add_argument("dir", help="the checkpoint directory")
     inspect.add_argument("--episodes", action="store_true", help="also list every record's capture key")
-    verify = sub.add_parser("verify", parents=offline, help="check every manifest and digest offline",
-                            description="Verify every participant of a checkpoint directory: manifest fields, "
-                                        "records file inside the participant directory, digest, count, records. "
-                                        "Exit 0 only when all verify.")
+    verify = sub.add_parser(
+        "verify",
+        parents=offline,
+        help="check every manifest and digest offline",
+        description="Verify every participant of a checkpoint directory: manifest fields, "
+        "records file inside the participant directory, digest, count, records. "
+        "Exit 0 only when all verify.",
+    )
     verify.add_argument("dir", help="the checkpoint directory")
 
-    enable = sub.add_parser("enable", parents=offline, help="checkpoint a Gym config and ready it for ng_run",
-                            description="Write GYM_YAML checkpointed (every server wrapped, host and port pinned, "
-                                        "the checkpoint: block on, skip_venv_if_present) and make every server's "
-                                        "venv, where Gym's launcher (ng_run) runs it, import the plugin. Run it "
-                                        "from the directory ng_run will run from.")
+    enable = sub.add_parser(
+        "enable",
+        parents=offline,
+        help="checkpoint a Gym config and ready it for ng_run",
+        description="Write GYM_YAML checkpointed (every server wrapped, host and port pinned, "
+        "the checkpoint: block on, skip_venv_if_present) and make every server's "
+        "venv, where Gym's launcher (ng_run) runs it, import the plugin. Run it "
+        "from the directory ng_run will run from.",
+    )
     enable.add_argument("config", metavar="GYM_YAML", help="your Gym config")
-    enable.add_argument("-o", "--output", metavar="OUT",
-                        help="where to write the checkpointed config (default: GYM_YAML's name + .checkpointed.yaml; "
-                             "nothing is written when GYM_YAML already is one)")
-    enable.add_argument("--token-env", default=TOKEN_ENV, metavar="VAR",
-                        help=f"the token's variable, when the config names none (default {TOKEN_ENV})")
+    enable.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="where to write the checkpointed config (default: GYM_YAML's name + .checkpointed.yaml; "
+        "nothing is written when GYM_YAML already is one)",
+    )
+    enable.add_argument(
+        "--token-env",
+        default=TOKEN_ENV,
+        metavar="VAR",
+        help=f"the token's variable, when the config names none (default {TOKEN_ENV})",
+    )
 
     add_collect_parser(sub, offline[0], _positive, _count)
     add_gc_parser(sub, offline[0], _count)
@@ -214,11 +284,25 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"dir": args.dir, "participants": [c.to_json() for c in checks]})
     else:
-        rows = [[c.kind, c.instance, c.manifest.get("checkpoint_id"), c.manifest.get("record_count"),
-                 c.records_bytes, (c.manifest.get("records_sha256") or "")[:12] or None,
-                 "ok" if c.ok else f"BAD: {c.problem}"] for c in checks]
-        print(table(["KIND", "INSTANCE", "CHECKPOINT", "RECORDS", "BYTES", "SHA256", "STATE"], rows,
-                    wrap=("INSTANCE", "CHECKPOINT", "STATE")))
+        rows = [
+            [
+                c.kind,
+                c.instance,
+                c.manifest.get("checkpoint_id"),
+                c.manifest.get("record_count"),
+                c.records_bytes,
+                (c.manifest.get("records_sha256") or "")[:12] or None,
+                "ok" if c.ok else f"BAD: {c.problem}",
+            ]
+            for c in checks
+        ]
+        print(
+            table(
+                ["KIND", "INSTANCE", "CHECKPOINT", "RECORDS", "BYTES", "SHA256", "STATE"],
+                rows,
+                wrap=("INSTANCE", "CHECKPOINT", "STATE"),
+            )
+        )
         for check in checks:
             if check.episodes is not None:
                 print(f"{check.name}: {' '.join(check.episodes) or '(no records)'}")
@@ -266,11 +350,18 @@ def _enable(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     what = f"wrote {done['written']}" if done["written"] else f"{done['config']} is already checkpointed"
     print(f"{what}; {len(done['servers'])} server environment(s) import the plugin:")
-    print(table(["NAME", "VENV", "DONE"], [[s["name"], s["venv"], s["action"]] for s in done["servers"]],
-                wrap=("VENV", "DONE")))
-    print(f"start it (from {done['cwd']}):\n  export {done['token_env']}=\"$(python -c 'import secrets; "
-          f"print(secrets.token_urlsafe(32))')\"\n  {done['ng_run']}\n"
-          f"then drive it:\n  export NG_CHECKPOINT_CONFIG={Path(done['config']).resolve()}\n  ng-checkpoint status")
+    print(
+        table(
+            ["NAME", "VENV", "DONE"],
+            [[s["name"], s["venv"], s["action"]] for s in done["servers"]],
+            wrap=("VENV", "DONE"),
+        )
+    )
+    print(
+        f"start it (from {done['cwd']}):\n  export {done['token_env']}=\"$(python -c 'import secrets; "
+        f"print(secrets.token_urlsafe(32))')\"\n  {done['ng_run']}\n"
+        f"then drive it:\n  export NG_CHECKPOINT_CONFIG={Path(done['config']).resolve()}\n  ng-checkpoint status"
+    )
     return 0
 
 
@@ -297,8 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except InvalidCheckpointState as exc:
         # The store itself failed (its filesystem is not installed, a listing refused): named, never a traceback.
-        print_error(args.command, exc.detail, as_json=args.json, code="checkpoint_unreadable",
-                    dir=getattr(args, "dir", None))
+        print_error(
+            args.command, exc.detail, as_json=args.json, code="checkpoint_unreadable", dir=getattr(args, "dir", None)
+        )
         return 1
     except (FileNotFoundError, NotADirectoryError) as exc:
         # find_participants: a directory without gym/ is not a checkpoint directory.

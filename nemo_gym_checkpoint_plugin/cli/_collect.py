@@ -55,46 +55,89 @@ DEFAULT_EVERY = 60.0
 DEFAULT_KEEP = 2
 
 
-def add_collect_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentParser,
-                       positive: Callable[[str], float], count: Callable[[str], int]) -> None:
+def add_collect_parser(
+    sub: argparse._SubParsersAction,
+    common: argparse.ArgumentParser,
+    positive: Callable[[str], float],
+    count: Callable[[str], int],
+) -> None:
     parser = sub.add_parser(
-        "collect", parents=[common], help="run Gym's rollout collection, checkpointing the rows in flight",
+        "collect",
+        parents=[common],
+        help="run Gym's rollout collection, checkpointing the rows in flight",
         description="Run Gym's own rollout collection (the configuration ng_collect_rollouts takes, as Gym's "
-                    "+key=value overrides) and checkpoint the deployment while rows are in flight; --resume "
-                    "continues after a crash of the deployment and the collector.",
+        "+key=value overrides) and checkpoint the deployment while rows are in flight; --resume "
+        "continues after a crash of the deployment and the collector.",
         epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
-               "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
-               "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
-               "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage, or the "
-               "deployment holds retired marks this collection did not make (named, with the forget command)",
+        "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
+        "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
+        "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage, or the "
+        "deployment holds retired marks this collection did not make (named, with the forget command)",
     )
-    parser.add_argument("--checkpoint-dir", required=True, metavar="DIR",
-                        help="absolute directory holding the checkpoints (its parent must exist), or an "
-                             "object-store URL (s3://bucket/run; the servers need checkpoint.storage.backend: fsspec)")
-    parser.add_argument("--checkpoint-every", type=positive, default=DEFAULT_EVERY, metavar="SECONDS",
-                        help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})")
-    parser.add_argument("--keep", type=count, default=DEFAULT_KEEP, metavar="K",
-                        help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
-                             "after a newer one is published, and only this collection's")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
-                             "the last published checkpoint continue as their next attempt")
-    parser.add_argument("--allow-shared-root", action="store_true",
-                        help="use a --checkpoint-dir other users can write (refused without it: they could "
-                             "redirect or forge checkpoints), with a warning")
-    parser.add_argument("--take-over", action="store_true",
-                        help="take the deployment over from the controller that owns it (it is fenced for good); "
-                             "without it, a deployment another controller owns is refused, naming it")
-    parser.add_argument("--checkpoint-timeout", type=positive, default=60.0, metavar="S",
-                        help="seconds each prepare, commit and restore may take (default 60)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        required=True,
+        metavar="DIR",
+        help="absolute directory holding the checkpoints (its parent must exist), or an "
+        "object-store URL (s3://bucket/run; the servers need checkpoint.storage.backend: fsspec)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive,
+        default=DEFAULT_EVERY,
+        metavar="SECONDS",
+        help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})",
+    )
+    parser.add_argument(
+        "--keep",
+        type=count,
+        default=DEFAULT_KEEP,
+        metavar="K",
+        help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
+        "after a newer one is published, and only this collection's",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
+        "the last published checkpoint continue as their next attempt",
+    )
+    parser.add_argument(
+        "--allow-shared-root",
+        action="store_true",
+        help="use a --checkpoint-dir other users can write (refused without it: they could "
+        "redirect or forge checkpoints), with a warning",
+    )
+    parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the deployment over from the controller that owns it (it is fenced for good); "
+        "without it, a deployment another controller owns is refused, naming it",
+    )
+    parser.add_argument(
+        "--checkpoint-timeout",
+        type=positive,
+        default=60.0,
+        metavar="S",
+        help="seconds each prepare, commit and restore may take (default 60)",
+    )
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
     token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
-    parser.add_argument("--probe-timeout", type=positive, default=2.0, metavar="S",
-                        help="seconds to wait for each status probe (default 2)")
+    parser.add_argument(
+        "--probe-timeout",
+        type=positive,
+        default=2.0,
+        metavar="S",
+        help="seconds to wait for each status probe (default 2)",
+    )
     parser.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
-    parser.add_argument("gym_overrides", nargs=argparse.REMAINDER, metavar="+KEY=VALUE",
-                        help="ng_collect_rollouts' configuration (Gym's overrides)")
+    parser.add_argument(
+        "gym_overrides",
+        nargs=argparse.REMAINDER,
+        metavar="+KEY=VALUE",
+        help="ng_collect_rollouts' configuration (Gym's overrides)",
+    )
 
 
 def check_checkpoint_dir(raw: str) -> Path | ObjectPath:
@@ -114,8 +157,10 @@ def check_checkpoint_dir(raw: str) -> Path | ObjectPath:
         return where
     path = Path(raw)
     if not path.is_absolute():
-        raise UsageError(f"--checkpoint-dir {raw} is relative; give an absolute path (every server writes "
-                         "into it, from its own working directory)")
+        raise UsageError(
+            f"--checkpoint-dir {raw} is relative; give an absolute path (every server writes "
+            "into it, from its own working directory)"
+        )
     if path.exists():
         if not path.is_dir():
             raise UsageError(f"--checkpoint-dir {raw} exists and is not a directory")
@@ -159,8 +204,10 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     notes: list[str] = []
     if isinstance(root, ObjectPath):
         # No flock and no file owner on an object store: the owner lease alone keeps one controller per deployment.
-        notes.append(f"{root} is an object store: no directory lock there (one collection per checkpoint "
-                     "directory is not enforced); the deployment's owner lease still refuses a second controller")
+        notes.append(
+            f"{root} is an object store: no directory lock there (one collection per checkpoint "
+            "directory is not enforced); the deployment's owner lease still refuses a second controller"
+        )
     else:
         _trusted(root, args.allow_shared_root, notes.append)
     overrides = [o for o in args.gym_overrides if o != "--"]
@@ -173,8 +220,10 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     store = CheckpointStore(root, collection=output)
     if isinstance(root, ObjectPath):
         if not args.resume and store.published():
-            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
-                             "to continue it, or choose another directory")
+            raise UsageError(
+                f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                "to continue it, or choose another directory"
+            )
         return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, None))
     lock = _lock(root, store, output)
     # Again once it exists: another user may have made it first, where the parent let them.
@@ -182,19 +231,22 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     try:
         previous = lock.acquire()
     except DirectoryLocked as exc:
-        raise UsageError(f"--checkpoint-dir {root} is in use: {exc}; one collection per checkpoint directory "
-                         "(wait for it to end, or choose another directory)") from None
+        raise UsageError(
+            f"--checkpoint-dir {root} is in use: {exc}; one collection per checkpoint directory "
+            "(wait for it to end, or choose another directory)"
+        ) from None
     except OSError as exc:
-        raise UsageError(f"--checkpoint-dir {root}: cannot take its lock {lock.path} "
-                         f"({exc.strerror or exc})") from None
+        raise UsageError(f"--checkpoint-dir {root}: cannot take its lock {lock.path} ({exc.strerror or exc})") from None
     try:
         if previous is not None:
             # A dead collector's lock: its unpublished attempts are this collection's to remove too.
             store.runs.add(previous.run)
             notes.append(f"took over {lock.path} from a {previous.describe()}, which is gone")
         if not args.resume and store.published():
-            raise UsageError(f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
-                             "to continue it, or choose another directory")
+            raise UsageError(
+                f"--checkpoint-dir {root} holds checkpoints of an earlier collection; pass --resume "
+                "to continue it, or choose another directory"
+            )
         predecessor = previous.owner if previous is not None else None
         return asyncio.run(_collect(args, root, store, plain, token, collection, observe, notes, predecessor))
     finally:
@@ -207,12 +259,16 @@ def _trusted(root: Path, allowed: bool, warn: Callable[[str], None]) -> None:
     if problem is None:
         return
     if not allowed:
-        raise UsageError(f"--checkpoint-dir {root} is not safe: {problem}; another user could redirect the next "
-                         "checkpoint or plant a forged one there. Choose a directory only you can write, or pass "
-                         "--allow-shared-root to use it anyway")
-    warn(f"warning: --checkpoint-dir {root} is shared ({problem}); going on (--allow-shared-root): "
-         "checkpoint directories are created exclusively, never through a link, and only checkpoints this "
-         "user wrote are resumed")
+        raise UsageError(
+            f"--checkpoint-dir {root} is not safe: {problem}; another user could redirect the next "
+            "checkpoint or plant a forged one there. Choose a directory only you can write, or pass "
+            "--allow-shared-root to use it anyway"
+        )
+    warn(
+        f"warning: --checkpoint-dir {root} is shared ({problem}); going on (--allow-shared-root): "
+        "checkpoint directories are created exclusively, never through a link, and only checkpoints this "
+        "user wrote are resumed"
+    )
 
 
 def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
@@ -226,9 +282,17 @@ def _lock(root: Path, store: CheckpointStore, output: str) -> CollectionLock:
     return CollectionLock(root, collector_owner(store.run), store.run, output)
 
 
-async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: CheckpointStore, plain: dict[str, Any],
-                   token: str, collection: Any, observe: Callable[[str, dict[str, Any]], Any] | None,
-                   notes: list[str], predecessor: str | None) -> int:
+async def _collect(
+    args: argparse.Namespace,
+    root: Path | ObjectPath,
+    store: CheckpointStore,
+    plain: dict[str, Any],
+    token: str,
+    collection: Any,
+    observe: Callable[[str, dict[str, Any]], Any] | None,
+    notes: list[str],
+    predecessor: str | None,
+) -> int:
     from ..coordination import discover
     from ..coordination._checkpointer import CollectionCheckpointer, RestorePlan
     from ..coordination._collection import CheckpointingCollectionHelper
@@ -242,31 +306,41 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
         return 1
     async with coordinator:
-        identity = deployment_identity(coordinator.participants, collection.output_jsonl_fpath,
-                                       getattr(collection, "input_jsonl_fpath", None))
-        state, fallbacks = (store.latest() if args.resume else (None, []))
+        identity = deployment_identity(
+            coordinator.participants, collection.output_jsonl_fpath, getattr(collection, "input_jsonl_fpath", None)
+        )
+        state, fallbacks = store.latest() if args.resume else (None, [])
         if state is not None and (why := identity_mismatch(state.deployment, identity)):
             raise UsageError(f"--checkpoint-dir {root} holds checkpoints of another deployment: {why}")
         owner = collector_owner(store.run)
         try:
             # One controller per deployment, before anything is restored or dispatched (_collect_owner.py).
-            await take_deployment(coordinator, owner, take_over=args.take_over, predecessor=predecessor,
-                                  say=progress.say, timeout=args.checkpoint_timeout)
+            await take_deployment(
+                coordinator,
+                owner,
+                take_over=args.take_over,
+                predecessor=predecessor,
+                say=progress.say,
+                timeout=args.checkpoint_timeout,
+            )
             # A dead collector's checkpoint still open on live servers would park every row until its lease ends.
             await resume_left_open(coordinator, progress.say, args.checkpoint_timeout)
             # Marks this collection did not make would refuse its rows: refused before anything is marked.
             finished = finished_rollouts(Path(collection.output_jsonl_fpath)) if state is not None else set()
             next_attempts = {row.rollout_id: row.attempt + 1 for row in state.rows} if state is not None else {}
-            leftovers = await leftover_marks(coordinator, args.checkpoint_timeout, resume=args.resume,
-                                             next_attempts=next_attempts, finished=finished)
+            leftovers = await leftover_marks(
+                coordinator, args.checkpoint_timeout, resume=args.resume, next_attempts=next_attempts, finished=finished
+            )
         except CoordinationError as exc:
             print(f"ng-checkpoint collect: error: {exc}", file=sys.stderr)
             await give_back(coordinator, args.checkpoint_timeout)
             return 1
         if leftovers:
             urls = [participant.url for participant in coordinator.participants]
-            print(f"ng-checkpoint collect: error: {marks_refusal(leftovers, urls, token_arguments(args))}",
-                  file=sys.stderr)
+            print(
+                f"ng-checkpoint collect: error: {marks_refusal(leftovers, urls, token_arguments(args))}",
+                file=sys.stderr,
+            )
             await give_back(coordinator, args.checkpoint_timeout)
             return 2
         for checkpoint_id, why in fallbacks:
@@ -283,8 +357,15 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
                     await outcome
 
         checkpointer = CollectionCheckpointer(
-            coordinator, store, tracker, every=args.checkpoint_every, keep=args.keep, deployment=identity,
-            output_path=collection.output_jsonl_fpath, timeout=args.checkpoint_timeout, observe=observed,
+            coordinator,
+            store,
+            tracker,
+            every=args.checkpoint_every,
+            keep=args.keep,
+            deployment=identity,
+            output_path=collection.output_jsonl_fpath,
+            timeout=args.checkpoint_timeout,
+            observe=observed,
         )
         plan = RestorePlan()
         if state is not None:
@@ -295,20 +376,27 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
                 print(f"ng-checkpoint collect: error: resuming from {state.checkpoint_id}: {exc}", file=sys.stderr)
                 await give_back(coordinator, args.checkpoint_timeout)
                 return 1
-            helper.set_attempts(plan.attempts, restored=[f"{rollout_id}-a{plan.attempts[rollout_id]}"
-                                                         for rollout_id in plan.continued])
-            progress.say(f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
-                         f"{len(plan.restarted)} start over" + (f" (restore failed: {plan.problem})"
-                                                                if plan.problem else "")
-                         + (f"; {len(plan.retired)} restarts and uncaptured rows retired everywhere, sent as "
-                            "their next attempt" if plan.retired else ""))
+            helper.set_attempts(
+                plan.attempts, restored=[f"{rollout_id}-a{plan.attempts[rollout_id]}" for rollout_id in plan.continued]
+            )
+            progress.say(
+                f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
+                f"{len(plan.restarted)} start over"
+                + (f" (restore failed: {plan.problem})" if plan.problem else "")
+                + (
+                    f"; {len(plan.retired)} restarts and uncaptured rows retired everywhere, sent as their next attempt"
+                    if plan.retired
+                    else ""
+                )
+            )
         elif args.resume:
             progress.say("no published checkpoint to restore; Gym's resume_from_cache alone")
         plan.fallbacks = fallbacks
 
         def changed() -> None:
-            progress.update(total=helper.total, done=helper.done_before + tracker.returned,
-                            in_flight=len(tracker.in_flight))
+            progress.update(
+                total=helper.total, done=helper.done_before + tracker.returned, in_flight=len(tracker.in_flight)
+            )
 
         tracker.on_change = changed
         if progress.live:
@@ -317,8 +405,13 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         loop_task = asyncio.create_task(checkpointer.run())
         run_task = asyncio.create_task(helper.run_from_config(collection))
         # Taken over by another controller: this one stops at once, it never fights for the deployment.
-        keeper = OwnerKeeper(coordinator, owner, args.checkpoint_every, args.checkpoint_timeout,
-                             on_fenced=lambda _detail: run_task.cancel())
+        keeper = OwnerKeeper(
+            coordinator,
+            owner,
+            args.checkpoint_every,
+            args.checkpoint_timeout,
+            on_fenced=lambda _detail: run_task.cancel(),
+        )
         keeper_task = asyncio.create_task(keeper.run())
         started = time.monotonic()
         failed: BaseException | str | None = None
@@ -344,8 +437,10 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         summary = _summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started)
         print(summary_table(summary), file=sys.stderr)
         if outcome.terminal:
-            progress.say(f"{len(outcome.terminal)} rows failed for good (Gym's failures sidecar, never retried): "
-                         f"{', '.join(outcome.terminal[:20])}{' ...' if len(outcome.terminal) > 20 else ''}")
+            progress.say(
+                f"{len(outcome.terminal)} rows failed for good (Gym's failures sidecar, never retried): "
+                f"{', '.join(outcome.terminal[:20])}{' ...' if len(outcome.terminal) > 20 else ''}"
+            )
         problems = outcome.problems()
         if failed is not None:
             problems.insert(0, f"the collection failed: {failed}")
@@ -356,8 +451,9 @@ async def _collect(args: argparse.Namespace, root: Path | ObjectPath, store: Che
         return 1 if problems else 0
 
 
-def _summary(root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, outcome: Tally,
-             elapsed: float) -> dict[str, Any]:
+def _summary(
+    root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, outcome: Tally, elapsed: float
+) -> dict[str, Any]:
     published = [c for c in checkpointer.checkpoints if c.published]
     pauses = [c.paused_s for c in checkpointer.checkpoints]
     return {

@@ -42,8 +42,9 @@ class Leftovers:
         return bool(self.named or self.unnamed)
 
 
-async def leftover_marks(coordinator: Coordinator, timeout: float, *, resume: bool,
-                         next_attempts: dict[str, int], finished: Iterable[str]) -> Leftovers:
+async def leftover_marks(
+    coordinator: Coordinator, timeout: float, *, resume: bool, next_attempts: dict[str, int], finished: Iterable[str]
+) -> Leftovers:
     """The leftover marks (module docstring); ``next_attempts``: rollout -> attempt a resume sends it as."""
     statuses, _failures = await coordinator.status(timeout=timeout)
     done = set(finished) if resume else set()
@@ -74,13 +75,20 @@ def marks_refusal(leftovers: Leftovers, urls: list[str], token_args: list[str]) 
         parts.append("unnamed marks on " + ", ".join(f"{n} ({c})" for n, c in sorted(leftovers.unnamed.items())))
     where = " ".join(f"--url {shlex.quote(u)}" for u in urls) + "".join(f" {shlex.quote(a)}" for a in token_args)
     command = f"ng-checkpoint forget forget-leftover-marks {where} " + " ".join(
-        f"--rollout {shlex.quote(r)}" for r in shown)
-    rest = (" (then run collect again; ng-checkpoint status --json lists up to 100 marks per server as "
-            "retired_marks)" if len(rollouts) > len(shown) or leftovers.unnamed else "")
-    return ("the deployment holds retired marks this collection did not make (left by a restore or retire by "
-            "hand, or by a controller that stopped): " + "; ".join(parts) + ". Their rows would be refused 409 "
-            "stale_attempt; nothing was restored or dispatched. Remove them first"
-            + (f": {command}" if shown else " (ng-checkpoint forget --rollout ID ...)") + rest)
+        f"--rollout {shlex.quote(r)}" for r in shown
+    )
+    rest = (
+        " (then run collect again; ng-checkpoint status --json lists up to 100 marks per server as retired_marks)"
+        if len(rollouts) > len(shown) or leftovers.unnamed
+        else ""
+    )
+    return (
+        "the deployment holds retired marks this collection did not make (left by a restore or retire by "
+        "hand, or by a controller that stopped): " + "; ".join(parts) + ". Their rows would be refused 409 "
+        "stale_attempt; nothing was restored or dispatched. Remove them first"
+        + (f": {command}" if shown else " (ng-checkpoint forget --rollout ID ...)")
+        + rest
+    )
 
 
 def token_arguments(args: Any) -> list[str]:

@@ -34,8 +34,15 @@ logger = logging.getLogger(__name__)
 RENEW_EVERY = 60.0
 
 
-async def take_deployment(coordinator: Coordinator, owner: str, *, take_over: bool, predecessor: str | None,
-                          say: Callable[[str], None], timeout: float) -> None:
+async def take_deployment(
+    coordinator: Coordinator,
+    owner: str,
+    *,
+    take_over: bool,
+    predecessor: str | None,
+    say: Callable[[str], None],
+    timeout: float,
+) -> None:
     """Own every participant as ``owner``; ``UsageError`` naming the owner when another live controller has it."""
     try:
         await coordinator.claim(owner, timeout=timeout)
@@ -51,13 +58,17 @@ async def take_deployment(coordinator: Coordinator, owner: str, *, take_over: bo
         coordinator.owner = owner
         await give_back(coordinator, timeout)
         named = "; ".join(f"{who} ({len(owners[who])} of {len(statuses)} servers)" for who in others)
-        raise UsageError(f"the deployment is owned by another controller: {named}; one controller per deployment. "
-                         "Wait for it to end, or pass --take-over to fence it for good (only when it is gone or "
-                         "must stop)")
+        raise UsageError(
+            f"the deployment is owned by another controller: {named}; one controller per deployment. "
+            "Wait for it to end, or pass --take-over to fence it for good (only when it is gone or "
+            "must stop)"
+        )
     fenced = others + ([predecessor] if predecessor in owners else [])
-    say(f"taking the deployment over from {', '.join(fenced)} ("
+    say(
+        f"taking the deployment over from {', '.join(fenced)} ("
         + ("--take-over" if others else "the collector whose lock this one took over is gone")
-        + "): it is fenced for good")
+        + "): it is fenced for good"
+    )
     await coordinator.claim(owner, take_over=True, timeout=timeout)
 
 
@@ -72,8 +83,7 @@ async def resume_left_open(coordinator: Coordinator, say: Callable[[str], None],
         if status.get("phase") != "idle" and isinstance(checkpoint_id, str):
             left.setdefault(checkpoint_id, []).append(f"{name} {status.get('phase')}")
     for checkpoint_id, where in left.items():
-        say(f"{checkpoint_id} was left open ({', '.join(where)}): resuming it before this run restores or "
-            "dispatches")
+        say(f"{checkpoint_id} was left open ({', '.join(where)}): resuming it before this run restores or dispatches")
         await coordinator.resume(checkpoint_id, timeout=timeout)
     return list(left)
 
@@ -81,8 +91,9 @@ async def resume_left_open(coordinator: Coordinator, say: Callable[[str], None],
 class OwnerKeeper:
     """Renews the ownership every ``every`` seconds until ``stop``; ``on_fenced(detail)`` once taken over."""
 
-    def __init__(self, coordinator: Coordinator, owner: str, every: float, timeout: float,
-                 on_fenced: Callable[[str], Any]) -> None:
+    def __init__(
+        self, coordinator: Coordinator, owner: str, every: float, timeout: float, on_fenced: Callable[[str], Any]
+    ) -> None:
         self.coordinator = coordinator
         self.owner = owner
         self.every = min(every, RENEW_EVERY)

@@ -35,9 +35,14 @@ class CollectProgress:
         if not self.live:
             return
         self._progress = Progress(
-            TextColumn("collect"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("in flight {task.fields[in_flight]}  last checkpoint {task.fields[age]}"),
-            TimeElapsedColumn(), console=console(self.stream), transient=False, refresh_per_second=4,
+            TimeElapsedColumn(),
+            console=console(self.stream),
+            transient=False,
+            refresh_per_second=4,
         )
         self._task = self._progress.add_task("rows", total=self.total or None, in_flight=0, age="none")
         self._progress.start()
@@ -61,8 +66,9 @@ class CollectProgress:
         if in_flight is not None:
             self.in_flight = in_flight
         if self._progress is not None:
-            self._progress.update(self._task, total=self.total or None, completed=self.done,
-                                  in_flight=self.in_flight, age=self._age())
+            self._progress.update(
+                self._task, total=self.total or None, completed=self.done, in_flight=self.in_flight, age=self._age()
+            )
 
     def say(self, message: str) -> None:
         if self._progress is not None:
@@ -73,12 +79,15 @@ class CollectProgress:
     def checkpoint_line(self, record: Any) -> None:
         if record.published:
             self.last_checkpoint = time.monotonic()
-            self.say(f"checkpoint {record.checkpoint_id}: {record.continued} rows continued, {record.restarts} "
-                     f"restarts; paused the deployment {record.paused_s:.2f}s (prepare {record.prepare_s:.2f}s, "
-                     f"commit {record.commit_s:.2f}s)")
+            self.say(
+                f"checkpoint {record.checkpoint_id}: {record.continued} rows continued, {record.restarts} "
+                f"restarts; paused the deployment {record.paused_s:.2f}s (prepare {record.prepare_s:.2f}s, "
+                f"commit {record.commit_s:.2f}s)"
+            )
         else:
-            self.say(f"checkpoint {record.checkpoint_id} not published ({record.problem}); paused "
-                     f"{record.paused_s:.2f}s")
+            self.say(
+                f"checkpoint {record.checkpoint_id} not published ({record.problem}); paused {record.paused_s:.2f}s"
+            )
         self.update()
 
 
@@ -96,10 +105,14 @@ def summary_table(summary: dict[str, Any]) -> str:
         ["started over", summary["restarted"]],
         ["of them retired, sent as the next attempt", summary.get("retired_restarts") or None],
         ["checkpoints published", f"{summary['checkpoints']} of {summary['checkpoint_attempts']}"],
-        ["deployment paused per checkpoint", (f"mean {pauses['mean']:.2f}s, max {pauses['max']:.2f}s"
-                                              if summary["checkpoints"] else None)],
-        ["restore", f"{summary['restore_s']:.2f}s from {summary['restored_from']}" if summary["restored_from"]
-         else None],
+        [
+            "deployment paused per checkpoint",
+            (f"mean {pauses['mean']:.2f}s, max {pauses['max']:.2f}s" if summary["checkpoints"] else None),
+        ],
+        [
+            "restore",
+            f"{summary['restore_s']:.2f}s from {summary['restored_from']}" if summary["restored_from"] else None,
+        ],
         ["fallbacks", "; ".join(f"{cid}: {why}" for cid, why in summary["fallbacks"]) or None],
         ["rollouts forgotten", summary["forgotten"]],
         ["checkpoint dir", summary["checkpoint_dir"]],

@@ -49,7 +49,9 @@ def untrusted(root: Path) -> str | None:
             below = os.lstat(entry) if os.path.lexists(entry) else None
             # Sticky (like /tmp): others may add entries, but not rename or remove this user's.
             if not (sticky and (below is None or _trusted_owner(below.st_uid))):
-                return (f"{parent} (above it) is writable by {_who(info.st_mode)} (mode "
-                        f"{stat.S_IMODE(info.st_mode):04o}), so another user can replace {entry}")
+                return (
+                    f"{parent} (above it) is writable by {_who(info.st_mode)} (mode "
+                    f"{stat.S_IMODE(info.st_mode):04o}), so another user can replace {entry}"
+                )
         entry = parent
     return None

@@ -51,18 +51,25 @@ class Tally:
         """The errors, in words, naming the rows."""
         problems = []
         if self.missing:
-            problems.append(f"{len(self.missing)} of {self.rows} rows are not in the output ({_names(self.missing)}); "
-                            "--resume runs them")
+            problems.append(
+                f"{len(self.missing)} of {self.rows} rows are not in the output ({_names(self.missing)}); "
+                "--resume runs them"
+            )
         if self.duplicated:
             problems.append(f"{len(self.duplicated)} rows are in the output more than once ({_names(self.duplicated)})")
         if self.unexpected:
-            problems.append(f"{len(self.unexpected)} rows in the output are not rows of this collection "
-                            f"({_names(self.unexpected)})")
+            problems.append(
+                f"{len(self.unexpected)} rows in the output are not rows of this collection ({_names(self.unexpected)})"
+            )
         return problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"terminal_failures": self.terminal, "missing": self.missing, "duplicated": self.duplicated,
-                "unexpected": self.unexpected}
+        return {
+            "terminal_failures": self.terminal,
+            "missing": self.missing,
+            "duplicated": self.duplicated,
+            "unexpected": self.unexpected,
+        }
 
 
 def _names(ids: list[str]) -> str:
@@ -107,9 +114,13 @@ def tally(collection: Any) -> Tally:
     from nemo_gym.rollout_collection import get_max_rollout_attempts, is_terminal_failure
 
     output = Path(collection.output_jsonl_fpath)
-    expected = list(dict.fromkeys(
-        rollout for record in _records(Path(collection.materialized_jsonl_fpath))
-        if (rollout := _rollout_id(record)) is not None))
+    expected = list(
+        dict.fromkeys(
+            rollout
+            for record in _records(Path(collection.materialized_jsonl_fpath))
+            if (rollout := _rollout_id(record)) is not None
+        )
+    )
     written = Counter(rollout for record in _records(output) if (rollout := _rollout_id(record)) is not None)
     if not expected:
         # No materialized input (Gym writes it first; a run that failed before): judge the output alone.

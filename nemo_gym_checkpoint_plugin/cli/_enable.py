@@ -61,8 +61,14 @@ class ServerEnvironment:
     action: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "type": self.server_type, "implementation": self.implementation,
-                "server_dir": str(self.server_dir), "venv": str(self.venv), "action": self.action}
+        return {
+            "name": self.name,
+            "type": self.server_type,
+            "implementation": self.implementation,
+            "server_dir": str(self.server_dir),
+            "venv": str(self.venv),
+            "action": self.action,
+        }
 
 
 def _parse(path: Path) -> Any:
@@ -109,8 +115,9 @@ def _environments(parsed: Any) -> list[ServerEnvironment]:
             Path(server_type, implementation),
             validator=lambda d: (d / "requirements.txt").exists() or (d / "pyproject.toml").exists(),
         ).resolve()
-        environments.append(ServerEnvironment(name, server_type, implementation, server_dir,
-                                              get_venv_path(server_dir, parsed)))
+        environments.append(
+            ServerEnvironment(name, server_type, implementation, server_dir, get_venv_path(server_dir, parsed))
+        )
     return environments
 
 
@@ -228,8 +235,13 @@ def _imports_plugin(python: Path, cwd: Path) -> bool:
 
 def _venv_site_packages(venv_dir: Path) -> Path:
     python = venv_dir / "bin" / "python"
-    done = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return Path(done.stdout.strip())
 
 
@@ -245,11 +257,15 @@ def prepare_environment(server: ServerEnvironment) -> ServerEnvironment:
         return ServerEnvironment(**{**server.__dict__, "action": "kept (imports the plugin)"})
     lines = [f"import site; site.addsitedir({d!r})" for d in _site_dirs()]
     layer = _venv_site_packages(server.venv) / PTH_NAME
-    layer.write_text("# nemo-gym-checkpoint: this environment's packages, under the venv's own\n"
-                     + "\n".join(lines) + "\n", encoding="utf-8")
+    layer.write_text(
+        "# nemo-gym-checkpoint: this environment's packages, under the venv's own\n" + "\n".join(lines) + "\n",
+        encoding="utf-8",
+    )
     if not _imports_plugin(python, server.server_dir):
-        raise UsageError(f"{server.name}: {server.venv} still cannot import nemo_gym and the plugin after adding "
-                         f"{layer}; is ng-checkpoint running from the environment nemo-gym is installed in?")
+        raise UsageError(
+            f"{server.name}: {server.venv} still cannot import nemo_gym and the plugin after adding "
+            f"{layer}; is ng-checkpoint running from the environment nemo-gym is installed in?"
+        )
     action = "created, layered on this environment" if created else "layered on this environment"
     return ServerEnvironment(**{**server.__dict__, "action": action})
 
@@ -302,12 +318,23 @@ def run_enable(args: argparse.Namespace) -> dict[str, Any]:
         written = str(config)
     prepared = [prepare_environment(server) for server in servers]
     token_env = wanted["checkpoint"].get("control_auth_token_env")
-    warnings = [f"{name}: no port in the config, pinned to {port} (free now; ng_run needs it free at start)"
-                for name, port in sorted(chosen.items())]
+    warnings = [
+        f"{name}: no port in the config, pinned to {port} (free now; ng_run needs it free at start)"
+        for name, port in sorted(chosen.items())
+    ]
     if inline_token:
-        warnings.append(f"{config} holds checkpoint.control_auth_token: written mode 0600; Gym's head server "
-                        "serves the whole config unauthenticated, so prefer checkpoint.control_auth_token_env")
-    return {"config": str(config), "written": written, "token_env": token_env, "ports_chosen": chosen,
-            "warnings": warnings, "servers": [s.to_json() for s in prepared],
-            "ng_run": f"ng_run '+config_paths=[{config.resolve()}]'",
-            "cwd": os.getcwd(), "python": sys.executable}
+        warnings.append(
+            f"{config} holds checkpoint.control_auth_token: written mode 0600; Gym's head server "
+            "serves the whole config unauthenticated, so prefer checkpoint.control_auth_token_env"
+        )
+    return {
+        "config": str(config),
+        "written": written,
+        "token_env": token_env,
+        "ports_chosen": chosen,
+        "warnings": warnings,
+        "servers": [s.to_json() for s in prepared],
+        "ng_run": f"ng_run '+config_paths=[{config.resolve()}]'",
+        "cwd": os.getcwd(),
+        "python": sys.executable,
+    }

@@ -23,12 +23,15 @@ def token_refused(refused: Sequence[ParticipantFailure], total: int, deployment:
     names = words(sorted({f.server for f in refused}))
     who = f"every server ({total})" if len(refused) >= total else f"{len(refused)} of {total} servers ({names})"
     source = deployment.token_source if deployment is not None else "the token given"
-    return (f"the control token was refused (HTTP 401 unauthorized) by {who}: it was read from {source}, "
-            "and it is not the token the servers were started with")
+    return (
+        f"the control token was refused (HTTP 401 unauthorized) by {who}: it was read from {source}, "
+        "and it is not the token the servers were started with"
+    )
 
 
-def explain(failures: Sequence[ParticipantFailure], deployment: Deployment | None,
-            servers: int | None = None) -> tuple[list[str], list[ParticipantFailure]]:
+def explain(
+    failures: Sequence[ParticipantFailure], deployment: Deployment | None, servers: int | None = None
+) -> tuple[list[str], list[ParticipantFailure]]:
     """Lines for stderr (one per failure, one for all 401s) and the failures worth telling.
 
     ``servers`` is how many servers the command talked to (default: those that failed).

@@ -51,19 +51,25 @@ def _check_scope(args: argparse.Namespace) -> list[str] | None:
 
 
 # What a controller must do with the restored rollouts once resumed (docs/trainer.md, rule 2).
-_RESEND = ("then send each restored rollout's row again as the attempt named above, its attempt N+1 (r1-a1: "
-           "_ng_rollout_id \"r1-a1\" with the row's task fields, or {\"rollout_id\": \"r1\", \"attempt\": 1}), "
-           "never as attempt N (refused stale_attempt); see docs/trainer.md")
+_RESEND = (
+    "then send each restored rollout's row again as the attempt named above, its attempt N+1 (r1-a1: "
+    '_ng_rollout_id "r1-a1" with the row\'s task fields, or {"rollout_id": "r1", "attempt": 1}), '
+    "never as attempt N (refused stale_attempt); see docs/trainer.md"
+)
 
 
 async def _discover(args: argparse.Namespace, deployment: Deployment) -> Coordinator:
     """Probe the deployment; any server failing is one ``CoordinationError`` (a refused token folded)."""
-    coordinator = await discover(deployment.source, deployment.token, probe_timeout=args.probe_timeout,
-                                 tries=args.tries, strict=False)
+    coordinator = await discover(
+        deployment.source, deployment.token, probe_timeout=args.probe_timeout, tries=args.tries, strict=False
+    )
     if coordinator.failures:
         await coordinator.close()
-        servers = (len(coordinator.participants) + len(coordinator.non_participants)
-                   + len({f.server for f in coordinator.failures if f.url}))
+        servers = (
+            len(coordinator.participants)
+            + len(coordinator.non_participants)
+            + len({f.server for f in coordinator.failures if f.url})
+        )
         raise CoordinationError("discover", coordinator.failures, result={"servers": servers})
     return coordinator
 
@@ -91,19 +97,20 @@ def _what_next(args: argparse.Namespace, deployment: Deployment) -> str | None:
             f"  {suggest('commit', deployment, retry, '--dir', new_dir, *_commit_scope_argv(args))}"
         )
     if args.command == "prepare":
-        return (f"what to do next: participants that prepared keep admission closed until resumed:\n"
-                f"  {resume}")
+        return f"what to do next: participants that prepared keep admission closed until resumed:\n  {resume}"
     return None
 
 
 def _occupied(args: argparse.Namespace, deployment: Deployment) -> str:
     """A commit refused before anything was written: the directory holds another checkpoint, kept intact."""
     new_dir = f"{args.dir.rstrip('/')}{RETRY_SUFFIX}"
-    return (f"what to do next: nothing was written and {args.dir}'s checkpoint is untouched (ng-checkpoint "
-            f"verify {args.dir} checks it). Commit {args.checkpoint_id} into a new directory (the participants "
-            f"still hold admission closed until then, or resume):\n"
-            f"  {suggest('commit', deployment, args.checkpoint_id, '--dir', new_dir, *_commit_scope_argv(args))}\n"
-            f"  {suggest('resume', deployment, args.checkpoint_id)}")
+    return (
+        f"what to do next: nothing was written and {args.dir}'s checkpoint is untouched (ng-checkpoint "
+        f"verify {args.dir} checks it). Commit {args.checkpoint_id} into a new directory (the participants "
+        f"still hold admission closed until then, or resume):\n"
+        f"  {suggest('commit', deployment, args.checkpoint_id, '--dir', new_dir, *_commit_scope_argv(args))}\n"
+        f"  {suggest('resume', deployment, args.checkpoint_id)}"
+    )
 
 
 def _owned_elsewhere(exc: CoordinationError, args: argparse.Namespace, deployment: Deployment) -> str | None:
@@ -113,25 +120,33 @@ def _owned_elsewhere(exc: CoordinationError, args: argparse.Namespace, deploymen
         return None
     holder = re.search(r"owned by (\S+) until ([0-9-]+ [0-9:]+)", refused[0].detail)
     who = f"{holder[1]}, until {holder[2]}" if holder else refused[0].detail
-    text = (f"the deployment is owned by another controller ({who}); {args.command} was refused on "
-            f"{len(refused)} server(s) and changed nothing there.")
+    text = (
+        f"the deployment is owned by another controller ({who}); {args.command} was refused on "
+        f"{len(refused)} server(s) and changed nothing there."
+    )
     if args.command in ("prepare", "restore"):
         argv = [args.checkpoint_id, *(["--dir", args.dir] if args.command == "restore" else [])]
-        return (f"{text} To take it over (the owner is fenced for good: only do this when it is gone or must "
-                f"stop):\n  {suggest(args.command, deployment, *argv, '--take-over')}")
+        return (
+            f"{text} To take it over (the owner is fenced for good: only do this when it is gone or must "
+            f"stop):\n  {suggest(args.command, deployment, *argv, '--take-over')}"
+        )
     return f"{text} Wait for it to end, or take it over with prepare --take-over or restore --take-over."
 
 
-async def _operate(args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator,
-                   scope: list[str] | None) -> int:
+async def _operate(
+    args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator, scope: list[str] | None
+) -> int:
     """Run the operation with its progress shown, then print the summary (after the live line is gone)."""
     command, checkpoint_id = args.command, args.checkpoint_id
     deadline_ts = time.time() + args.deadline
     display = None
     if not args.json:
         display = ProgressDisplay(command, checkpoint_id, coordinator, deadline_ts, every=args.progress_every)
-        print(f"{command} {checkpoint_id} on {len(coordinator.participants)} participant(s), "
-              f"deadline in {args.deadline:g}s", file=sys.stderr)
+        print(
+            f"{command} {checkpoint_id} on {len(coordinator.participants)} participant(s), "
+            f"deadline in {args.deadline:g}s",
+            file=sys.stderr,
+        )
     async with showing_progress(display, coordinator):
         code, payload, text = await _call(args, deployment, coordinator, scope, deadline_ts)
     if args.json:
@@ -141,8 +156,13 @@ async def _operate(args: argparse.Namespace, deployment: Deployment, coordinator
     return code
 
 
-async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: Coordinator,
-                scope: list[str] | None, deadline_ts: float) -> tuple[int, Any, str]:
+async def _call(
+    args: argparse.Namespace,
+    deployment: Deployment,
+    coordinator: Coordinator,
+    scope: list[str] | None,
+    deadline_ts: float,
+) -> tuple[int, Any, str]:
     """The operation itself: (exit status, the JSON document, the summary in words)."""
     command, checkpoint_id = args.command, args.checkpoint_id
     coordinator.owner = deployment.owner  # every call names this CLI's owner id (one controller per deployment)
@@ -151,10 +171,12 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         if result.ready:
             text = f"prepared {checkpoint_id}: ready"
         else:
-            text = (f"prepare {checkpoint_id} NOT ready: stopped at {words(result.stopped_at or [])}, "
-                    f"{result.blocker_count()} blocker(s): {words(result.blockers())}; not reached: "
-                    f"{words(result.not_reached)}. Admission stays closed until you resume:\n"
-                    f"  {suggest('resume', deployment, checkpoint_id)}")
+            text = (
+                f"prepare {checkpoint_id} NOT ready: stopped at {words(result.stopped_at or [])}, "
+                f"{result.blocker_count()} blocker(s): {words(result.blockers())}; not reached: "
+                f"{words(result.not_reached)}. Admission stays closed until you resume:\n"
+                f"  {suggest('resume', deployment, checkpoint_id)}"
+            )
         if result.restarts():
             text += f"\nrestarts (leave them out of the commit scope): {words(result.restarts(), limit=50)}"
         return (0 if result.ready else NOT_READY), result.to_json(), text
@@ -162,21 +184,30 @@ async def _call(args: argparse.Namespace, deployment: Deployment, coordinator: C
         left_out: list[str] = []
         if args.all:
             scope, left_out = await _commit_all_scope(args, coordinator)
-        result = await coordinator.commit(checkpoint_id, dir_argument(args.dir), scope,
-                                          stop=args.stop, deadline_ts=deadline_ts)
+        result = await coordinator.commit(
+            checkpoint_id, dir_argument(args.dir), scope, stop=args.stop, deadline_ts=deadline_ts
+        )
         counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
         text = f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
         if left_out:
-            text += (f"\nleft out {len(left_out)} restart(s) (they start over after a crash): "
-                     f"{words(left_out, limit=50)}")
+            text += (
+                f"\nleft out {len(left_out)} restart(s) (they start over after a crash): {words(left_out, limit=50)}"
+            )
         return 0, {**result.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
         # Each key is the replacement attempt a rollout continues as (``r1-a1``): N+1 of the attempt that crashed.
-        result = await coordinator.restore(checkpoint_id, dir_argument(args.dir), scope or [],
-                                           deadline_ts=deadline_ts, take_over=args.take_over)
-        return 0, result.to_json(), (f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
-                                     f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
-                                     f"  {suggest('resume', deployment, checkpoint_id)}\n" + _RESEND)
+        result = await coordinator.restore(
+            checkpoint_id, dir_argument(args.dir), scope or [], deadline_ts=deadline_ts, take_over=args.take_over
+        )
+        return (
+            0,
+            result.to_json(),
+            (
+                f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
+                f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
+                f"  {suggest('resume', deployment, checkpoint_id)}\n" + _RESEND
+            ),
+        )
     if command == "retire":
         replies = await coordinator.retire(checkpoint_id, scope or [], deadline_ts=deadline_ts)
         return 0, replies, f"retired {len(scope or [])} episode(s) on {len(replies)} participant(s)"
@@ -221,16 +252,27 @@ async def run_live(args: argparse.Namespace) -> int:
             servers = exc.result.get("servers")
         message = explain_error(exc, deployment, servers)
         advice = _owned_elsewhere(exc, args, deployment) if deployment else None
-        if advice is None and args.command == "commit" and isinstance(exc.result, dict) \
-                and exc.result.get("other_checkpoints") and deployment:
+        if (
+            advice is None
+            and args.command == "commit"
+            and isinstance(exc.result, dict)
+            and exc.result.get("other_checkpoints")
+            and deployment
+        ):
             advice = _occupied(args, deployment)
         if advice is None and exc.operation == args.command and deployment:
             advice = _what_next(args, deployment)
         if args.json:
             lines, shown = explain(exc.failures, deployment, servers)
-            print_error(args.command, message, as_json=True, code="coordination_failed",
-                        **{**exc.to_json(), "failures": [f.to_json() for f in shown]}, messages=lines,
-                        what_next=advice)
+            print_error(
+                args.command,
+                message,
+                as_json=True,
+                code="coordination_failed",
+                **{**exc.to_json(), "failures": [f.to_json() for f in shown]},
+                messages=lines,
+                what_next=advice,
+            )
         else:
             print(f"error: {message}", file=sys.stderr)
             if advice:

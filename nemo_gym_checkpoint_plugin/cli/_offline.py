@@ -46,10 +46,16 @@ class ParticipantCheck:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "participant": self.name, "kind": self.kind, "instance": self.instance, "ok": self.ok,
-            "problem": self.problem, "checkpoint_id": self.manifest.get("checkpoint_id"),
-            "record_count": self.manifest.get("record_count"), "records_file": self.manifest.get("records_file"),
-            "records_sha256": self.manifest.get("records_sha256"), "records_bytes": self.records_bytes,
+            "participant": self.name,
+            "kind": self.kind,
+            "instance": self.instance,
+            "ok": self.ok,
+            "problem": self.problem,
+            "checkpoint_id": self.manifest.get("checkpoint_id"),
+            "record_count": self.manifest.get("record_count"),
+            "records_file": self.manifest.get("records_file"),
+            "records_sha256": self.manifest.get("records_sha256"),
+            "records_bytes": self.records_bytes,
             "extras": sorted(k for k in self.manifest if k not in MANIFEST_FIELDS),
             **({"episodes": self.episodes} if self.episodes is not None else {}),
         }
@@ -80,8 +86,10 @@ def inspect_checkpoint(checkpoint_dir: Location, *, episodes: bool = False) -> l
             check.manifest = load_manifest(directory, kind=kind, instance=instance)
             check.records_bytes = _records_size(directory, check.manifest)
             if episodes:
-                check.episodes = [capture_key_of(decode_line(line)["episode_id"])
-                                  for line in iter_verified_lines(directory, check.manifest)]
+                check.episodes = [
+                    capture_key_of(decode_line(line)["episode_id"])
+                    for line in iter_verified_lines(directory, check.manifest)
+                ]
         except (InvalidCheckpointState, ValueError, KeyError, TypeError) as exc:
             check.ok, check.problem = False, str(exc)
         checks.append(check)
@@ -93,8 +101,11 @@ def _unreferenced(checks: list[ParticipantCheck]) -> list[str]:
     found = []
     for check in checks:
         expected = {MANIFEST_NAME, check.manifest.get("records_file")}
-        found += [f"{check.directory / name}: not referenced by any manifest (left by a crashed or aborted "
-                  "write?)" for name in names(check.directory) if name not in expected]
+        found += [
+            f"{check.directory / name}: not referenced by any manifest (left by a crashed or aborted write?)"
+            for name in names(check.directory)
+            if name not in expected
+        ]
     return found
 
 
@@ -106,20 +117,26 @@ def _check_index(checkpoint_dir: Location, checks: list[ParticipantCheck], warni
         checks.append(ParticipantCheck("(index)", INDEX_NAME, checkpoint_dir / "gym", ok=False, problem=exc.detail))
         return
     if index is None:
-        warnings.append(f"{checkpoint_dir}: no gym/{INDEX_NAME} (written by another implementation?): cannot tell "
-                        "whether a whole participant is missing")
+        warnings.append(
+            f"{checkpoint_dir}: no gym/{INDEX_NAME} (written by another implementation?): cannot tell "
+            "whether a whole participant is missing"
+        )
         return
     by_name = {(c.kind, c.instance): c for c in checks}
     for kind, instance, problem in index_problems(checkpoint_dir, index):
         check = by_name.get((kind, instance))
         if check is None:
-            checks.append(ParticipantCheck(kind, instance, checkpoint_dir / "gym" / kind / instance, ok=False,
-                                           problem=problem))
+            checks.append(
+                ParticipantCheck(kind, instance, checkpoint_dir / "gym" / kind / instance, ok=False, problem=problem)
+            )
         elif check.ok:
             check.ok, check.problem = False, problem
     listed = {(e["kind"], e["instance"]) for e in index["participants"]}
-    warnings += [f"{c.directory}: participant {c.name} is not listed in gym/{INDEX_NAME}"
-                 for c in checks if (c.kind, c.instance) not in listed and c.kind != "(index)"]
+    warnings += [
+        f"{c.directory}: participant {c.name} is not listed in gym/{INDEX_NAME}"
+        for c in checks
+        if (c.kind, c.instance) not in listed and c.kind != "(index)"
+    ]
 
 
 def verify_checkpoint(checkpoint_dir: Location, warnings: list[str] | None = None) -> list[ParticipantCheck]:

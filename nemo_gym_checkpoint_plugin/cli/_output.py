@@ -29,8 +29,9 @@ def console(stream: TextIO) -> Console:
     return Console(file=stream, width=width, highlight=False, soft_wrap=False, emoji=False, markup=False)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap: Sequence[str] = (),
-          width: int | None = None) -> str:
+def table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap: Sequence[str] = (), width: int | None = None
+) -> str:
     """A table with no borders; ``None`` shows as ``-``; only the ``wrap`` columns may wrap.
 
     Returns the text (for a terminal, styled); ``width`` defaults to stdout's console width.
@@ -42,8 +43,15 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, wrap: Sequen
         grid.add_row(*(Text("-" if cell is None else str(cell)) for cell in row))
     target = console(sys.stdout)
     buffer = io.StringIO()
-    render = Console(file=buffer, width=width or target.width, highlight=False, markup=False, emoji=False,
-                     color_system=target.color_system, force_terminal=target.is_terminal)
+    render = Console(
+        file=buffer,
+        width=width or target.width,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        color_system=target.color_system,
+        force_terminal=target.is_terminal,
+    )
     render.print(grid)
     return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines())
 

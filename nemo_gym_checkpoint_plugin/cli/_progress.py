@@ -28,8 +28,16 @@ TTY_REFRESH = 0.25
 class ProgressDisplay:
     """The reply lines and the waiting line of one coordinated operation."""
 
-    def __init__(self, operation: str, checkpoint_id: str, coordinator: Coordinator, deadline_ts: float, *,
-                 stream: TextIO | None = None, every: float = 10.0) -> None:
+    def __init__(
+        self,
+        operation: str,
+        checkpoint_id: str,
+        coordinator: Coordinator,
+        deadline_ts: float,
+        *,
+        stream: TextIO | None = None,
+        every: float = 10.0,
+    ) -> None:
         self.operation, self.checkpoint_id, self.deadline_ts = operation, checkpoint_id, deadline_ts
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
@@ -39,8 +47,11 @@ class ProgressDisplay:
         self.live_status: Any = None  # rich's Status while the live line shows
         self.started = time.monotonic()
         # Whom the operation calls, stage by stage: whom it waits for is the first stage not all replied.
-        self.stages = [staged for kinds in stages_for(coordinator.pm, operation)
-                       if (staged := [p for p in coordinator.participants if p.kind in kinds])]
+        self.stages = [
+            staged
+            for kinds in stages_for(coordinator.pm, operation)
+            if (staged := [p for p in coordinator.participants if p.kind in kinds])
+        ]
 
     def __call__(self, event: Progress) -> None:
         self.replied.add(event.participant.name)
@@ -52,8 +63,10 @@ class ProgressDisplay:
         else:
             outcome = f"FAILED {event.failure.code}"
         width = len(str(event.total))
-        line = (f"  [{event.done:>{width}}/{event.total}] {event.operation:<8} {event.participant.kind:<11} "
-                f"{event.participant.name}  {outcome}  {event.elapsed:.2f}s")
+        line = (
+            f"  [{event.done:>{width}}/{event.total}] {event.operation:<8} {event.participant.kind:<11} "
+            f"{event.participant.name}  {outcome}  {event.elapsed:.2f}s"
+        )
         if self.tty:
             if self.live_status is not None:
                 self.live_status.update(self.waiting_line() or "")  # now, not at the next refresh
@@ -76,8 +89,10 @@ class ProgressDisplay:
         waited = time.monotonic() - self.started
         left = self.deadline_ts - time.time()
         deadline = f"deadline in {left:.0f}s" if left >= 0 else f"deadline passed {-left:.0f}s ago"
-        return (f"{self.operation} {self.checkpoint_id}: waiting for {words([p.name for p in pending])} "
-                f"({waited:.0f}s, {deadline})")
+        return (
+            f"{self.operation} {self.checkpoint_id}: waiting for {words([p.name for p in pending])} "
+            f"({waited:.0f}s, {deadline})"
+        )
 
     async def run(self) -> None:
         """Until cancelled or no reply is awaited: the live line (terminal), else a line every ``every`` s."""

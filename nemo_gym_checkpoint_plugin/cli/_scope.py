@@ -88,8 +88,9 @@ def checkpoint_episodes(checkpoint_dir: Location) -> set[str]:
         try:
             manifest = load_manifest(directory, kind=kind, instance=instance)
             # Exhausting the iterator checks count and digest before the keys are trusted.
-            keys.update(capture_key_of(decode_line(line)["episode_id"])
-                        for line in iter_verified_lines(directory, manifest))
+            keys.update(
+                capture_key_of(decode_line(line)["episode_id"]) for line in iter_verified_lines(directory, manifest)
+            )
         except InvalidCheckpointState as exc:
             problems.append(f"{kind}/{instance}: {exc.detail}")
         except (ValueError, KeyError, TypeError) as exc:
@@ -141,15 +142,19 @@ def commit_all_scope(statuses: dict[str, dict[str, Any]]) -> tuple[list[str] | N
     the environment, and a commit may name episodes a participant never saw. When no
     environment lists them, the scope cannot be known: a ``UsageError`` asks for an explicit one.
     """
-    restarts = sorted({key for status in statuses.values()
-                       for key in ((status.get("report") or {}).get("restarts") or ())})
+    restarts = sorted(
+        {key for status in statuses.values() for key in ((status.get("report") or {}).get("restarts") or ())}
+    )
     if not restarts:
         return None, []
     environments = {name: status for name, status in statuses.items() if status.get("kind") == "environment"}
     silent = sorted(name for name, status in environments.items() if not isinstance(status.get("episode_keys"), list))
     if not environments or silent:
-        why = (f"environment participant(s) {', '.join(silent)} do not list their episodes" if silent
-               else "no environment participant lists the episodes in flight")
+        why = (
+            f"environment participant(s) {', '.join(silent)} do not list their episodes"
+            if silent
+            else "no environment participant lists the episodes in flight"
+        )
         raise UsageError(
             f"commit --all must leave out {len(restarts)} restart(s) ({_listing(restarts)}), but {why}: "
             "name the scope with --episode/--episodes-file (every episode to continue, without the restarts)"

@@ -66,16 +66,23 @@ def _notes(name: str, status: dict[str, Any]) -> str | None:
 
 async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict[str, Any], list[str], int]:
     """One round: the JSON document, the error lines for stderr, and the exit status."""
-    async with await discover(deployment.source, deployment.token, probe_timeout=args.probe_timeout,
-                              tries=args.tries, strict=False) as coordinator:
+    async with await discover(
+        deployment.source, deployment.token, probe_timeout=args.probe_timeout, tries=args.tries, strict=False
+    ) as coordinator:
         statuses, failed = await coordinator.status(timeout=args.probe_timeout * args.tries)
         failures: list[ParticipantFailure] = coordinator.failures + failed
-        servers = (len(coordinator.participants) + len(coordinator.non_participants)
-                   + len({f.server for f in failures if f.server != DEPLOYMENT}))
+        servers = (
+            len(coordinator.participants)
+            + len(coordinator.non_participants)
+            + len({f.server for f in failures if f.server != DEPLOYMENT})
+        )
         errors, shown = explain(failures, deployment, servers)
         document = {
-            "participants": [{"name": p.name, "url": p.url, **statuses[p.name]}
-                             for p in coordinator.participants if p.name in statuses],
+            "participants": [
+                {"name": p.name, "url": p.url, **statuses[p.name]}
+                for p in coordinator.participants
+                if p.name in statuses
+            ],
             "non_participants": [{"name": e.name, "url": e.url} for e in coordinator.non_participants],
             "failures": [f.to_json() for f in shown],  # a refused token's follow-on failure left out
         }
@@ -83,10 +90,20 @@ async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict
         for participant in coordinator.participants:
             status = statuses.get(participant.name)
             if status is not None:
-                rows.append([participant.name, status.get("kind"), status.get("phase"), status.get("checkpoint_id"),
-                             lease(status.get("lease_expires_at")), _notes(participant.name, status)])
-        rows += [[e.name, None, None, None, None, "not a participant (no checkpointing)"]
-                 for e in coordinator.non_participants]
+                rows.append(
+                    [
+                        participant.name,
+                        status.get("kind"),
+                        status.get("phase"),
+                        status.get("checkpoint_id"),
+                        lease(status.get("lease_expires_at")),
+                        _notes(participant.name, status),
+                    ]
+                )
+        rows += [
+            [e.name, None, None, None, None, "not a participant (no checkpointing)"]
+            for e in coordinator.non_participants
+        ]
         found = coordinator.participants or coordinator.non_participants
         if found or any(f.code != UNAUTHORIZED for f in shown):
             # A deployment-wide failure is no server's row; a token every server refused needs no table.

@@ -125,16 +125,21 @@ def _found_token(args: argparse.Namespace, config: dict[str, Any] | None) -> tup
         else:
             if token:
                 env = (config.get("checkpoint") or {}).get("control_auth_token_env")
-                where = (f"the variable {env} (the config's checkpoint.control_auth_token_env)"
-                         if env and os.environ.get(env) == token else "the config's checkpoint block")
+                where = (
+                    f"the variable {env} (the config's checkpoint.control_auth_token_env)"
+                    if env and os.environ.get(env) == token
+                    else "the config's checkpoint block"
+                )
                 return token, where, []
     token = os.environ.get(TOKEN_ENV, "")
     if token:
         return token, f"the variable {TOKEN_ENV}", []
     if config_problem:
         raise UsageError(f"{config_problem} (or set {TOKEN_ENV}, or pass --token-file or --token-env)")
-    raise UsageError(f"no control token: set {TOKEN_ENV}, pass --token-file PATH or --token-env VAR, "
-                     "or use a config whose checkpoint: block names the token's variable")
+    raise UsageError(
+        f"no control token: set {TOKEN_ENV}, pass --token-file PATH or --token-env VAR, "
+        "or use a config whose checkpoint: block names the token's variable"
+    )
 
 
 def resolve_deployment(args: argparse.Namespace) -> Deployment:

@@ -107,10 +107,7 @@ def _named_by_instance(participants: list[Participant]) -> list[Participant]:
     counts: dict[str, int] = {}
     for participant in participants:
         counts[participant.instance] = counts.get(participant.instance, 0) + 1
-    return [
-        replace(p, name=p.instance) if counts[p.instance] == 1 else p
-        for p in participants
-    ]
+    return [replace(p, name=p.instance) if counts[p.instance] == 1 else p for p in participants]
 
 
 async def discover(
@@ -171,9 +168,7 @@ async def discover(
             auth_token = token_from_config(config)
     transport = ControlTransport(auth_token, limit_per_host=control_limit_per_host)
     try:
-        probe = await probe_all(
-            transport, endpoints, probe_timeout=probe_timeout, tries=tries, retry_delay=retry_delay
-        )
+        probe = await probe_all(transport, endpoints, probe_timeout=probe_timeout, tries=tries, retry_delay=retry_delay)
     except BaseException:
         await transport.close()
         raise
@@ -184,8 +179,12 @@ async def discover(
         await transport.close()
         raise CoordinationError("discover", failures)
     return Coordinator(
-        probe.participants, transport, pm=pm, reply_grace=reply_grace,
-        failures=failures, non_participants=probe.non_participants,
+        probe.participants,
+        transport,
+        pm=pm,
+        reply_grace=reply_grace,
+        failures=failures,
+        non_participants=probe.non_participants,
     )
 
 

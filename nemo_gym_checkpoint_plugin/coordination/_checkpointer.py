@@ -205,9 +205,14 @@ class CollectionCheckpointer:
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
         state = CollectorState(
-            checkpoint_id=checkpoint_id, deployment=self.deployment, rows=rows,
-            finished={"rows": self.tracker.returned, "output": str(self.output_path.resolve()),
-                      "output_bytes": _size(self.output_path)},
+            checkpoint_id=checkpoint_id,
+            deployment=self.deployment,
+            rows=rows,
+            finished={
+                "rows": self.tracker.returned,
+                "output": str(self.output_path.resolve()),
+                "output_bytes": _size(self.output_path),
+            },
             timings={"prepare_s": round(record.prepare_s, 6), "commit_s": round(time.monotonic() - committed_at, 6)},
         )
         digest, count = await asyncio.to_thread(self.store.write_records, state)
@@ -256,8 +261,7 @@ class CollectionCheckpointer:
         for row in rows:
             plan.attempts[row.rollout_id] = max(plan.attempts.get(row.rollout_id, 0), row.attempt + 1)
         plan.retired = [row.rollout_id for row in rows]
-        await self._emit("retired", checkpoint=plan.source,
-                         episodes={row.rollout_id: row.attempt for row in rows})
+        await self._emit("retired", checkpoint=plan.source, episodes={row.rollout_id: row.attempt for row in rows})
 
     async def _restore_continued(self, state: CollectorState, wanted: list[RowState], plan: RestorePlan) -> None:
         restore_id = f"restore-{self.seq:06d}-{self.store.run}"
@@ -284,8 +288,13 @@ class CollectionCheckpointer:
             replacement = f"{row.rollout_id}-a{row.attempt + 1}"
             (plan.continued if replacement in back else plan.restarted).append(row.rollout_id)
         # Their marks are forgotten once they are final, like every other row's.
-        await self._emit("restored", checkpoint=state.checkpoint_id, path=str(state.path),
-                         continued=list(plan.continued), restarted=list(plan.restarted))
+        await self._emit(
+            "restored",
+            checkpoint=state.checkpoint_id,
+            path=str(state.path),
+            continued=list(plan.continued),
+            restarted=list(plan.restarted),
+        )
 
 
 def _size(path: Path) -> int:

@@ -50,7 +50,7 @@ def _process_start(pid: int) -> str | None:
     except OSError:
         return None
     # The command name (field 2) is parenthesised and may hold spaces: count fields after its end.
-    fields = raw[raw.rfind(")") + 2:].split()
+    fields = raw[raw.rfind(")") + 2 :].split()
     return fields[19] if len(fields) > 19 else None
 
 
@@ -93,9 +93,15 @@ class Holder:
     def parse(cls, raw: bytes) -> Holder | None:
         try:
             data = orjson.loads(raw)
-            return cls(owner=str(data["owner"]), host=str(data["host"]), pid=int(data["pid"]),
-                       run=str(data.get("run") or ""), output=str(data.get("output") or ""),
-                       since=float(data.get("since") or 0.0), pid_start=data.get("pid_start"))
+            return cls(
+                owner=str(data["owner"]),
+                host=str(data["host"]),
+                pid=int(data["pid"]),
+                run=str(data.get("run") or ""),
+                output=str(data.get("output") or ""),
+                since=float(data.get("since") or 0.0),
+                pid_start=data.get("pid_start"),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -119,8 +125,15 @@ class CollectionLock:
 
     def __init__(self, root: str | Path, owner: str, run: str, output: str) -> None:
         self.path = Path(root) / LOCK_NAME
-        self.me = Holder(owner=owner, host=socket.gethostname(), pid=os.getpid(), run=run, output=output,
-                         since=time.time(), pid_start=_process_start(os.getpid()))
+        self.me = Holder(
+            owner=owner,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            run=run,
+            output=output,
+            since=time.time(),
+            pid_start=_process_start(os.getpid()),
+        )
         self._fd: int | None = None
 
     def acquire(self) -> Holder | None:
@@ -141,9 +154,12 @@ class CollectionLock:
                 raise DirectoryLocked(self.path, holder, f"{who} holds it") from None
             previous = Holder.parse(_read(fd))
             if previous is not None and not previous.gone():
-                where = ("on another host, so this host cannot tell whether it still runs; once it is known to be "
-                         f"gone, remove {self.path}" if not previous.on_this_host()
-                         else "its process runs, yet it does not hold the lock")
+                where = (
+                    "on another host, so this host cannot tell whether it still runs; once it is known to be "
+                    f"gone, remove {self.path}"
+                    if not previous.on_this_host()
+                    else "its process runs, yet it does not hold the lock"
+                )
                 raise DirectoryLocked(self.path, previous, f"{previous.describe()} holds it ({where})")
             os.ftruncate(fd, 0)
             os.pwrite(fd, orjson.dumps(asdict(self.me)) + b"\n", 0)

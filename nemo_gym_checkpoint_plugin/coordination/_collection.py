@@ -172,10 +172,13 @@ class LivesElsewhere:
     ok = True
 
     def __init__(self, rollout_id: str, detail: str) -> None:
-        self._body = orjson.dumps({
-            NG_FAILURE_CLASS_KEY: CANCELLED, NG_NO_PERSIST_KEY: True,
-            "error_message": f"rollout {rollout_id}: {detail} (not recorded here: it lives elsewhere)",
-        })
+        self._body = orjson.dumps(
+            {
+                NG_FAILURE_CLASS_KEY: CANCELLED,
+                NG_NO_PERSIST_KEY: True,
+                "error_message": f"rollout {rollout_id}: {detail} (not recorded here: it lives elsewhere)",
+            }
+        )
 
     async def read(self) -> bytes:
         return self._body
@@ -207,8 +210,13 @@ class Refused:
         return getattr(self._response, name)
 
     def raise_for_status(self) -> None:
-        raise ClientResponseError(self._response.request_info, self._response.history, status=self.status,
-                                  message=self.reason, headers=self._response.headers)
+        raise ClientResponseError(
+            self._response.request_info,
+            self._response.history,
+            status=self.status,
+            message=self.reason,
+            headers=self._response.headers,
+        )
 
     async def read(self) -> bytes:
         return self._body

@@ -104,8 +104,7 @@ class CheckpointStore:
     (``_storage.retention``: ``belongs`` and ``unpublished_failed``).
     """
 
-    def __init__(self, root: str | Path | ObjectPath, run: str | None = None, *,
-                 collection: str | None = None) -> None:
+    def __init__(self, root: str | Path | ObjectPath, run: str | None = None, *, collection: str | None = None) -> None:
         self.root = location(root)
         # Servers remember the ids they resumed (stale_checkpoint): each collector process names its own.
         self.run = run or uuid.uuid4().hex[:8]
@@ -190,8 +189,9 @@ class CheckpointStore:
         try:
             os.mkdir(path, stat.S_IMODE(os.stat(self.root).st_mode) & 0o777)
         except FileExistsError:
-            raise InvalidCheckpointState(f"{path} exists already, and this collector did not make it: refused, "
-                                         "never written through") from None
+            raise InvalidCheckpointState(
+                f"{path} exists already, and this collector did not make it: refused, never written through"
+            ) from None
         except OSError as exc:
             raise write_failed(exc, path, "cannot make the checkpoint directory") from None
         return path
@@ -230,8 +230,12 @@ class CheckpointStore:
         checkpoint = self.path(state.checkpoint_id)
         directory = checkpoint / COLLECTOR_DIR
         manifest = {
-            "schema_version": SCHEMA_VERSION, "kind": COLLECTOR_KIND, "instance": COLLECTOR_INSTANCE,
-            "checkpoint_id": state.checkpoint_id, "records_file": records_name(digest), "records_sha256": digest,
+            "schema_version": SCHEMA_VERSION,
+            "kind": COLLECTOR_KIND,
+            "instance": COLLECTOR_INSTANCE,
+            "checkpoint_id": state.checkpoint_id,
+            "records_file": records_name(digest),
+            "records_sha256": digest,
             "record_count": count,
             "collector": {"deployment": state.deployment, "finished": state.finished, "timings": state.timings},
         }
@@ -267,9 +271,14 @@ class CheckpointStore:
         without it, an unpublished one newer than the oldest kept is a write in progress and stays.
         """
         mine = self.collection is not None
-        plan = plan_retention(self.root, keep, candidates=lambda name: self.seq_of(name) is not None,
-                              belongs=self.belongs if mine else None, unpublished_failed=mine,
-                              in_use={str(location(path)) for path in in_use})
+        plan = plan_retention(
+            self.root,
+            keep,
+            candidates=lambda name: self.seq_of(name) is not None,
+            belongs=self.belongs if mine else None,
+            unpublished_failed=mine,
+            in_use={str(location(path)) for path in in_use},
+        )
         removed = []
         for checkpoint in sorted(plan.remove, key=lambda c: c.order):  # oldest first: a cut short keeps the newest
             try:
@@ -288,8 +297,9 @@ class CheckpointStore:
         owner = _owner_uid(directory / MANIFEST_NAME)
         if owner is not None and owner != os.getuid():
             # Only this user's collector writes it: another user's is a plant (a root others can write).
-            raise InvalidCheckpointState(f"{directory}: manifest.json belongs to another user (uid {owner}), not "
-                                         "to this collector's")
+            raise InvalidCheckpointState(
+                f"{directory}: manifest.json belongs to another user (uid {owner}), not to this collector's"
+            )
         manifest = load_manifest(directory, kind=COLLECTOR_KIND, instance=COLLECTOR_INSTANCE)
         extras = manifest.get("collector")
         if not isinstance(extras, dict) or not isinstance(extras.get("deployment"), dict):
@@ -316,8 +326,12 @@ class CheckpointStore:
             # Every record read and hashed now, so a restore never starts from a damaged file.
             read_checkpoint(path, entry["kind"], entry["instance"], scope=())
         return CollectorState(
-            checkpoint_id=manifest["checkpoint_id"], deployment=extras["deployment"], rows=rows,
-            finished=dict(extras.get("finished") or {}), timings=dict(extras.get("timings") or {}), path=path,
+            checkpoint_id=manifest["checkpoint_id"],
+            deployment=extras["deployment"],
+            rows=rows,
+            finished=dict(extras.get("finished") or {}),
+            timings=dict(extras.get("timings") or {}),
+            path=path,
         )
 
     def latest(self) -> tuple[CollectorState | None, list[tuple[str, str]]]:
@@ -339,8 +353,11 @@ def _publish_object(directory: ObjectPath, manifest: dict[str, Any]) -> ObjectPa
 
     check_exclusive_create(directory.parent.parent)
     if not create_exclusive(directory / MANIFEST_NAME, orjson.dumps(manifest) + b"\n"):
-        raise WriteFailed(f"{directory / MANIFEST_NAME}: cannot publish the collector state: already exists",
-                          path=str(directory / MANIFEST_NAME), cause="already exists")
+        raise WriteFailed(
+            f"{directory / MANIFEST_NAME}: cannot publish the collector state: already exists",
+            path=str(directory / MANIFEST_NAME),
+            cause="already exists",
+        )
     return directory / MANIFEST_NAME
 
 
@@ -354,8 +371,9 @@ def _owner_uid(path: Location) -> int | None:
         return None
 
 
-def deployment_identity(participants: Iterable[Any], output_path: str | Path,
-                        input_path: str | Path | None = None) -> dict[str, Any]:
+def deployment_identity(
+    participants: Iterable[Any], output_path: str | Path, input_path: str | Path | None = None
+) -> dict[str, Any]:
     """What ties a checkpoint to one collection: the participants (kind/instance), the output and input files."""
     identity: dict[str, Any] = {
         "participants": sorted(f"{p.kind}/{p.instance}" for p in participants),
@@ -377,6 +395,7 @@ def identity_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -
     if "input" in recorded and "input" in current and recorded["input"] != current["input"]:
         problems.append(f"it collected {recorded['input']}, this run {current['input']}")
     if recorded.get("participants") != current.get("participants"):
-        problems.append(f"its participants were {recorded.get('participants')}, this deployment has "
-                        f"{current.get('participants')}")
+        problems.append(
+            f"its participants were {recorded.get('participants')}, this deployment has {current.get('participants')}"
+        )
     return "; ".join(problems) or None

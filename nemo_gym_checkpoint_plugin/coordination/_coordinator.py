@@ -110,8 +110,13 @@ class Coordinator(OwnershipMixin):
         return time.time() + (DEFAULT_TIMEOUT if timeout is None else timeout)
 
     async def _call_stage(
-        self, operation: str, members: Sequence[Participant], body: bytes | None, timeout: float,
-        counter: list[int], total: int,
+        self,
+        operation: str,
+        members: Sequence[Participant],
+        body: bytes | None,
+        timeout: float,
+        counter: list[int],
+        total: int,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure]]:
         """Call every member at once; collect replies and failures (never raises for a member)."""
 
@@ -128,8 +133,13 @@ class Coordinator(OwnershipMixin):
                 failed = isinstance(outcome, ParticipantFailure)
                 self.progress(
                     Progress(
-                        operation, participant, counter[0], total, time.monotonic() - started,
-                        failure=outcome if failed else None, reply=None if failed else outcome,
+                        operation,
+                        participant,
+                        counter[0],
+                        total,
+                        time.monotonic() - started,
+                        failure=outcome if failed else None,
+                        reply=None if failed else outcome,
                     )
                 )
             return participant, outcome
@@ -144,7 +154,11 @@ class Coordinator(OwnershipMixin):
         return replies, failures
 
     async def _run(
-        self, operation: str, payload: dict[str, Any] | None, deadline_ts: float, *,
+        self,
+        operation: str,
+        payload: dict[str, Any] | None,
+        deadline_ts: float,
+        *,
         stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None = None,
         keep_going: bool = False,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
@@ -165,8 +179,12 @@ class Coordinator(OwnershipMixin):
             return await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
 
     async def _stages_run(
-        self, operation: str, payload: dict[str, Any] | None, deadline_ts: float,
-        stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None, keep_going: bool,
+        self,
+        operation: str,
+        payload: dict[str, Any] | None,
+        deadline_ts: float,
+        stop: Callable[[dict[str, dict[str, Any]], list[ParticipantFailure]], bool] | None,
+        keep_going: bool,
     ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure], list[str], list[str] | None]:
         if payload is not None and self.owner is not None:
             payload = {**payload, "owner": self.owner}
@@ -182,14 +200,15 @@ class Coordinator(OwnershipMixin):
             if keep_going and payload is not None and index and deadline_ts - now < budget / 2:
                 deadline_ts = now + budget
                 body = encode_body({**payload, "deadline_ts": deadline_ts})
-                logger.warning("%s: earlier stages used up the deadline; %s get a fresh one", operation,
-                               [p.name for p in members])
+                logger.warning(
+                    "%s: earlier stages used up the deadline; %s get a fresh one", operation, [p.name for p in members]
+                )
             timeout = max(deadline_ts - now, 0.0) + self.reply_grace
             stage_replies, stage_failures = await self._call_stage(operation, members, body, timeout, counter, total)
             replies.update(stage_replies)
             failures.extend(stage_failures)
             if stop is not None and stop(stage_replies, stage_failures):
-                not_reached = [p.name for stage in stages[index + 1:] for p in stage]
+                not_reached = [p.name for stage in stages[index + 1 :] for p in stage]
                 return replies, failures, not_reached, sorted({p.kind for p in members})
         return replies, failures, [], None
 
@@ -204,7 +223,11 @@ class Coordinator(OwnershipMixin):
         return await self._call_stage("status", self.participants, None, timeout, [0], len(self.participants))
 
     async def prepare(
-        self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None,
+        self,
+        checkpoint_id: str,
+        *,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
         take_over: bool = False,
     ) -> PrepareResult:
         """Prepare stage by stage (environment, model, agent, resources by default).
@@ -236,8 +259,14 @@ class Coordinator(OwnershipMixin):
         return result
 
     async def commit(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
-        stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: Iterable[Any] | None,
+        *,
+        stop: bool = False,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
     ) -> CommitResult:
         """``_commit`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile.
 
@@ -255,17 +284,32 @@ class Coordinator(OwnershipMixin):
             others = [f"{checkpoint_dir} cannot be listed ({exc})"]
         if others:
             shown = "; ".join(others[:5]) + (f"; and {len(others) - 5} more" if len(others) > 5 else "")
-            raise CoordinationError("commit", [ParticipantFailure(
-                "(checkpoint)", str(checkpoint_dir), "commit", InvalidCheckpointState.code,
-                f"{checkpoint_dir} holds another checkpoint ({shown}); nothing was written. Commit "
-                f"{checkpoint_id} into a new directory")],
-                result={"other_checkpoints": others, "written": False})
+            raise CoordinationError(
+                "commit",
+                [
+                    ParticipantFailure(
+                        "(checkpoint)",
+                        str(checkpoint_dir),
+                        "commit",
+                        InvalidCheckpointState.code,
+                        f"{checkpoint_dir} holds another checkpoint ({shown}); nothing was written. Commit "
+                        f"{checkpoint_id} into a new directory",
+                    )
+                ],
+                result={"other_checkpoints": others, "written": False},
+            )
         async with _leased(checkpoint_dir, "commit", checkpoint_id, deadline):
             return await self._commit(checkpoint_id, checkpoint_dir, episode_ids, stop=stop, deadline_ts=deadline)
 
     async def _commit(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any] | None, *,
-        stop: bool = False, deadline_ts: float | None = None, timeout: float | None = None,
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: Iterable[Any] | None,
+        *,
+        stop: bool = False,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
     ) -> CommitResult:
         """Commit on every participant at once; ``episode_ids`` is the scope (None: everything held).
 
@@ -275,22 +319,36 @@ class Coordinator(OwnershipMixin):
         deadline = self._deadline(deadline_ts, timeout)
         scope = None if episode_ids is None else [wire_episode_id(e) for e in episode_ids]
         payload = {
-            "checkpoint_id": checkpoint_id, "deadline_ts": deadline, "checkpoint_dir": str(checkpoint_dir),
-            "episode_ids": scope, "stop": stop,
+            "checkpoint_id": checkpoint_id,
+            "deadline_ts": deadline,
+            "checkpoint_dir": str(checkpoint_dir),
+            "episode_ids": scope,
+            "stop": stop,
         }
         replies, failures, _, _ = await self._run("commit", payload, deadline)
         result = CommitResult(checkpoint_id, replies)
         self._raise("commit", failures, result=result)
         # Every participant committed: record which ones the checkpoint must hold (created last).
         try:
-            await asyncio.to_thread(write_participants_index, checkpoint_dir, checkpoint_id, [
-                {name: manifest.get(name) for name in ("kind", "instance", "records_sha256")}
-                for manifest in result.manifests.values()
-            ])
+            await asyncio.to_thread(
+                write_participants_index,
+                checkpoint_dir,
+                checkpoint_id,
+                [
+                    {name: manifest.get(name) for name in ("kind", "instance", "records_sha256")}
+                    for manifest in result.manifests.values()
+                ],
+            )
         except InvalidCheckpointState as exc:
-            raise CoordinationError("commit", [ParticipantFailure(
-                "(checkpoint)", str(checkpoint_dir), "commit", exc.code, f"participants index: {exc.detail}")],
-                result=result) from None
+            raise CoordinationError(
+                "commit",
+                [
+                    ParticipantFailure(
+                        "(checkpoint)", str(checkpoint_dir), "commit", exc.code, f"participants index: {exc.detail}"
+                    )
+                ],
+                result=result,
+            ) from None
         return result
 
     async def resume(
@@ -320,8 +378,12 @@ class Coordinator(OwnershipMixin):
         return leases
 
     async def retire(
-        self, checkpoint_id: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None,
+        self,
+        checkpoint_id: str,
+        episode_ids: Iterable[Any],
+        *,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Retire episodes: environment, then agent, then model and resources; reports every failure."""
         scope = [wire_episode_id(e) for e in episode_ids]
@@ -329,15 +391,21 @@ class Coordinator(OwnershipMixin):
             raise ValueError("retire needs at least one episode id")
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
-            "retire", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "episode_ids": scope}, deadline,
+            "retire",
+            {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "episode_ids": scope},
+            deadline,
             keep_going=True,
         )
         self._raise("retire", failures, result=replies)
         return replies
 
     async def forget(
-        self, checkpoint_id: str, rollout_ids: Iterable[str], *,
-        deadline_ts: float | None = None, timeout: float | None = None,
+        self,
+        checkpoint_id: str,
+        rollout_ids: Iterable[str],
+        *,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Remove retired marks of rollouts, in retire's order; reports every failure."""
         rollouts = [str(r) for r in rollout_ids]
@@ -345,25 +413,40 @@ class Coordinator(OwnershipMixin):
             raise ValueError("forget needs at least one rollout id")
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
-            "forget", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "rollout_ids": rollouts}, deadline,
+            "forget",
+            {"checkpoint_id": checkpoint_id, "deadline_ts": deadline, "rollout_ids": rollouts},
+            deadline,
             keep_going=True,
         )
         self._raise("forget", failures, result=replies)
         return replies
 
     async def restore(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None, take_over: bool = False,
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: Iterable[Any],
+        *,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
+        take_over: bool = False,
     ) -> RestoreResult:
         """``_restore`` under a lease on ``checkpoint_dir``: retention (gc) never removes it meanwhile."""
         deadline = self._deadline(deadline_ts, timeout)
         async with _leased(checkpoint_dir, "restore", checkpoint_id, deadline):
-            return await self._restore(checkpoint_id, checkpoint_dir, episode_ids, deadline_ts=deadline,
-                                       take_over=take_over)
+            return await self._restore(
+                checkpoint_id, checkpoint_dir, episode_ids, deadline_ts=deadline, take_over=take_over
+            )
 
     async def _restore(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: Iterable[Any], *,
-        deadline_ts: float | None = None, timeout: float | None = None, take_over: bool = False,
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: Iterable[Any],
+        *,
+        deadline_ts: float | None = None,
+        timeout: float | None = None,
+        take_over: bool = False,
     ) -> RestoreResult:
         """Restore on every participant at once, all or nothing.
 
@@ -391,16 +474,24 @@ class Coordinator(OwnershipMixin):
         try:
             index = await asyncio.to_thread(check_participants_index, checkpoint_dir)
         except InvalidCheckpointState as exc:
-            raise CoordinationError("restore", [ParticipantFailure(
-                "(checkpoint)", str(checkpoint_dir), "restore", exc.code, exc.detail)],
+            raise CoordinationError(
+                "restore",
+                [ParticipantFailure("(checkpoint)", str(checkpoint_dir), "restore", exc.code, exc.detail)],
                 result={"next_attempts": {e["rollout_id"]: e["attempt"] + 1 for e in checkpointed}},
                 message=f"restore {checkpoint_id}: {checkpoint_dir} does not hold every participant its index "
-                        "lists; no participant was asked to restore") from None
+                "lists; no participant was asked to restore",
+            ) from None
         if index is None:
-            logger.warning("restore %s: %s has no participants index (gym/participants.json); restoring without "
-                           "checking that every participant is there", checkpoint_id, checkpoint_dir)
+            logger.warning(
+                "restore %s: %s has no participants index (gym/participants.json); restoring without "
+                "checking that every participant is there",
+                checkpoint_id,
+                checkpoint_dir,
+            )
         payload: dict[str, Any] = {
-            "checkpoint_id": checkpoint_id, "deadline_ts": deadline, "checkpoint_dir": str(checkpoint_dir),
+            "checkpoint_id": checkpoint_id,
+            "deadline_ts": deadline,
+            "checkpoint_dir": str(checkpoint_dir),
             "episode_ids": checkpointed,
         }
         if take_over:
@@ -411,26 +502,41 @@ class Coordinator(OwnershipMixin):
             every = ", ".join(sorted(set(map(str, sources.values()))))
             failures = [
                 ParticipantFailure(
-                    p.name, p.url, "restore", INCONSISTENT_CHECKPOINT,
+                    p.name,
+                    p.url,
+                    "restore",
+                    INCONSISTENT_CHECKPOINT,
                     f"restored checkpoint {sources[p.name]} while the deployment restored {every}",
                 )
-                for p in self.participants if p.name in sources
+                for p in self.participants
+                if p.name in sources
             ]
         if failures:
             retired, left_alone = created_replacements(checkpointed, replies, failures)
             cleanup = await self._undo_restore(checkpoint_id, retired)
             next_attempts = {e["rollout_id"]: e["attempt"] + 2 for e in checkpointed}
             raise CoordinationError(
-                "restore", failures, cleanup_failures=cleanup,
-                result={"next_attempts": next_attempts, "retired": [capture_key(e) for e in retired],
-                        "left_alone": left_alone},
+                "restore",
+                failures,
+                cleanup_failures=cleanup,
+                result={
+                    "next_attempts": next_attempts,
+                    "retired": [capture_key(e) for e in retired],
+                    "left_alone": left_alone,
+                },
                 message=f"restore {checkpoint_id} failed on {len(failures)} server(s); the {len(retired)} replacement "
-                        "attempt(s) it created were retired and every participant resumed",
+                "attempt(s) it created were retired and every participant resumed",
             )
         source = next(iter(sources.values()), None)
         if not isinstance(source, str):
-            raise CoordinationError("restore", [ParticipantFailure(
-                "(deployment)", "", "restore", BAD_REPLY, "no participant named its source_checkpoint_id")])
+            raise CoordinationError(
+                "restore",
+                [
+                    ParticipantFailure(
+                        "(deployment)", "", "restore", BAD_REPLY, "no participant named its source_checkpoint_id"
+                    )
+                ],
+            )
         return RestoreResult(checkpoint_id, source, replies)
 
     async def _undo_restore(self, checkpoint_id: str, replacements: list[dict[str, Any]]) -> list[ParticipantFailure]:
@@ -448,7 +554,6 @@ class Coordinator(OwnershipMixin):
             cleanup.extend(exc.failures)
             logger.warning("restore %s: resuming failed: %s", checkpoint_id, exc)
         return cleanup
-
 
 
 @contextlib.asynccontextmanager

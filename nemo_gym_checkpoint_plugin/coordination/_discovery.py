@@ -156,7 +156,10 @@ async def _probe_one(
         kind, instance = status.get("kind"), status.get("instance")
         if kind not in KINDS:
             return ParticipantFailure(
-                endpoint.name, endpoint.url, "status", UNKNOWN_KIND,
+                endpoint.name,
+                endpoint.url,
+                "status",
+                UNKNOWN_KIND,
                 f"status names kind {kind!r}, not one of {', '.join(KINDS)}",
             )
         if not isinstance(instance, str) or not instance:
@@ -193,7 +196,10 @@ async def probe_all(
     if not any(p.kind == "model" for p in probe.participants):
         probe.failures.append(
             ParticipantFailure(
-                "(deployment)", "", "discover", NO_MODEL_PARTICIPANT,
+                "(deployment)",
+                "",
+                "discover",
+                NO_MODEL_PARTICIPANT,
                 f"no participant of kind 'model' among {len(probe.participants)} participant(s): "
                 "the policy model server must run with checkpoint.enabled",
             )

@@ -38,19 +38,23 @@ def holders(statuses: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
 class OwnershipMixin:
     owner: str | None
 
-    async def _owner_call(self: Coordinator, body: dict[str, Any], timeout: float | None,
-                          what: str) -> dict[str, dict[str, Any]]:
+    async def _owner_call(
+        self: Coordinator, body: dict[str, Any], timeout: float | None, what: str
+    ) -> dict[str, dict[str, Any]]:
         deadline = time.time() + (60.0 if timeout is None else timeout)
         raw = encode_body({**body, "deadline_ts": deadline})
-        replies, failures = await self._call_stage("owner", self.participants, raw, deadline - time.time()
-                                                   + self.reply_grace, [0], len(self.participants))
+        replies, failures = await self._call_stage(
+            "owner", self.participants, raw, deadline - time.time() + self.reply_grace, [0], len(self.participants)
+        )
         if failures:
-            raise CoordinationError("owner", failures, result=replies,
-                                    message=f"{what} failed on {len(failures)} server(s)")
+            raise CoordinationError(
+                "owner", failures, result=replies, message=f"{what} failed on {len(failures)} server(s)"
+            )
         return replies
 
-    async def claim(self: Coordinator, owner: str, *, take_over: bool = False,
-                    timeout: float | None = None) -> dict[str, dict[str, Any]]:
+    async def claim(
+        self: Coordinator, owner: str, *, take_over: bool = False, timeout: float | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Own every participant as ``owner`` (or renew it); ``take_over`` fences a current owner for good.
 
         Raises ``CoordinationError`` (code ``owner_conflict`` naming the owner, ``owner_fenced`` when
@@ -69,8 +73,9 @@ class OwnershipMixin:
         """Give up ownership on every participant (those this owner does not own are left as they are)."""
         if self.owner is None:
             return {}
-        replies = await self._owner_call({"owner": self.owner, "release": True}, timeout,
-                                         f"releasing the deployment from {self.owner}")
+        replies = await self._owner_call(
+            {"owner": self.owner, "release": True}, timeout, f"releasing the deployment from {self.owner}"
+        )
         self.owner = None
         return replies
 

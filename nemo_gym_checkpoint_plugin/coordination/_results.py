@@ -149,6 +149,7 @@ class RestoreResult:
             "replies": self.replies,
         }
 
+
 def created_replacements(
     checkpointed: list[dict[str, Any]], replies: dict[str, dict[str, Any]], failures: list[ParticipantFailure]
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -159,8 +160,9 @@ def created_replacements(
     replacements another controller runs: never retired, whoever else installed them.
     """
     running = {key for f in failures if f.code == ATTEMPT_RUNNING for key in f.episodes}
-    replacements = {capture_key(r): r for r in
-                    ({"rollout_id": e["rollout_id"], "attempt": e["attempt"] + 1} for e in checkpointed)}
+    replacements = {
+        capture_key(r): r for r in ({"rollout_id": e["rollout_id"], "attempt": e["attempt"] + 1} for e in checkpointed)
+    }
     if any(f.status is None and f.code != INCONSISTENT_CHECKPOINT for f in failures):
         created = set(replacements)
     else:

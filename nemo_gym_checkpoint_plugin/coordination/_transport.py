@@ -114,9 +114,7 @@ class ControlTransport:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def call(
-        self, endpoint: Endpoint, operation: str, body: bytes | None, *, timeout: float
-    ) -> dict[str, Any]:
+    async def call(self, endpoint: Endpoint, operation: str, body: bytes | None, *, timeout: float) -> dict[str, Any]:
         """``GET status`` (``body`` None) or ``POST <operation>`` with ``body``; the reply object.
 
         Raises ``CallFailed`` with ``unreachable``, ``timeout``, ``bad_reply`` or the

@@ -71,25 +71,53 @@ def _by_row(path: Path) -> tuple[dict[int, dict[str, Any]], int]:
 
 def _comparable(record: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
     """Reward and response output, without the ids Gym draws afresh on every run."""
-    return record.get("reward"), [{k: v for k, v in item.items() if k != "id"}
-                                  for item in record["response"]["output"]]
+    return record.get("reward"), [{k: v for k, v in item.items() if k != "id"} for item in record["response"]["output"]]
 
 
 class _Collector:
     """One ``ng-checkpoint collect`` process in its own group; killed, never left behind."""
 
-    def __init__(self, deployment: Deployment, work: Path, token: str, name: str, output: Path, ckpt: Location,
-                 every: float, parallel: int, resume: bool = False) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        work: Path,
+        token: str,
+        name: str,
+        output: Path,
+        ckpt: Location,
+        every: float,
+        parallel: int,
+        resume: bool = False,
+    ) -> None:
         self.log = work / "logs" / f"collect-{name}.log"
-        argv = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.cli", "collect", "--json",
-                "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every), *(["--resume"] if resume else []),
-                f"+config_paths=[{work / 'gym_config.yaml'}]", f"+input_jsonl_fpath={work / 'in.jsonl'}",
-                f"+output_jsonl_fpath={output}", f"+num_samples_in_parallel={parallel}",
-                "+disable_health_check=true",
-                f"+environment_server_routes={{{RESOURCES}: {ENVIRONMENT}}}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "nemo_gym_checkpoint_plugin.cli",
+            "collect",
+            "--json",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            str(every),
+            *(["--resume"] if resume else []),
+            f"+config_paths=[{work / 'gym_config.yaml'}]",
+            f"+input_jsonl_fpath={work / 'in.jsonl'}",
+            f"+output_jsonl_fpath={output}",
+            f"+num_samples_in_parallel={parallel}",
+            "+disable_health_check=true",
+            f"+environment_server_routes={{{RESOURCES}: {ENVIRONMENT}}}",
+        ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(argv, cwd=work, env={**os.environ, TOKEN_ENV: token}, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=work,
+                env={**os.environ, TOKEN_ENV: token},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def kill(self) -> None:
         try:
@@ -128,9 +156,7 @@ def _held_rows(rows: int, parallel: int) -> list[int]:
     return list(range(first, min(rows, first + parallel)))
 
 
-async def _held_checkpoint(
-    store: CheckpointStore, collector: _Collector, timeout: float, held: set[str]
-) -> str | None:
+async def _held_checkpoint(store: CheckpointStore, collector: _Collector, timeout: float, held: set[str]) -> str | None:
     """Wait for a published checkpoint holding every rollout of ``held`` in flight; its id (None if none came)."""
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
@@ -145,9 +171,18 @@ async def _held_checkpoint(
     return None
 
 
-async def run_collect_story(deployment: Deployment, work: Path, token: str, rows: int, *, every: float = 2.0,
-                            parallel: int = 4, say: Callable[[str], None] = lambda _m: None,
-                            timeout: float = 600.0, checkpoint_root: str | None = None) -> dict[str, Any]:
+async def run_collect_story(
+    deployment: Deployment,
+    work: Path,
+    token: str,
+    rows: int,
+    *,
+    every: float = 2.0,
+    parallel: int = 4,
+    say: Callable[[str], None] = lambda _m: None,
+    timeout: float = 600.0,
+    checkpoint_root: str | None = None,
+) -> dict[str, Any]:
     """The story of the module docstring on a started ``deployment``; the demo's summary."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     deployment.write_config(work / "gym_config.yaml")
@@ -168,8 +203,10 @@ async def run_collect_story(deployment: Deployment, work: Path, token: str, rows
         for index in hold:
             # The row's second model call (its answer after the tool call) waits at the backend until the crash.
             _post(deployment.urls[BACKEND] + "/_fake/hold", {"match": f"(rollout row{index})", "count": 1, "step": 1})
-        say(f"collecting them again, checkpointed every {every:g}s into {ckpt}; rows {hold[0]}-{hold[-1]} "
-            f"have their last model call held at the fake backend, so they are in flight at the crash")
+        say(
+            f"collecting them again, checkpointed every {every:g}s into {ckpt}; rows {hold[0]}-{hold[-1]} "
+            f"have their last model call held at the fake backend, so they are in flight at the crash"
+        )
         crashed = start("checkpointed", output, ckpt)
         held = await _held_checkpoint(CheckpointStore(ckpt), crashed, timeout, {f"{index}-0" for index in hold})
         if held is None:
@@ -178,20 +215,27 @@ async def run_collect_story(deployment: Deployment, work: Path, token: str, rows
         crashed.kill()
         deployment.kill()
         done = len(_by_row(output)[0])
-        say(f"SIGKILLed the collector and {len(killed)} server process groups ({', '.join(sorted(killed))}) "
-            f"after checkpoint {held} was published, {done} of {rows} rows done; starting fresh processes")
+        say(
+            f"SIGKILLed the collector and {len(killed)} server process groups ({', '.join(sorted(killed))}) "
+            f"after checkpoint {held} was published, {done} of {rows} rows done; starting fresh processes"
+        )
         await asyncio.to_thread(deployment.start)
         state, _skipped = await asyncio.to_thread(CheckpointStore(ckpt).latest)
         finished = {f"{index}-0" for index in _by_row(output)[0]}
         boundaries: dict[str, Any] = {}
         if state is not None:
             env = read_checkpoint(state.path, "environment", ENVIRONMENT).records
-            boundaries = {r["episode_id"]["rollout_id"]: r["boundary"] for r in env
-                          if r["episode_id"]["rollout_id"] not in finished}
+            boundaries = {
+                r["episode_id"]["rollout_id"]: r["boundary"]
+                for r in env
+                if r["episode_id"]["rollout_id"] not in finished
+            }
         say("resuming: ng-checkpoint collect --resume")
         summary = await start("resumed", output, ckpt, resume=True).wait(timeout)
-        say(f"restored {summary['continued']} rows from {summary['restored_from']} in {summary['restore_s']:.2f}s; "
-            f"{summary['restarted']} started over")
+        say(
+            f"restored {summary['continued']} rows from {summary['restored_from']} in {summary['restore_s']:.2f}s; "
+            f"{summary['restarted']} started over"
+        )
     finally:
         for collector in collectors:
             collector.kill()
@@ -206,8 +250,11 @@ async def run_collect_story(deployment: Deployment, work: Path, token: str, rows
                 repeated += sum(completed.get(_conversation(rollout), {}).values())
     got, twice = _by_row(output)
     reference, _ = _by_row(reference_out)
-    identical = twice == 0 and set(got) == set(reference) == set(range(rows)) and all(
-        _comparable(got[i]) == _comparable(reference[i]) for i in got)
+    identical = (
+        twice == 0
+        and set(got) == set(reference) == set(range(rows))
+        and all(_comparable(got[i]) == _comparable(reference[i]) for i in got)
+    )
     say(f"the output holds {len(got)} rows ({twice} twice); identical to the uninterrupted run: {identical}")
     return {
         "rollouts": rows,

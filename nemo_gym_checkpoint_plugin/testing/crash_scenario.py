@@ -48,8 +48,13 @@ _POLL = 0.05
 
 
 def new_deployment(
-    work_dir: Path, token: str, *, step_mode: str = "wait", port_base: int | None = None,
-    model: dict[str, Any] | None = None, storage: dict[str, Any] | None = None,
+    work_dir: Path,
+    token: str,
+    *,
+    step_mode: str = "wait",
+    port_base: int | None = None,
+    model: dict[str, Any] | None = None,
+    storage: dict[str, Any] | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
@@ -194,13 +199,17 @@ async def run_scenario(
                 raise RuntimeError(f"prepare did not become ready: {prepared.to_json()}")
             blocked = int(prepared.reports[ENVIRONMENT].get("blocker_count") or 0)
             held = (await stats())["held"]
-            say(f"prepared ({step_mode} mode) while {held} model calls are still held at the backend: "
-                f"agents park mid-turn, nothing waits for a generation ({len(restarts)} restarts never block)")
+            say(
+                f"prepared ({step_mode} mode) while {held} model calls are still held at the backend: "
+                f"agents park mid-turn, nothing waits for a generation ({len(restarts)} restarts never block)"
+            )
             scope = prepared.continued(f"{r}" for r in rollouts)
             committed = await commit(coordinator, "demo-checkpoint", str(checkpoint_dir), scope, timeout=timeout)
             env_reply = committed.replies[ENVIRONMENT]
-            say(f"committed {len(env_reply['episode_ids'])} episodes to {checkpoint_dir} "
-                f"(boundaries {env_reply.get('boundaries')}); restarts {prepared.restarts()}")
+            say(
+                f"committed {len(env_reply['episode_ids'])} episodes to {checkpoint_dir} "
+                f"(boundaries {env_reply.get('boundaries')}); restarts {prepared.restarts()}"
+            )
             seeds_before = (await status(resources))["seed_sessions_by_rollout"]
             completed_before = (await stats())["completed"]
 
@@ -219,8 +228,9 @@ async def run_scenario(
             restarted = [r for r in rollouts if r not in back]
             say(f"restored {len(restored_keys)} episodes as their next attempt; {len(restarted)} start over")
             if restarted:
-                await retire(coordinator, "demo-retire", [{"rollout_id": r, "attempt": 0} for r in restarted],
-                             timeout=timeout)
+                await retire(
+                    coordinator, "demo-retire", [{"rollout_id": r, "attempt": 0} for r in restarted], timeout=timeout
+                )
         second = await asyncio.gather(*(run(r, 1) for r in rollouts))
         replies = dict(zip(rollouts, second, strict=True))
         after = await stats()

@@ -97,17 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rollouts", type=int, default=64, help="rows collected (default 64, at least 2)")
-    parser.add_argument("--checkpoint-every", type=float, default=2.0, metavar="SECONDS",
-                        help="seconds between checkpoints of the collection (default 2)")
+    parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between checkpoints of the collection (default 2)",
+    )
     parser.add_argument("--dir", default=None, help="work directory, kept (default: a new temporary one)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the temporary work directory (also NG_DEMO_KEEP=1)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary work directory (also NG_DEMO_KEEP=1)")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--checkpoint-dir", metavar="DIR_OR_URL",
-                       help="where the checkpoints go: an absolute directory or an object-store URL (s3://bucket/"
-                            "prefix; credentials from the store's own environment); default: the work directory")
-    where.add_argument("--local-s3", action="store_true",
-                       help="start a local S3-compatible server (moto, 127.0.0.1) and checkpoint into it")
+    where.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR_OR_URL",
+        help="where the checkpoints go: an absolute directory or an object-store URL (s3://bucket/"
+        "prefix; credentials from the store's own environment); default: the work directory",
+    )
+    where.add_argument(
+        "--local-s3",
+        action="store_true",
+        help="start a local S3-compatible server (moto, 127.0.0.1) and checkpoint into it",
+    )
     args = parser.parse_args(argv)
     if args.rollouts < 2:
         parser.error("--rollouts must be at least 2")
@@ -173,8 +183,14 @@ def _checkpoint_store(args: argparse.Namespace, work: Path) -> Iterator[tuple[st
     yield args.checkpoint_dir, {}
 
 
-def _run(work: Path, rollouts: int, every: float, port_base: int | None, checkpoint_root: str | None = None,
-         store_env: dict[str, str] | None = None) -> dict[str, Any] | None:
+def _run(
+    work: Path,
+    rollouts: int,
+    every: float,
+    port_base: int | None,
+    checkpoint_root: str | None = None,
+    store_env: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
     """Start the deployment, run the scenario, stop every server; the summary, or None after Ctrl-C/SIGTERM.
 
     Ctrl-C never raises ``KeyboardInterrupt`` here: raised at an arbitrary point (while asyncio
@@ -202,7 +218,12 @@ def _run(work: Path, rollouts: int, every: float, port_base: int | None, checkpo
 
 
 async def _scenario(
-    deployment: Deployment, work: Path, token: str, rollouts: int, every: float, stop: threading.Event,
+    deployment: Deployment,
+    work: Path,
+    token: str,
+    rollouts: int,
+    every: float,
+    stop: threading.Event,
     checkpoint_root: str | None = None,
 ) -> dict[str, Any] | None:
     task = asyncio.current_task()
@@ -222,10 +243,13 @@ async def _scenario(
         started = time.monotonic()
         await asyncio.to_thread(deployment.start, abort=stop)
         ports = sorted(int(url.rsplit(":", 1)[1]) for url in deployment.urls.values())
-        _say(f"5 processes ready in {time.monotonic() - started:.1f}s on 127.0.0.1:{ports[0]}-{ports[-1]}: "
-             f"{', '.join(sorted(deployment.urls))}")
-        return await run_collect_story(deployment, work, token, rollouts, every=every, say=_say,
-                                       checkpoint_root=checkpoint_root)
+        _say(
+            f"5 processes ready in {time.monotonic() - started:.1f}s on 127.0.0.1:{ports[0]}-{ports[-1]}: "
+            f"{', '.join(sorted(deployment.urls))}"
+        )
+        return await run_collect_story(
+            deployment, work, token, rollouts, every=every, say=_say, checkpoint_root=checkpoint_root
+        )
     except (asyncio.CancelledError, DeploymentAborted):
         if stop.is_set():
             return None

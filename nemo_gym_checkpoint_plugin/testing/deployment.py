@@ -153,8 +153,15 @@ class Deployment:
         self.log_dir = log_dir
         self.extra_env = dict(extra_env or {})
         self.config = build_gym_config(
-            port_base, self.work_dir, checkpoint=checkpoint, entrypoints=entrypoints, model=model,
-            resources=resources, gym_settings=gym_settings, replicas=replicas, environment=environment,
+            port_base,
+            self.work_dir,
+            checkpoint=checkpoint,
+            entrypoints=entrypoints,
+            model=model,
+            resources=resources,
+            gym_settings=gym_settings,
+            replicas=replicas,
+            environment=environment,
         )
         self.replicas = replicas
         self.config_yaml: str = OmegaConf.to_yaml(self.config)
@@ -162,8 +169,11 @@ class Deployment:
         backend = backend_spec(port_base + PORT_OFFSETS[BACKEND], self.work_dir, python)
         names = gym_servers(replicas)
         # A replica runs from its first replica's directory unless given its own.
-        dirs = {replica_name(name, i): path for name, path in (server_dirs or {}).items()
-                for i in range(1, (replicas if name in REPLICATED else 1) + 1)}
+        dirs = {
+            replica_name(name, i): path
+            for name, path in (server_dirs or {}).items()
+            for i in range(1, (replicas if name in REPLICATED else 1) + 1)
+        }
         self.specs = [backend, *gym_specs(self.config, self.config_yaml, dirs, python, names)]
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 

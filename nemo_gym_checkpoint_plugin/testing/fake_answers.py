@@ -152,8 +152,11 @@ class Deltas:
             self._tool_text = []
             call = self.answer.tool_calls[self._calls]
             self._calls += 1
-            return {"tool_calls": [{"index": self._calls - 1, "id": call["id"], "type": "function",
-                                    "function": dict(call["function"])}]}
+            return {
+                "tool_calls": [
+                    {"index": self._calls - 1, "id": call["id"], "type": "function", "function": dict(call["function"])}
+                ]
+            }
         if self.reasoning_parser and position == 0 and word == "<think>":
             self._mode = "reasoning"
             return {}

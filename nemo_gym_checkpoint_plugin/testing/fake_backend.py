@@ -70,7 +70,7 @@ import itertools
 import os
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -83,13 +83,19 @@ from .fake_generation import ChatGeneration, CompletionGeneration
 from .fake_staging import StagingDir, stage_completion
 from .fake_tokens import decode_prompt
 
-__all__ = ["DEFAULT_MODEL", "FINAL_ANSWER", "FakeBackendState", "HeldCall", "conversation_of", "create_app",
-           "tool_rounds"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "FINAL_ANSWER",
+    "FakeBackendState",
+    "HeldCall",
+    "conversation_of",
+    "create_app",
+    "tool_rounds",
+]
 
 DEFAULT_MODEL = "fake-model"
 # The directory the backend stages admitted calls into when --staging-dir is not given.
 STAGING_DIR_ENV = "NG_FAKE_STAGING_DIR"
-T = TypeVar("T")
 
 
 async def _wait_released(request: Request, state: FakeBackendState, call: HeldCall) -> bool:
@@ -110,7 +116,7 @@ async def _wait_released(request: Request, state: FakeBackendState, call: HeldCa
     return False
 
 
-async def _unless_gone(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+async def _unless_gone[T](request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
     """``(True, result)`` of ``work``, or ``(False, None)`` when the client went away first (``work`` is cancelled)."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(disconnected(request))
@@ -167,8 +173,12 @@ def _event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 def create_app(
-    state: FakeBackendState | None = None, model: str = DEFAULT_MODEL, staging_dir: str | Path | None = None,
-    *, reasoning_parser: bool = False, dev_routes: bool = True,
+    state: FakeBackendState | None = None,
+    model: str = DEFAULT_MODEL,
+    staging_dir: str | Path | None = None,
+    *,
+    reasoning_parser: bool = False,
+    dev_routes: bool = True,
 ) -> FastAPI:
     """The backend's ASGI app; ``state`` is exposed as ``app.state.fake`` for in-process tests."""
     state = state or FakeBackendState()
@@ -272,20 +282,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--staging-dir", default=None,
-                        help=f"where calls admitted for external token staging are staged (default ${STAGING_DIR_ENV} "
-                             "or ./fake-staging)")
-    parser.add_argument("--reasoning-parser", action="store_true",
-                        help="split <think> reasoning off the answer, as vLLM's --reasoning-parser does")
-    parser.add_argument("--no-dev-routes", action="store_true",
-                        help="serve no /pause, /resume, /is_paused (vLLM without VLLM_SERVER_DEV_MODE)")
-    parser.add_argument("--tokens-per-second", type=float, default=0.0,
-                        help="generate tokens one by one at this rate (default 0: as fast as possible)")
+    parser.add_argument(
+        "--staging-dir",
+        default=None,
+        help=f"where calls admitted for external token staging are staged (default ${STAGING_DIR_ENV} "
+        "or ./fake-staging)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        action="store_true",
+        help="split <think> reasoning off the answer, as vLLM's --reasoning-parser does",
+    )
+    parser.add_argument(
+        "--no-dev-routes",
+        action="store_true",
+        help="serve no /pause, /resume, /is_paused (vLLM without VLLM_SERVER_DEV_MODE)",
+    )
+    parser.add_argument(
+        "--tokens-per-second",
+        type=float,
+        default=0.0,
+        help="generate tokens one by one at this rate (default 0: as fast as possible)",
+    )
     args = parser.parse_args(argv)
     state = FakeBackendState()
     state.tokens_per_second = args.tokens_per_second
-    app = create_app(state, model=args.model, staging_dir=args.staging_dir, reasoning_parser=args.reasoning_parser,
-                     dev_routes=not args.no_dev_routes)
+    app = create_app(
+        state,
+        model=args.model,
+        staging_dir=args.staging_dir,
+        reasoning_parser=args.reasoning_parser,
+        dev_routes=not args.no_dev_routes,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -44,7 +44,12 @@ class _Generation:
     """The tokens of ``answer`` from ``start`` on, produced at the backend's rate; ``max_tokens`` caps them."""
 
     def __init__(
-        self, state: FakeBackendState, body: dict[str, Any], answer: Answer, conversation: str, start: int,
+        self,
+        state: FakeBackendState,
+        body: dict[str, Any],
+        answer: Answer,
+        conversation: str,
+        start: int,
         max_tokens: int | None,
     ) -> None:
         self.state = state
@@ -85,7 +90,12 @@ class ChatGeneration(_Generation):
     """``/v1/chat/completions``: the answer from its first token, parsed as ``--tool-call-parser hermes`` would."""
 
     def __init__(
-        self, state: FakeBackendState, body: dict[str, Any], answer: Answer, conversation: str, step: int,
+        self,
+        state: FakeBackendState,
+        body: dict[str, Any],
+        answer: Answer,
+        conversation: str,
+        step: int,
         reasoning_parser: bool,
     ) -> None:
         super().__init__(state, body, answer, conversation, 0, _limit(body, "max_completion_tokens", "max_tokens"))
@@ -106,8 +116,12 @@ class ChatGeneration(_Generation):
 
     def _logprob(self, position: int) -> dict[str, Any]:
         token = self.token_text(position)
-        return {"token": token, "logprob": logprob_at(position, self.answer.tokens[position]),
-                "bytes": list(token.encode()), "top_logprobs": []}
+        return {
+            "token": token,
+            "logprob": logprob_at(position, self.answer.tokens[position]),
+            "bytes": list(token.encode()),
+            "top_logprobs": [],
+        }
 
     def _end_delta(self) -> dict[str, Any]:
         return self.deltas.unfinished() if self.end < len(self.answer) else {}
@@ -119,12 +133,18 @@ class ChatGeneration(_Generation):
             entries.append(self._logprob(position))
         deltas.append(self._end_delta())
         choice: dict[str, Any] = {
-            "index": 0, "message": message_of(deltas), "finish_reason": self.finish_reason,
+            "index": 0,
+            "message": message_of(deltas),
+            "finish_reason": self.finish_reason,
             "logprobs": {"content": entries} if self.logprobs else None,
         }
         completion: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-            "choices": [choice], "usage": self.usage(self.prompt_length),
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(self.prompt_length),
         }
         if self.token_ids:
             completion["prompt_token_ids"] = list(self.prompt)
@@ -135,18 +155,28 @@ class ChatGeneration(_Generation):
         """``completion`` as the worker itself sees it: with its prompt's and generation's token ids and logprobs."""
         choice = dict(completion["choices"][0])
         positions = range(self.start, self.end)
-        choice["logprobs"] = {"content": [{"token": f"token_id:{self.answer.tokens[p]}",
-                                           "logprob": logprob_at(p, self.answer.tokens[p])} for p in positions]}
+        choice["logprobs"] = {
+            "content": [
+                {"token": f"token_id:{self.answer.tokens[p]}", "logprob": logprob_at(p, self.answer.tokens[p])}
+                for p in positions
+            ]
+        }
         choice["token_ids"] = self.answer.tokens[self.start : self.end]
         return {**completion, "prompt_token_ids": list(self.prompt), "choices": [choice]}
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     async def stream(self) -> AsyncIterator[bytes]:
-        first = self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
+        first = self._chunk(
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        )
         if self.token_ids:
             first["prompt_token_ids"] = list(self.prompt)
         yield _sse(first)
@@ -156,8 +186,12 @@ class ChatGeneration(_Generation):
             if last:
                 delta = {**delta, **self._end_delta()}
             logprobs = {"content": [self._logprob(position)]} if self.logprobs else None
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": self.finish_reason if last else None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason if last else None,
+            }
             if self.token_ids:
                 choice["token_ids"] = [self.answer.tokens[position]]
             yield _sse(self._chunk(choice))
@@ -170,8 +204,14 @@ class CompletionGeneration(_Generation):
     """``/v1/completions`` with a token-id prompt: the rest of the answer after the tokens the prompt ends with."""
 
     def __init__(
-        self, state: FakeBackendState, body: dict[str, Any], answer: Answer, conversation: str, start: int,
-        prompt: list[int], serial: int,
+        self,
+        state: FakeBackendState,
+        body: dict[str, Any],
+        answer: Answer,
+        conversation: str,
+        start: int,
+        prompt: list[int],
+        serial: int,
     ) -> None:
         super().__init__(state, body, answer, conversation, start, _limit(body, "max_tokens"))
         self.id = f"cmpl-fake-{serial}"
@@ -189,9 +229,12 @@ class CompletionGeneration(_Generation):
                 offsets.append(at)
                 at += len(self.answer.pieces[p])
             lps = [logprob_at(p, self.answer.tokens[p]) for p in positions]
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps,
-                                  "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)],
-                                  "text_offset": offsets}
+            choice["logprobs"] = {
+                "tokens": tokens,
+                "token_logprobs": lps,
+                "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps, strict=True)],
+                "text_offset": offsets,
+            }
         if self.token_ids:
             choice["token_ids"] = [self.answer.tokens[p] for p in positions]
             if first:
@@ -199,8 +242,13 @@ class CompletionGeneration(_Generation):
         return choice
 
     def _completion(self, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     async def whole(self) -> dict[str, Any]:
         positions = [position async for position in self.produce()]

@@ -112,6 +112,7 @@ def port_span(replicas: int = 1) -> int:
     _check_replicas(replicas)
     return PORT_SPAN + len(REPLICATED) * (replicas - 1)
 
+
 # Each shipped YAML supplies its server's defaults; the overrides below only bind names, ports and the backend.
 _SHIPPED_CONFIGS = (
     "responses_api_models/vllm_model/configs/vllm_model.yaml",
@@ -196,8 +197,12 @@ def build_gym_config(
         "policy_model_name": FAKE_MODEL_NAME,
         MODEL: {
             "responses_api_models": {
-                "vllm_model": {**port(MODEL), "return_token_id_information": False, "uses_reasoning_parser": False,
-                               **(model or {})}
+                "vllm_model": {
+                    **port(MODEL),
+                    "return_token_id_information": False,
+                    "uses_reasoning_parser": False,
+                    **(model or {}),
+                }
             }
         },
         AGENT: {"responses_api_agents": {"simple_agent": {**port(AGENT), "resources_server": resources_ref}}},

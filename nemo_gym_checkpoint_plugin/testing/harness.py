@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 
@@ -38,13 +38,12 @@ __all__ = [
     "wait_until_async",
 ]
 
-T = TypeVar("T")
 _POLL_SECONDS = 0.05
 # The control token every harness deployment's servers read from ``TOKEN_ENV`` (unless the caller sets one).
 HARNESS_TOKEN = "gym-harness-token"
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
+def wait_until[T](predicate: Callable[[], T], timeout: float, what: str) -> T:
     """Poll ``predicate`` until it returns something truthy; ``AssertionError`` naming ``what`` after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -56,7 +55,7 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str) -> T:
         time.sleep(_POLL_SECONDS)  # wait-ok: poll interval of a bounded wait on a condition
 
 
-async def wait_until_async(predicate: Callable[[], Awaitable[T]], timeout: float, what: str) -> T:
+async def wait_until_async[T](predicate: Callable[[], Awaitable[T]], timeout: float, what: str) -> T:
     """``wait_until`` for an async predicate, yielding to the event loop between polls."""
     deadline = time.monotonic() + timeout
     while True:
@@ -226,4 +225,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-

@@ -49,8 +49,10 @@ class InProcessServer:
         """The plugin registered under ``name`` (an entry-point plugin's name); ``LookupError`` if absent."""
         found = self.control.pm.get_plugin(name)
         if found is None:
-            raise LookupError(f"no checkpoint plugin named {name!r} on this server; registered: "
-                              f"{sorted(n for n, _p in self.control.pm.list_name_plugin())}")
+            raise LookupError(
+                f"no checkpoint plugin named {name!r} on this server; registered: "
+                f"{sorted(n for n, _p in self.control.pm.list_name_plugin())}"
+            )
         return found
 
     def client(self, cookies: Any = None) -> Any:
@@ -90,11 +92,13 @@ def build_server(
 
     derived = derive_checkpointable(server_class)
     inner = {"host": "127.0.0.1", "port": 1, "entrypoint": "app.py", "domain": "other", **(block or {})}
-    global_config = OmegaConf.create({
-        name: {_KIND_KEYS[kind]: {name: inner}},
-        "checkpoint": {"enabled": True, "control_auth_token_env": token_env, **(checkpoint or {})},
-        "head_server": {"host": "127.0.0.1", "port": 2},
-    })
+    global_config = OmegaConf.create(
+        {
+            name: {_KIND_KEYS[kind]: {name: inner}},
+            "checkpoint": {"enabled": True, "control_auth_token_env": token_env, **(checkpoint or {})},
+            "head_server": {"host": "127.0.0.1", "port": 2},
+        }
+    )
     head = BaseServerConfig(host="127.0.0.1", port=2)
     client = ServerClient(head_server_config=head, global_config_dict=global_config)
     config_cls = derived.model_fields["config"].annotation

@@ -49,7 +49,10 @@ class ProcessSpec:
 
 
 def gym_specs(
-    config: Any, config_yaml: str, server_dirs: Mapping[str, Path] | None = None, python: str = sys.executable,
+    config: Any,
+    config_yaml: str,
+    server_dirs: Mapping[str, Path] | None = None,
+    python: str = sys.executable,
     names: tuple[str, ...] = GYM_SERVERS,
 ) -> list[ProcessSpec]:
     """One spec per server of ``names`` in ``config`` (``config_yaml`` is its YAML).
@@ -95,8 +98,7 @@ def backend_spec(port: int, work_dir: Path, python: str = sys.executable) -> Pro
     return ProcessSpec(
         name=BACKEND,
         # -m, cwd the work dir: this package's directory never lands first on the backend's sys.path.
-        argv=(python, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port),
-              "--model", FAKE_MODEL_NAME),
+        argv=(python, "-m", FAKE_BACKEND_MODULE, "--host", HOST, "--port", str(port), "--model", FAKE_MODEL_NAME),
         cwd=work_dir,
         env={},
         url=f"http://{HOST}:{port}",

@@ -93,7 +93,6 @@ def gym_deployment_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator
             deployment.stop()
 
 
-
 @pytest_asyncio.fixture
 async def participant_servers(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Callable[..., Any]]:
     """``make(server_class, name=..., block=...)``: ``inprocess.build_server`` with a control token set.

@@ -43,8 +43,16 @@ def _free_port(host: str) -> int:
 class LocalS3Server:
     """moto's S3 server on ``host``:<free port>, with ``bucket`` created; ``env`` reaches it."""
 
-    def __init__(self, *, bucket: str = "ng-checkpoint", host: str = "127.0.0.1", port: int | None = None,
-                 log: Path | None = None, popen: Any = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        bucket: str = "ng-checkpoint",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log: Path | None = None,
+        popen: Any = None,
+        timeout: float = 60.0,
+    ) -> None:
         self.bucket = bucket
         self.host = host
         self.port = port or _free_port(host)
@@ -83,7 +91,10 @@ class LocalS3Server:
         try:
             self.process = self._popen(
                 [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, **self.env},
             )
         finally:
@@ -117,7 +128,8 @@ class LocalS3Server:
             except OSError:
                 if time.monotonic() > deadline:
                     raise S3ServerError(
-                        f"the S3 server did not answer on {self.endpoint} in {self._timeout}s") from None
+                        f"the S3 server did not answer on {self.endpoint} in {self._timeout}s"
+                    ) from None
             time.sleep(0.05)  # wait-ok: poll interval of a bounded wait on the server answering
 
     def stop(self) -> None:

@@ -80,13 +80,15 @@ class TallyCheckpoint:
             episode = _episode(tally)
             if not tally.checkpointable or (scope is not None and episode.capture_key not in scope):
                 continue  # never export a restart; only episodes in scope
-            records.append({
-                "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
-                "session_id": session_id,
-                "resources_session_id": tally.resources_session_id,
-                "target": tally.target,
-                "total": tally.total,
-            })
+            records.append(
+                {
+                    "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                    "session_id": session_id,
+                    "resources_session_id": tally.resources_session_id,
+                    "target": tally.target,
+                    "total": tally.total,
+                }
+            )
         return ParticipantExport(records=records)
 
     # -- restore -------------------------------------------------------------------------------

@@ -20,8 +20,14 @@ SEED = {
 VERIFY = {
     "responses_create_params": {"input": [{"role": "user", "content": "add"}]},
     "response": {
-        "id": "r", "created_at": 0.0, "model": "m", "object": "response", "parallel_tool_calls": True,
-        "tool_choice": "auto", "tools": [], "output": [],
+        "id": "r",
+        "created_at": 0.0,
+        "model": "m",
+        "object": "response",
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "output": [],
     },
 }
 

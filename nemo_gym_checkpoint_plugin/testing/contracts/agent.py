@@ -171,9 +171,7 @@ class TestAgentContract(ParticipantContract):
         assert harness.turn_result_ok(await asyncio.wait_for(turn, _BOUND_SECONDS))
         assert harness.tool_calls(episode) == harness.rounds
 
-    async def test_mid_turn_a_tool_call_in_flight_blocks_until_it_is_recorded(
-        self, make_harness: MakeHarness
-    ) -> None:
+    async def test_mid_turn_a_tool_call_in_flight_blocks_until_it_is_recorded(self, make_harness: MakeHarness) -> None:
         harness = await self._mid_turn(make_harness)
         episode = _episode("tooling")
         await harness.start(episode)
