@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PORT_BASE ?= 18000
 
-.PHONY: setup test test-fast demo demo-s3 serve bench lint clean
+.PHONY: setup test test-fast fuzz demo demo-s3 serve bench lint clean
 
 setup:
 	@./scripts/setup.sh
@@ -13,6 +13,13 @@ test: setup
 # The in-process tests only (no real server processes, marked `slow`): the quick lane while working.
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
+
+# The property tests with fresh examples each run (CI draws the same ones every time: tests/conftest.py).
+PROPERTY_TESTS := tests/test_attempts.py tests/test_control_stateful.py tests/test_fuzz_routes.py \
+	tests/test_identity.py tests/test_routes_limits.py tests/test_storage_codec.py tests/test_storage_fuzz.py \
+	tests/test_storage_pipeline.py
+fuzz: setup
+	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS)
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 demo: setup
