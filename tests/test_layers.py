@@ -18,6 +18,7 @@ RUNTIME = tuple(
     f"{PACKAGE}.{name}"
     for name in (
         "_control",
+        "_workers",
         "_gate",
         "_explicit_ids",
         "_routes",

@@ -1,0 +1,19 @@
+"""Servers with several uvicorn workers (``num_workers > 1``): one participant per server.
+
+docs/protocol.md, "Several workers". A coordinator in the server's main process owns the
+checkpoint state; each uvicorn worker talks to it over a Unix socket in the main process's
+runtime directory. The pieces, lowest first:
+
+- ``runtime_dir``: the per-process directory under ``/tmp`` that holds the sockets, and the
+  sweep of directories left behind by dead servers;
+- ``link``: framed request/reply messages over one Unix socket connection, both ways, with
+  typed errors (``LinkError``) for a message that cannot be sent, a peer that disconnects
+  and a reply that never comes;
+- ``roster``: the coordinator's view of the workers (registration with the current state, losses,
+  the readiness blockers they make, broadcasts).
+
+Not wired into a server yet: a server with ``num_workers > 1`` still reports ``unmanaged``
+(``_attach.UnmanagedWorkers``); docs/protocol.md, section 9a, lists what is still to come.
+"""
+
+from __future__ import annotations
