@@ -22,7 +22,7 @@ its own records (see ``export`` and ``install``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin._markers import hookspec
@@ -159,7 +159,7 @@ def delete_restored(episode_ids: list[EpisodeId]) -> None:
 
 @hookspec
 def install(
-    checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
+    checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: Sequence[EpisodeId]
 ) -> None:
     """Install restored records as their replacement attempts (``checkpointed.attempt + 1``).
 

@@ -69,7 +69,7 @@ async def test_a_commit_past_its_deadline_stops_its_write_and_a_retry_writes_the
     assert reply.status_code == 409 and reply.json()["error"]["code"] == "deadline_exceeded", reply.text
     assert "nothing is published after this reply" in reply.json()["error"]["detail"]
     release.set()  # the writer thread goes on: it must quit without publishing
-    commit = h.plane._active.commit
+    commit = h.plane.state.active.commit
     assert commit is not None
     await wait_until(commit.task.done, 10, "the stopped write to end")
     assert not done.is_set()  # it quit before the next record: the rest of the export is kept for a retry
@@ -91,7 +91,7 @@ async def test_a_retry_while_the_stopped_write_still_runs_waits_for_it_then_writ
     late = asyncio.create_task(h.post("commit", _body(h, 0.5)))
     await asyncio.wait_for(first_written.wait(), 10)
     assert (await late).json()["error"]["code"] == "deadline_exceeded"
-    stopped = h.plane._active.writer
+    stopped = h.plane.state.active.writer
     retry = asyncio.create_task(h.call("commit", **_body(h, 20)))
     await asyncio.sleep(0)
     assert not retry.done() and not _published(h)
@@ -99,7 +99,7 @@ async def test_a_retry_while_the_stopped_write_still_runs_waits_for_it_then_writ
     committed = await retry
     assert committed["phase"] == "committed" and _published(h) and done.is_set()
     # Published by a write of its own, once the stopped one ended: never by the write the deadline stopped.
-    assert stopped.stopped and h.plane._active.writer is not stopped
+    assert stopped.stopped and h.plane.state.active.writer is not stopped
     assert [r["episode_id"]["rollout_id"] for r in _records(h)] == ["r1", "r2"]
 
 
@@ -110,7 +110,7 @@ async def test_a_deadline_reached_while_it_still_exports_stops_the_write_before_
     await asyncio.wait_for(gate.entered.wait(), 10)
     assert (await late).json()["error"]["code"] == "deadline_exceeded"
     gate.release()
-    commit = h.plane._active.commit  # the one task exporting and writing
+    commit = h.plane.state.active.commit  # the one task exporting and writing
     assert commit is not None
     await wait_until(commit.task.done, 10, "the export and its (stopped) write to end")
     assert not _published(h)
@@ -126,6 +126,6 @@ async def test_a_retry_while_the_export_still_runs_lets_that_write_publish(h: Ha
     await asyncio.wait_for(gate.entered.wait(), 10)
     assert (await late).json()["error"]["code"] == "deadline_exceeded"
     retry = asyncio.create_task(h.call("commit", **_body(h, 10)))
-    await wait_until(lambda: not h.plane._active.writes_stopped, 10, "the retry to let the write go on")
+    await wait_until(lambda: not h.plane.state.active.writes_stopped, 10, "the retry to let the write go on")
     gate.release()
     assert (await retry)["phase"] == "committed" and _published(h)

@@ -172,7 +172,7 @@ async def _scenario(tmp: Path, sequence: list[dict[str, Any]]) -> None:
                 assert isinstance(response.json(), dict)
         # Whatever happened, the control plane still answers and phase and admission agree.
         status = (await harness.client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)).json()
-        if status["phase"] == "idle" and harness.plane._install_task is None:
+        if status["phase"] == "idle" and harness.plane.state.install_task is None:
             assert harness.plane.admission.is_open
         elif status["phase"] != "idle":
             assert not harness.plane.admission.is_open

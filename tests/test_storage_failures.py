@@ -165,5 +165,5 @@ def test_max_record_bytes_is_validated_and_reaches_the_backend() -> None:
         settings_from_global_config({"checkpoint": {"storage": {"max_record_bytes": 0}}})
     settings = settings_from_global_config({"checkpoint": {"enabled": True, "storage": {"max_record_bytes": 4096}}})
     plane = ControlPlane(make_plugin_manager(load_entry_points=False), kind="model", instance="m", settings=settings)
-    assert plane._storage.max_record_bytes == 4096
+    assert plane.storage.max_record_bytes == 4096
     assert CheckpointSettings().storage.max_record_bytes == 64 << 20

@@ -49,11 +49,12 @@ from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
 
 from .._types import Phase, sorted_keys
 from .memory import Active, KeptExport, Replay
+from .state import PlaneState
 
 if TYPE_CHECKING:
-    from .plane import ControlPlane
+    from nemo_gym_checkpoint_plugin.api import StorageBackend
 
-__all__ = ["CommitMixin"]
+__all__ = ["Committer"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,23 +87,31 @@ def _raise(error: BaseException, cause: BaseException) -> NoReturn:
     raise error from cause
 
 
-class CommitMixin:
+class Committer:
+    """The plane's commits: ``state`` is the plane's, ``storage`` writes this participant's checkpoints."""
+
+    def __init__(self, state: PlaneState, storage: StorageBackend, kind: str, instance: str) -> None:
+        self._state = state
+        self._storage = storage
+        self.kind = kind
+        self.instance = instance
+
     async def commit(
-        self: ControlPlane,
+        self,
         checkpoint_id: str,
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
         stop: bool = False,
     ) -> dict[str, Any]:
-        self._check_deadline(deadline_ts)
+        self._state.check_deadline(deadline_ts)
         scope = sorted_keys(episode_ids)
         args = (normalize_checkpoint_dir(checkpoint_dir), scope, bool(stop))
-        async with self._lock:
-            active = self._fence(checkpoint_id)
+        async with self._state.lock:
+            active = self._state.fence(checkpoint_id)
             if active is None or active.operation != "checkpoint":
-                raise InvalidPhase(f"commit of {checkpoint_id} needs it prepared; phase is {self.phase}")
-            self.lease.extend(deadline_ts)
+                raise InvalidPhase(f"commit of {checkpoint_id} needs it prepared; phase is {self._state.phase}")
+            self._state.lease.extend(deadline_ts)
             previous = active.commit
             if active.export_error is not None and (previous is None or previous.task.done()):
                 # docs/protocol.md: every later commit of the id gets export_failed, whatever its arguments.
@@ -113,7 +122,7 @@ class CommitMixin:
                 previous.check_args("commit", checkpoint_id, args, any_dir=True)
                 active.write_error = None
                 active.writes_stopped = False
-                task = self._spawn(self._write(active, args), active)
+                task = self._state.spawn(self._write(active, args), active)
                 active.commit = Replay(args, task)
             elif previous is not None and active.writes_stopped and not previous.task.done():
                 previous.check_args("commit", checkpoint_id, args, any_dir=active.writer is not None)
@@ -122,7 +131,7 @@ class CommitMixin:
                     active.writes_stopped = False
                     task = previous.task
                 else:
-                    task = self._spawn(self._write_after(active, previous.task, args), active)
+                    task = self._state.spawn(self._write_after(active, previous.task, args), active)
                     active.commit = Replay(args, task)
             elif previous is not None:
                 previous.check_args("commit", checkpoint_id, args)
@@ -130,26 +139,24 @@ class CommitMixin:
             else:
                 task = await self._start_commit(active, args)
         try:
-            reply = await self._joined(task, deadline_ts, f"commit of {checkpoint_id}")
+            reply = await self._state.joined(task, deadline_ts, f"commit of {checkpoint_id}")
         except DeadlineExceeded:
             reply = await self._stop_late_write(active, task, deadline_ts)
         cleanup = active.cleanup_task
         if cleanup is not None and not cleanup.done():
             # The write is durable: the commit succeeded even if cleanup outlives the deadline (resume waits).
             try:
-                await asyncio.wait_for(asyncio.shield(cleanup), self._remaining(deadline_ts))
+                await asyncio.wait_for(asyncio.shield(cleanup), self._state.remaining(deadline_ts))
             except TimeoutError:
                 logger.warning("commit of %s: restored-state cleanup still running at its deadline", checkpoint_id)
         return reply
 
-    async def _stop_late_write(
-        self: ControlPlane, active: Active, task: asyncio.Task[Any], deadline_ts: float
-    ) -> dict[str, Any]:
+    async def _stop_late_write(self, active: Active, task: asyncio.Task[Any], deadline_ts: float) -> dict[str, Any]:
         """The deadline passed first: stop the write (no manifest after this reply), or reply the published one."""
         checkpoint_id = active.checkpoint_id
-        async with self._lock:
+        async with self._state.lock:
             published = False
-            if not task.done() and self._active is active:
+            if not task.done() and self._state.active is active:
                 active.writes_stopped = True
                 if active.writer is not None:
                     published = active.writer.stop()
@@ -165,12 +172,10 @@ class CommitMixin:
             deadline_ts=deadline_ts,
         )
 
-    async def _write_after(
-        self: ControlPlane, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...]
-    ) -> dict[str, Any]:
+    async def _write_after(self, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...]) -> dict[str, Any]:
         """A retry after a deadline stopped the write: wait for that write to end, then write again."""
         await asyncio.wait([stopped])
-        async with self._lock:
+        async with self._state.lock:
             if stopped.cancelled():
                 raise StaleCheckpoint(f"the write of {active.checkpoint_id} was aborted by a resume")
             error = stopped.exception()
@@ -182,11 +187,11 @@ class CommitMixin:
             active.writes_stopped = False
         return await self._write(active, args)
 
-    async def _start_commit(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> asyncio.Task[Any]:
+    async def _start_commit(self, active: Active, args: tuple[Any, ...]) -> asyncio.Task[Any]:
         """The first commit of ``active`` (under the lock): check phase, scope and readiness, start the export."""
         checkpoint_id, scope = active.checkpoint_id, args[1]
-        if self.phase is not Phase.PREPARED:
-            raise InvalidPhase(f"commit of {checkpoint_id} needs phase prepared; phase is {self.phase}")
+        if self._state.phase is not Phase.PREPARED:
+            raise InvalidPhase(f"commit of {checkpoint_id} needs phase prepared; phase is {self._state.phase}")
         assert active.report is not None
         restarts = sorted(set(scope or ()) & set(active.report.restarts))
         if restarts:
@@ -195,7 +200,7 @@ class CommitMixin:
                 f"{', '.join(restarts[:10])}",
                 episodes=restarts,
             )
-        now = await self.participants.ready(checkpoint_id)
+        now = await self._state.participants.ready(checkpoint_id)
         if not now.ready:
             # Final (docs/protocol.md "Errors"): a later retry would export a later cut than the other participants'.
             active.export_error = ExportFailed(
@@ -204,22 +209,22 @@ class CommitMixin:
                 blockers=list(now.blockers[:100]),
             )
             raise active.export_error
-        task = self._spawn(self._export_and_write(active, args), active)
+        task = self._state.spawn(self._export_and_write(active, args), active)
         active.commit = Replay(args, task)
         return task
 
-    async def _export_and_write(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
+    async def _export_and_write(self, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
         # Export and encoding make tens of containers per record: paused, the collector neither traverses
         # them again and again nor walks the whole heap (a server holding 8,000 rollouts: ~700 MB) in a
         # full collection while the controller waits; it collects after, when its thresholds say so.
         with collector_paused():
             return await self._export_and_write_unpaused(active, args)
 
-    async def _export_and_write_unpaused(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
+    async def _export_and_write_unpaused(self, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
         checkpoint_id = active.checkpoint_id
         scope = None if args[1] is None else frozenset(args[1])
         try:
-            exported = await self.participants.export(checkpoint_id, scope)
+            exported = await self._state.participants.export(checkpoint_id, scope)
         except BaseException as exc:
             _raise(self._export_failed(active, exc), exc)
         written: list[str] = []
@@ -229,7 +234,7 @@ class CommitMixin:
         active.kept.written = written
         return await self._write(active, args)
 
-    async def _write(self: ControlPlane, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
+    async def _write(self, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
         """Store the kept export into ``args``' directory; a ``WriteFailed`` keeps it for a retry."""
         checkpoint_dir, scope_keys, stop = args
         checkpoint_id = active.checkpoint_id
@@ -261,13 +266,13 @@ class CommitMixin:
         scope = None if scope_keys is None else frozenset(scope_keys)
         reply: dict[str, Any] = {k: v for k, v in kept.reply_extras.items() if k not in _REPLY_FIELDS}
         reply.update(phase=Phase.COMMITTED.value, manifest=manifest, episode_ids=written)
-        async with self._lock:
-            if self._active is active:
-                self.phase = Phase.COMMITTED
-                active.cleanup_task = self._spawn(self._after_write(checkpoint_id, scope, stop, written))
+        async with self._state.lock:
+            if self._state.active is active:
+                self._state.phase = Phase.COMMITTED
+                active.cleanup_task = self._state.spawn(self._after_write(checkpoint_id, scope, stop, written))
         return reply
 
-    def _export_failed(self: ControlPlane, active: Active, exc: BaseException) -> BaseException:
+    def _export_failed(self, active: Active, exc: BaseException) -> BaseException:
         """Note that ``active``'s export failed for good; return what this commit raises."""
         checkpoint_id = active.checkpoint_id
         if isinstance(exc, asyncio.CancelledError):
@@ -288,17 +293,17 @@ class CommitMixin:
         return active.export_error
 
     async def _after_write(
-        self: ControlPlane, checkpoint_id: str, scope: frozenset[str] | None, stop: bool, written: list[str]
+        self, checkpoint_id: str, scope: frozenset[str] | None, stop: bool, written: list[str]
     ) -> None:
         if scope is not None:
             try:
-                leftover = sorted((await self.participants.restored_pending()) - scope)
+                leftover = sorted((await self._state.participants.restored_pending()) - scope)
                 if leftover:
-                    await self.participants.delete_restored([from_capture_key(key) for key in leftover])
+                    await self._state.participants.delete_restored([from_capture_key(key) for key in leftover])
             except Exception:
                 logger.exception("commit of %s: deleting restored episodes outside its scope failed", checkpoint_id)
         if stop:
             try:
-                await self.participants.release_exported(checkpoint_id, list(written))
+                await self._state.participants.release_exported(checkpoint_id, list(written))
             except Exception:
                 logger.exception("commit of %s with stop: freeing exported state failed", checkpoint_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pluggy
@@ -217,7 +217,7 @@ class Participants:
         checkpoint_id: str,
         manifest: Mapping[str, Any],
         records: list[RestoredRecord],
-        scope: list[EpisodeId],
+        scope: Sequence[EpisodeId],
     ) -> None:
         """Hand each plugin its own records and the whole ``scope`` (replacement attempts)."""
         self.check_owners(records)

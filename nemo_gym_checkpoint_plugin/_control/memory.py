@@ -49,7 +49,7 @@ class Replay:
     """One remembered operation: its arguments, the task doing it, then its reply or its error."""
 
     args: tuple[Any, ...]
-    task: asyncio.Future[dict[str, Any]]
+    task: asyncio.Task[dict[str, Any]]
 
     def check_args(self, operation: str, checkpoint_id: str, args: tuple[Any, ...], *, any_dir: bool = False) -> None:
         """Refuse other arguments (``checkpoint_conflict``); ``any_dir``: the directory (``args[0]``) may differ."""

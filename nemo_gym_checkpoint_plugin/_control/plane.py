@@ -20,8 +20,10 @@ docs/protocol.md's "Phases" section, exactly:
   ``MAX_DEADLINE_AHEAD_SECONDS`` (24 hours) ahead (else ``DeadlineTooFar``, a 422 body error on
   the routes): a deadline in milliseconds would make the lease endless.
 
-This module holds the state and the checkpoint path (prepare, commit, renew, resume,
-status); ``restore.py`` adds restore, retire and forget.
+The plane is composed, not inherited: ``state.py`` holds the shared state and the moves
+between phases (the rules above), this module the checkpoint path (prepare, renew, resume,
+status, owner); it holds a ``Committer`` (``commit.py``) and a ``Restorer`` (``restore.py``:
+restore, retire, forget), each built on the same ``PlaneState``. Neither imports this module.
 """
 
 from __future__ import annotations
@@ -29,54 +31,45 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
-from nemo_gym_checkpoint_plugin._collector import hold_heap
-from nemo_gym_checkpoint_plugin._errors import (
-    CheckpointConflict,
-    DeadlineExceeded,
-    InvalidPhase,
-    StaleCheckpoint,
-)
+from nemo_gym_checkpoint_plugin._errors import DeadlineExceeded, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 
-from .._types import (
-    MAX_DEADLINE_AHEAD_SECONDS,
-    AdmissionNotReopened,
-    DeadlineTooFar,
-    LeasePolicy,
-    Phase,
-    PrepareReport,
-    rollout_attempts,
-)
-from .commit import CommitMixin
+from .._types import LeasePolicy, Phase, PrepareReport
+from .commit import Committer
 from .facade import Participants
 from .lease import Lease
-from .memory import Active, ResumedIds
+from .memory import Active
 from .owner import OwnerLease
-from .restore import RestoreMixin
+from .restore import Restorer
+from .state import PlaneState
+
+if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin.api import StorageBackend
 
 __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
 
-# Marks set between two yields to the event loop: a retire of 200,000 ids never holds data traffic long.
-_MARKS_PER_YIELD = 4096
 # Marks named in ``status`` (``retired_marks``); ``retired_rollouts`` counts every one.
 RETIRED_MARKS_SHOWN = 100
 
 
-class ControlPlane(CommitMixin, RestoreMixin):
+class ControlPlane:
     """Everything one server process knows about checkpoints. Use from its event loop only.
 
-    ``admission`` and ``marks`` are the state the admission gate reads. ``storage`` and
-    ``lease_policy`` default to the manager's ``storage_backend`` / ``lease_policy`` answers
-    for ``settings``; tests inject them (e.g. a short ``retry_seconds``).
+    ``state`` (``state.py``) is what every operation shares; the plane runs prepare, renew, resume
+    and status itself and hands commit to its ``Committer`` (``commit.py``), restore, retire and
+    forget to its ``Restorer`` (``restore.py``), both built on the same state. ``admission`` and
+    ``marks`` are the state the admission gate reads. ``storage`` and ``lease_policy`` default to
+    the manager's ``storage_backend`` / ``lease_policy`` answers for ``settings``; tests inject them
+    (e.g. a short ``retry_seconds``).
     """
 
     def __init__(
@@ -86,7 +79,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
         kind: str,
         instance: str,
         settings: CheckpointSettings | None = None,
-        storage: Any = None,
+        storage: StorageBackend | None = None,
         lease_policy: LeasePolicy | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -97,9 +90,7 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self.instance = instance
         self.pm = pm
         self.participants = Participants(pm)
-        self.admission = Admission()
-        self.marks = RetiredMarks()
-        self._storage = storage if storage is not None else get_storage_backend(pm, settings.storage)
+        self.storage: StorageBackend = storage if storage is not None else get_storage_backend(pm, settings.storage)
         policy = lease_policy if lease_policy is not None else pm.hook.lease_policy(settings=settings)
         if not isinstance(policy, LeasePolicy):
             raise TypeError(f"lease_policy hook answered {policy!r}, not a LeasePolicy")
@@ -107,136 +98,19 @@ class ControlPlane(CommitMixin, RestoreMixin):
         self.lease = Lease(policy, self._self_resume, clock)
         # One controller per deployment (owner.py): checked by the routes before each control call.
         self.owners = OwnerLease(policy, clock)
-        self.phase = Phase.IDLE
-        self._lock = asyncio.Lock()
-        self._active: Active | None = None
-        self._resumed = ResumedIds()
-        self._install_task: asyncio.Task[None] | None = None
-        # A participant's open_admission hook that raised: (checkpoint id, error), retried by the next resume.
-        self._reopen_failed: tuple[str, Exception] | None = None
-        self._background: set[asyncio.Task[Any]] = set()
+        self.state = PlaneState(self.participants, self.lease, clock)
+        self.admission: Admission = self.state.admission
+        self.marks: RetiredMarks = self.state.marks
+        self._commits = Committer(self.state, self.storage, kind, instance)
+        self._restores = Restorer(self.state, self.storage, kind, instance)
 
-    # -- shared helpers --------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self.state.phase
 
     @property
     def checkpoint_id(self) -> str | None:
-        return None if self._active is None else self._active.checkpoint_id
-
-    def _check_deadline(self, deadline_ts: float) -> None:
-        # Refused before anything changes: a late prepare does not even close admission.
-        now = self._clock()
-        if deadline_ts <= now:
-            raise DeadlineExceeded(f"deadline_ts {deadline_ts} has already passed", deadline_ts=deadline_ts)
-        if deadline_ts - now > MAX_DEADLINE_AHEAD_SECONDS:
-            # A deadline in milliseconds (1.7e12) would make the lease, deadline + grace, endless.
-            raise DeadlineTooFar(deadline_ts, now)
-
-    async def _mark_all(self, episodes: Sequence[EpisodeId]) -> None:
-        """Mark each episode retired up to its attempt (under the lock), yielding to other work in between."""
-        for count, (rollout_id, attempt) in enumerate(rollout_attempts(episodes), 1):
-            self.marks.mark(rollout_id, attempt)
-            if count % _MARKS_PER_YIELD == 0:
-                await asyncio.sleep(0)
-
-    def _remaining(self, deadline_ts: float) -> float:
-        return max(0.0, deadline_ts - self._clock())
-
-    def _fence(self, checkpoint_id: str) -> Active | None:
-        if checkpoint_id in self._resumed:
-            raise StaleCheckpoint(f"checkpoint {checkpoint_id} was already resumed", checkpoint_id=checkpoint_id)
-        active = self._active
-        if active is not None and active.checkpoint_id != checkpoint_id:
-            raise CheckpointConflict(
-                f"{active.operation} {active.checkpoint_id} is active (phase {self.phase}); "
-                f"{checkpoint_id} must wait for its resume",
-                checkpoint_id=checkpoint_id,
-                active=active.checkpoint_id,
-            )
-        return active
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any], active: Active | None = None) -> asyncio.Task[Any]:
-        """A task kept referenced until done; an active operation's tasks are cancelled by its resume."""
-        task = asyncio.get_running_loop().create_task(coro)
-        owner = active.tasks if active is not None else self._background
-        owner.add(task)
-        task.add_done_callback(owner.discard)
-        # Errors reach callers through the shielded awaits; retrieving here keeps the loop quiet.
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return task
-
-    async def _joined(self, task: asyncio.Future[Any], deadline_ts: float, what: str) -> Any:
-        """Await shared work within this call's deadline, without cancelling it for the others."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self._remaining(deadline_ts))
-        except TimeoutError:
-            raise DeadlineExceeded(f"{what} did not finish before deadline_ts {deadline_ts}") from None
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if task.cancelled() and (current is None or not current.cancelling()):
-                raise StaleCheckpoint(f"{what} was aborted by a resume") from None
-            raise
-
-    async def _begin(self, active: Active, deadline_ts: float, phase: Phase) -> None:
-        """Enter ``phase`` with admission closed (under the lock). A raising close hook reverts it all."""
-        self._active = active
-        self.phase = phase
-        # No full collection of the heap inside the checkpoint or restore (_collector.py); released at idle.
-        active.heap = hold_heap()
-        self.admission.close()
-        try:
-            await self.participants.close_admission(active.checkpoint_id)
-        except BaseException:
-            await self._back_to_idle(active)
-            raise
-        self.lease.extend(deadline_ts)
-
-    async def _back_to_idle(self, active: Active) -> None:
-        """End ``active`` (under the lock): cancel its tasks, clear the lease, reopen admission."""
-        if self._active is not active:
-            return
-        self._active = None
-        self.phase = Phase.IDLE
-        self.lease.clear()
-        if active.heap is not None:
-            active.heap.release()
-        current = asyncio.current_task()
-        for task in list(active.tasks):
-            if task is not current:
-                task.cancel()
-        install = self._install_task
-        if install is not None and not install.done():
-            # An install outliving its restore is kept: admission reopens once it finished.
-            install.add_done_callback(lambda _t: self._spawn(self._reopen_if_idle(active.checkpoint_id)))
-            return
-        await self._open(active.checkpoint_id)
-
-    async def _reopen_if_idle(self, checkpoint_id: str) -> None:
-        async with self._lock:
-            if self._active is None and not self.admission.is_open:
-                await self._open(checkpoint_id)
-
-    async def _open(self, checkpoint_id: str) -> None:
-        self.admission.open()
-        try:
-            await self.participants.open_admission(checkpoint_id)
-        except Exception as exc:
-            logger.exception("open_admission hook failed after %s; the next resume retries it", checkpoint_id)
-            self._reopen_failed = (checkpoint_id, exc)
-        else:
-            self._reopen_failed = None
-
-    async def _retry_open(self) -> None:
-        """Run a pending reopening again (under the lock); raise ``AdmissionNotReopened`` if it fails again."""
-        if self._reopen_failed is None:
-            return
-        await self._open(self._reopen_failed[0])
-        if self._reopen_failed is not None:
-            checkpoint_id, exc = self._reopen_failed
-            raise AdmissionNotReopened(
-                f"a participant's open_admission hook failed after {checkpoint_id} "
-                f"({type(exc).__name__}: {exc}); admission is still pending: resume again",
-                checkpoint_id=checkpoint_id,
-            )
+        return self.state.checkpoint_id
 
     # -- owner -----------------------------------------------------------------------------------
 
@@ -245,14 +119,14 @@ class ControlPlane(CommitMixin, RestoreMixin):
 
         A late call is ``deadline_exceeded`` first: it changes nothing, ownership included.
         """
-        self._check_deadline(deadline_ts)
+        self.state.check_deadline(deadline_ts)
         self.owners.admit(
             owner, operation, deadline_ts, acquire=operation in ("prepare", "restore"), take_over=take_over
         )
 
     def own(self, owner: str, deadline_ts: float, *, take_over: bool = False, release: bool = False) -> dict[str, Any]:
         """The ``owner`` route: take (or renew, or take over) ownership, or release it."""
-        self._check_deadline(deadline_ts)
+        self.state.check_deadline(deadline_ts)
         released = False
         if release:
             released = self.owners.release(owner)
@@ -264,9 +138,9 @@ class ControlPlane(CommitMixin, RestoreMixin):
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """Close admission and wait (until ``deadline_ts``) for readiness; see docs/protocol.md ``prepare``."""
-        self._check_deadline(deadline_ts)
-        async with self._lock:
-            active = self._fence(checkpoint_id)
+        self.state.check_deadline(deadline_ts)
+        async with self.state.lock:
+            active = self.state.fence(checkpoint_id)
             if active is not None:
                 if active.operation != "checkpoint":
                     raise InvalidPhase(f"{checkpoint_id} is a restore (phase {self.phase}); it cannot prepare")
@@ -275,17 +149,17 @@ class ControlPlane(CommitMixin, RestoreMixin):
                     return active.prepare_reply
             else:
                 active = Active(checkpoint_id, "checkpoint")
-                await self._begin(active, deadline_ts, Phase.PREPARING)
+                await self.state.begin(active, deadline_ts, Phase.PREPARING)
                 try:
                     await self.participants.preparing(checkpoint_id, deadline_ts)
                 except BaseException:
-                    await self._back_to_idle(active)
+                    await self.state.back_to_idle(active)
                     raise
-                active.prepare_task = self._spawn(self._await_readiness(active), active)
+                active.prepare_task = self.state.spawn(self._await_readiness(active), active)
             task = active.prepare_task
         assert task is not None
         try:
-            await self._joined(task, deadline_ts, f"prepare of {checkpoint_id}")
+            await self.state.joined(task, deadline_ts, f"prepare of {checkpoint_id}")
         except DeadlineExceeded:
             # docs/protocol.md: a prepare reaching its deadline replies 200 with its blockers; admission stays closed.
             report = await self.participants.ready(checkpoint_id)
@@ -302,40 +176,65 @@ class ControlPlane(CommitMixin, RestoreMixin):
                 await self.participants.wait_ready(active.checkpoint_id)
         except Exception:
             # A prepare that raises reopens admission: phase and admission never disagree.
-            async with self._lock:
-                await self._back_to_idle(active)
+            async with self.state.lock:
+                await self.state.back_to_idle(active)
             raise
-        async with self._lock:
-            if self._active is active:
-                self.phase = Phase.PREPARED
+        async with self.state.lock:
+            if self.state.active is active:
+                self.state.phase = Phase.PREPARED
                 active.report = report
                 active.prepare_reply = {"phase": Phase.PREPARED.value, "report": report.to_wire()}
         return report
 
+    # -- commit, restore, retire, forget: the plane's parts ----------------------------------------
+
+    async def commit(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId] | None,
+        stop: bool = False,
+    ) -> dict[str, Any]:
+        """Export once and write (``commit.py``); see docs/protocol.md ``commit``."""
+        return await self._commits.commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop)
+
+    async def restore(
+        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: list[EpisodeId]
+    ) -> dict[str, Any]:
+        """Mark, read and install a checkpoint's episodes (``restore.py``); see docs/protocol.md ``restore``."""
+        return await self._restores.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+
+    async def retire(self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict[str, Any]:
+        return await self._restores.retire(checkpoint_id, deadline_ts, episode_ids)
+
+    async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict[str, Any]:
+        return await self._restores.forget(checkpoint_id, deadline_ts, rollout_ids)
+
     # -- renew and resume ------------------------------------------------------------------------
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
-        self._check_deadline(deadline_ts)
-        async with self._lock:
-            if self._fence(checkpoint_id) is None:
+        self.state.check_deadline(deadline_ts)
+        async with self.state.lock:
+            if self.state.fence(checkpoint_id) is None:
                 raise InvalidPhase(f"nothing to renew: {checkpoint_id} is not active (phase {self.phase})")
             return {"lease_expires_at": self.lease.extend(deadline_ts)}
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """End the active checkpoint or restore: abort its work, reopen admission, remember the id."""
-        self._check_deadline(deadline_ts)
-        async with self._lock:
-            active = self._active
-            if checkpoint_id in self._resumed or active is None:
+        self.state.check_deadline(deadline_ts)
+        async with self.state.lock:
+            active = self.state.active
+            if checkpoint_id in self.state.resumed or active is None:
                 # Remembered all the same, so a delayed prepare for it gets stale_checkpoint.
-                self._resumed.remember(checkpoint_id)
-                if active is None and self._reopen_failed is not None:
+                self.state.resumed.remember(checkpoint_id)
+                if active is None and self.state.reopen_failed is not None:
                     # Not a no-op: an earlier reopening failed (e.g. a restore's rollback); retry it.
-                    await self._retry_open()
+                    await self.state.retry_open()
                     return {"phase": self.phase.value, "idempotent": False}
                 return {"phase": self.phase.value, "idempotent": True}
             if active.checkpoint_id != checkpoint_id:
-                self._fence(checkpoint_id)
+                self.state.fence(checkpoint_id)
             self.lease.extend(deadline_ts)
             # Stop the write first: once stop() returned no manifest can appear, published or not.
             # In a thread: on an object store stop() waits for a manifest PUT under way, off the loop.
@@ -348,16 +247,16 @@ class ControlPlane(CommitMixin, RestoreMixin):
             cleanup = active.cleanup_task
             if cleanup is not None and not cleanup.done():
                 try:
-                    await asyncio.wait_for(asyncio.shield(cleanup), self._remaining(deadline_ts))
+                    await asyncio.wait_for(asyncio.shield(cleanup), self.state.remaining(deadline_ts))
                 except TimeoutError:
                     raise DeadlineExceeded(
                         f"resume of {checkpoint_id}: restored state is still being deleted at deadline_ts "
                         f"{deadline_ts}; phase {self.phase} kept, resume again"
                     ) from None
-            self._resumed.remember(checkpoint_id)
-            await self._back_to_idle(active)
-            if self._active is None and self._reopen_failed is not None:
-                await self._retry_open()  # this resume's own reopening failed: try once more, then report it
+            self.state.resumed.remember(checkpoint_id)
+            await self.state.back_to_idle(active)
+            if self.state.active is None and self.state.reopen_failed is not None:
+                await self.state.retry_open()  # this resume's own reopening failed: try once more, then report it
             return {"phase": Phase.IDLE.value, "idempotent": False}
 
     async def _self_resume(self) -> None:
@@ -391,16 +290,4 @@ class ControlPlane(CommitMixin, RestoreMixin):
 
     async def aclose(self) -> None:
         """Cancel every task this plane runs (server shutdown; tests)."""
-        self.lease.clear()
-        tasks = set(self._background)
-        if self._active is not None:
-            if self._active.heap is not None:
-                self._active.heap.release()
-            tasks |= self._active.tasks
-            if self._active.cleanup_task is not None:
-                tasks.add(self._active.cleanup_task)
-        if self._install_task is not None:
-            tasks.add(self._install_task)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.state.aclose()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin._collector import collector_paused, promote_to_oldest
@@ -43,37 +43,48 @@ from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_di
 
 from .._types import EpisodeIds, Phase, RestoredRecord, rollout_attempts, sorted_keys
 from .memory import Active, Replay
+from .state import PlaneState
 
 if TYPE_CHECKING:
-    from .plane import ControlPlane
+    from nemo_gym_checkpoint_plugin.api import StorageBackend
 
-__all__ = ["RestoreMixin"]
+__all__ = ["Restorer"]
 
 logger = logging.getLogger(__name__)
 
 
-class RestoreMixin:
+class Restorer:
+    """The plane's restore, retire and forget: ``state`` is the plane's, ``storage`` reads its checkpoints."""
+
+    def __init__(self, state: PlaneState, storage: StorageBackend, kind: str, instance: str) -> None:
+        self._state = state
+        self._storage = storage
+        self.kind = kind
+        self.instance = instance
+
     # -- restore ---------------------------------------------------------------------------------
 
     async def restore(
-        self: ControlPlane,
+        self,
         checkpoint_id: str,
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
     ) -> dict[str, Any]:
-        self._check_deadline(deadline_ts)
+        self._state.check_deadline(deadline_ts)
         args = (normalize_checkpoint_dir(checkpoint_dir), sorted_keys(episode_ids))
-        async with self._lock:
-            active = self._fence(checkpoint_id)
+        async with self._state.lock:
+            active = self._state.fence(checkpoint_id)
             if active is not None:
                 if active.operation != "restore" or active.restore is None:
-                    raise InvalidPhase(f"{checkpoint_id} is a checkpoint (phase {self.phase}); it cannot restore")
+                    raise InvalidPhase(
+                        f"{checkpoint_id} is a checkpoint (phase {self._state.phase}); it cannot restore"
+                    )
                 active.restore.check_args("restore", checkpoint_id, args)
-                self.lease.extend(deadline_ts)
+                self._state.lease.extend(deadline_ts)
                 task = active.restore.task
             else:
-                if self.admission.served:
+                if self._state.admission.served:
                     # One rule for every kind, before anything is marked or installed: what a server that
                     # served episodes holds (sessions, close receipts, capture files) may belong to live ones.
                     raise InvalidPhase(
@@ -82,17 +93,17 @@ class RestoreMixin:
                         "live ones; nothing was marked or installed"
                     )
                 # Marks first: from here on the checkpointed attempts are refused, whatever happens next.
-                await self._mark_all(episode_ids)
+                await self._state.mark_all(episode_ids)
                 active = Active(checkpoint_id, "restore")
-                await self._begin(active, deadline_ts, Phase.RESTORED)
+                await self._state.begin(active, deadline_ts, Phase.RESTORED)
                 # Each episode once (a scope may repeat one), in the scope's order.
                 pairs = dict.fromkeys(rollout_attempts(episode_ids))
-                task = self._spawn(self._read_and_install(active, args[0], args[1] or (), pairs), active)
+                task = self._state.spawn(self._read_and_install(active, args[0], args[1] or (), pairs), active)
                 active.restore = Replay(args, task)
-        return await self._joined(task, deadline_ts, f"restore {checkpoint_id}")
+        return await self._state.joined(task, deadline_ts, f"restore {checkpoint_id}")
 
     async def _read_and_install(
-        self: ControlPlane,
+        self,
         active: Active,
         checkpoint_dir: str,
         keys: tuple[str, ...],
@@ -107,14 +118,14 @@ class RestoreMixin:
                 # scope's pairs were validated as EpisodeId would, so a record naming one is built from it.
                 records = [_restored_record(record, pairs) for record in restored.records]
                 # Before anything is retired or installed: every record's owner must be here to take it.
-                self.participants.check_owners(records)
+                self._state.participants.check_owners(records)
                 # The replacement of every episode in scope, made into EpisodeIds only if a plugin reads them.
                 scope = EpisodeIds([(rollout_id, attempt + 1) for rollout_id, attempt in pairs])
-                previous = self._install_task
+                previous = self._state.install_task
                 if previous is not None and not previous.done():
                     # Two installs never overlap: the next restore waits for the one that outlived its deadline.
                     await asyncio.wait([previous])
-                install = self._install_task = self._spawn(
+                install = self._state.install_task = self._state.spawn(
                     self._install(active.checkpoint_id, restored.manifest, records, scope)
                 )
                 await asyncio.shield(install)
@@ -122,8 +133,8 @@ class RestoreMixin:
         except asyncio.CancelledError:
             raise
         except BaseException:
-            async with self._lock:
-                await self._back_to_idle(active)
+            async with self._state.lock:
+                await self._state.back_to_idle(active)
             raise
         return {
             "phase": Phase.RESTORED.value,
@@ -132,17 +143,21 @@ class RestoreMixin:
         }
 
     async def _install(
-        self: ControlPlane, checkpoint_id: str, manifest: Mapping[str, Any], records: list, scope: list[EpisodeId]
+        self,
+        checkpoint_id: str,
+        manifest: Mapping[str, Any],
+        records: list[RestoredRecord],
+        scope: Sequence[EpisodeId],
     ) -> None:
         try:
             # The checkpointed attempts are retired (marked above). A process that did not crash may
             # still run or hold them: stop and free them first, so their replacements install cleanly.
-            await self.participants.retire([r.checkpointed for r in records])
-            await self.participants.install(checkpoint_id, manifest, records, scope)
+            await self._state.participants.retire([r.checkpointed for r in records])
+            await self._state.participants.install(checkpoint_id, manifest, records, scope)
         except BaseException as exc:
             # Never half-installed: whatever an install left behind goes before the error is reported.
             try:
-                await self.participants.delete_restored([r.replacement for r in records])
+                await self._state.participants.delete_restored([r.replacement for r in records])
             except Exception:
                 logger.exception("restore %s: removing a failed install's state failed", checkpoint_id)
             if isinstance(exc, ValueError) and not isinstance(exc, CheckpointError):
@@ -151,43 +166,45 @@ class RestoreMixin:
 
     # -- retire and forget -----------------------------------------------------------------------
 
-    def _check_marks_allowed(self: ControlPlane, operation: str, checkpoint_id: str) -> None:
-        if self.phase in (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED):
-            raise InvalidPhase(f"{operation} is refused in phase {self.phase} (checkpoint {self.checkpoint_id})")
-        if self.phase is Phase.RESTORED and checkpoint_id != self.checkpoint_id:
+    def _check_marks_allowed(self, operation: str, checkpoint_id: str) -> None:
+        if self._state.phase in (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED):
+            raise InvalidPhase(
+                f"{operation} is refused in phase {self._state.phase} (checkpoint {self._state.checkpoint_id})"
+            )
+        if self._state.phase is Phase.RESTORED and checkpoint_id != self._state.checkpoint_id:
             raise CheckpointConflict(
-                f"{operation} after restore {self.checkpoint_id} must name that restore, not {checkpoint_id}",
+                f"{operation} after restore {self._state.checkpoint_id} must name that restore, not {checkpoint_id}",
                 checkpoint_id=checkpoint_id,
-                active=self.checkpoint_id,
+                active=self._state.checkpoint_id,
             )
 
-    async def retire(self: ControlPlane, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict:
-        self._check_deadline(deadline_ts)
-        async with self._lock:
+    async def retire(self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict[str, Any]:
+        self._state.check_deadline(deadline_ts)
+        async with self._state.lock:
             self._check_marks_allowed("retire", checkpoint_id)
-            await self._mark_all(episode_ids)
-            if self.phase is Phase.RESTORED:
-                self.lease.extend(deadline_ts)
-        work = self._spawn(self._stop_and_free(list(episode_ids)))
-        await self._joined(work, deadline_ts, f"retire {checkpoint_id}")
+            await self._state.mark_all(episode_ids)
+            if self._state.phase is Phase.RESTORED:
+                self._state.lease.extend(deadline_ts)
+        work = self._state.spawn(self._stop_and_free(list(episode_ids)))
+        await self._state.joined(work, deadline_ts, f"retire {checkpoint_id}")
         return {"retired_count": len(episode_ids)}
 
-    async def _stop_and_free(self: ControlPlane, episode_ids: list[EpisodeId]) -> None:
-        install = self._install_task
+    async def _stop_and_free(self, episode_ids: list[EpisodeId]) -> None:
+        install = self._state.install_task
         if install is not None and not install.done():
             await asyncio.wait([install])
-        await self.participants.retire(episode_ids)
+        await self._state.participants.retire(episode_ids)
         # Data requests parked under these attempts were refused when marked; reply once they left.
-        await self.marks.parked_left(episode.rollout_id for episode in episode_ids)
+        await self._state.marks.parked_left(episode.rollout_id for episode in episode_ids)
 
-    async def forget(self: ControlPlane, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict:
-        self._check_deadline(deadline_ts)
-        async with self._lock:
+    async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict[str, Any]:
+        self._state.check_deadline(deadline_ts)
+        async with self._state.lock:
             self._check_marks_allowed("forget", checkpoint_id)
             for rollout_id in rollout_ids:
-                self.marks.forget(rollout_id)
-            if self.phase is Phase.RESTORED:
-                self.lease.extend(deadline_ts)
+                self._state.marks.forget(rollout_id)
+            if self._state.phase is Phase.RESTORED:
+                self._state.lease.extend(deadline_ts)
         return {"forgotten_count": len(rollout_ids)}
 
 
