@@ -46,12 +46,16 @@ import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
-from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
-from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN, ROLLOUT_PATH_PREFIX
+from nemo_gym_checkpoint_plugin._wire import (
+    AGENT_SESSION_CAPTURE,
+    AGENT_SESSION_HEADER,
+    AGENT_SESSION_MID_TURN,
+    ROLLOUT_PATH_PREFIX,
+)
 
 __all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
 
@@ -143,7 +147,7 @@ class SimpleAgentSessions:
                 continue
             observations = getattr(state, "observations", None)
             entry = {
-                "episode_id": {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt},
+                "episode_id": episode_to_wire(episode_id),
                 "agent_session_id": session_id,
                 # Shared with later exports (never mutated: records are only read once exported).
                 "request": self._request_dump(session_id, state.request),
@@ -310,6 +314,6 @@ def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: Sim
             session_id = seeded.get("agent_session_id") if isinstance(seeded, dict) else None
             if isinstance(session_id, str):
                 sessions.remember_seed(session_id)
-        return {AGENT_CAPTURE_HEADER: value}
+        return {AGENT_SESSION_HEADER: value}
 
     app.add_middleware(ReplyHeaders, path="/v1/agent_sessions", headers_for=declare)

@@ -52,7 +52,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.session_state import Sessio
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
 from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
@@ -133,7 +133,7 @@ class ResourcesSessions:
             if key in self._restarts or (scope is not None and key not in scope):
                 continue
             records[key] = {
-                "episode_id": _wire(episode_id),
+                "episode_id": episode_to_wire(episode_id),
                 "resources_session_id": session_id,
                 "task_id": task_id.model_dump(mode="json"),
             }
@@ -145,7 +145,7 @@ class ResourcesSessions:
                     sessions = self.session_state.export_sessions(key, session_ids)
                 except UnsupportedSessionValue as exc:
                     raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
-                record = records.setdefault(key, {"episode_id": _wire(_key_episode(key))})
+                record = records.setdefault(key, {"episode_id": episode_to_wire(_key_episode(key))})
                 record["session_state"] = sessions
         return list(records.values())
 
@@ -262,10 +262,6 @@ class _ToolCalls:
                     rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
                 _count(self.sessions.tool_calls_by_rollout, rollout)
         await self.app(scope, receive, send)
-
-
-def _wire(episode_id: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
 
 
 def _restart_warning(server: Any) -> str:

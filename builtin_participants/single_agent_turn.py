@@ -56,20 +56,12 @@ from nemo_gym.base_environment_server import CleanupContext
 from nemo_gym.episode_types import EpisodeFailure
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn_calls import (
-    AGENT_CAPTURE_HEADER,
-    AGENT_MID_TURN,
-    RESTART_HEADER,
-    VERIFY_HEADER,
     SingleAgentTurnCalls,
     _Sessions,
 )
 
 __all__ = [
-    "AGENT_CAPTURE_HEADER",
-    "AGENT_MID_TURN",
     "BOUNDARIES",
-    "RESTART_HEADER",
-    "VERIFY_HEADER",
     "SingleAgentTurnSteps",
     "validate_state",
 ]
