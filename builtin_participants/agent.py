@@ -92,7 +92,7 @@ class SimpleAgentSessions:
     cancels the running turns of the attempts a retire names.
     """
 
-    def __init__(self, server: Any, turns: TurnBook | None = None) -> None:
+    def __init__(self, server: Any = None, turns: TurnBook | None = None) -> None:
         self.server = server
         self.turns = turns
         self._installed: set[str] = set()
@@ -100,6 +100,18 @@ class SimpleAgentSessions:
         # changed once seeded, so each is dumped once; a request replaced by another is dumped again.
         self._dumps: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._prune_at = _PRUNE_FLOOR
+
+    @hookimpl
+    def attach(self, server: Any, kind: str) -> bool:
+        """A Simple Agent's sessions (with each turn so far when it runs Simple Agent's own turn loop)."""
+        if kind != "agent" or not is_session_agent(server):
+            return False
+        self.server, self.turns = server, _turn_book(server)
+        return True
+
+    @hookimpl
+    def serving(self, app: Any) -> None:
+        install_agent_declaration(app, mid_turn=self.turns is not None, sessions=self)
 
     def _records(self) -> dict[str, Any]:
         # A pydantic private attribute (each read costs microseconds): hooks read it once.
@@ -291,6 +303,17 @@ class SimpleAgentSessions:
         if self.turns is not None:
             fields["agent_mid_turn"] = True
         return fields
+
+
+def _turn_book(server: Any) -> TurnBook | None:
+    """A bound ``TurnBook`` when ``server`` runs Simple Agent's own turn loop under the mixin, else None."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import captures_mid_turn
+
+    if not captures_mid_turn(server):
+        return None
+    book = TurnBook(model_server=server.config.model_server.name)
+    server.bind_turn_book(book)
+    return book
 
 
 def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: SimpleAgentSessions | None = None) -> None:

@@ -120,15 +120,12 @@ class ModelCalls:
     """Participant plugin of a Gym model server (see the module docstring)."""
 
     def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
-        self.server = server
-        captures = captures if captures is not None or server is None else token_captures_for(server)
+        self.server: Any = None
         self.captures = captures
         self.book = CaptureBook(captures) if captures is not None else None
         self.cuts: CutBook | None = None
-        if server is not None and getattr(server, "server_client", None) is not None:
-            settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
-            if settings.enabled:
-                self.cuts = CutBook(settings, server, current_call)
+        if server is not None:
+            self._bind(server, captures)
         self._open = asyncio.Event()
         self._open.set()
         self._by_rollout: dict[str | None, set[ModelCall]] = {}
@@ -137,6 +134,28 @@ class ModelCalls:
         self.served_total = 0
         self.held_total = 0
         self.stopped_total = 0
+
+    def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
+        self.server = server
+        if captures is None:
+            self.captures = captures = token_captures_for(server)
+            self.book = CaptureBook(captures) if captures is not None else None
+        if getattr(server, "server_client", None) is not None:
+            settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
+            if settings.enabled:
+                self.cuts = CutBook(settings, server, current_call)
+
+    @hookimpl
+    def attach(self, server: Any, kind: str) -> bool:
+        """Every model server is one: its calls in flight (and its token capture, its generation cuts)."""
+        if kind != "model":
+            return False
+        self._bind(server)
+        return True
+
+    @hookimpl
+    def serving(self, app: Any) -> None:
+        install_model_calls(app, self)
 
     # -- the middleware's side ---------------------------------------------------------------------
 

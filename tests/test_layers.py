@@ -20,6 +20,7 @@ RUNTIME = tuple(
         "_control",
         "_gate",
         "_explicit_ids",
+        "_seeds",
         "_routes",
         "_admission",
         "_attach",
