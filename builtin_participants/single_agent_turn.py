@@ -95,7 +95,7 @@ class SingleAgentTurnBook(EpisodeBook):
     """The participant of an environment running ``SingleAgentTurnSteps``: its episodes, step by step.
 
     Joins through ``attach`` (step mode from ``checkpoint.step_mode``; it takes over the episode
-    deadline) and gets the retired marks through ``serving``.
+    deadline); the book takes the retired marks in ``serving``.
     """
 
     def __init__(self) -> None:
@@ -108,10 +108,6 @@ class SingleAgentTurnBook(EpisodeBook):
         self.step_mode = StepMode(settings.step_mode)
         server.bind_episode_book(self)
         return True
-
-    @hookimpl
-    def serving(self, marks: Any) -> None:
-        self.bind_marks(marks)
 
 
 class SingleAgentTurnSteps(SingleAgentTurnCalls):
