@@ -42,7 +42,7 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._control import ControlPlane, LeasePolicy, ParticipantExport, Readiness
 from nemo_gym_checkpoint_plugin._control.bodies import BodyLimits, validate_body
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin._routes import _PARSING, CommitBody, RestoreBody
@@ -120,7 +120,7 @@ class BenchParticipant:
             key = restored.replacement.capture_key
             self.restored[key] = {
                 **restored.record,
-                "episode_id": {"rollout_id": restored.replacement.rollout_id, "attempt": restored.replacement.attempt},
+                "episode_id": episode_to_wire(restored.replacement),
             }
 
 

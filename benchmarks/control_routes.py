@@ -46,6 +46,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).parent))
 import participants  # noqa: E402  (a sibling script, not a package)
 
+from nemo_gym_checkpoint_plugin._identity import episode_to_wire  # noqa: E402
 from nemo_gym_checkpoint_plugin._wire import CONTROL_PREFIX  # noqa: E402
 
 # The resources server holds every episode at the scale benchmark's 16,000 (one for all chains).
@@ -118,7 +119,7 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
                 await done
             if capture and kind == "model":
                 _capture_rows(server, plugin, ids)
-            scope = [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in ids]
+            scope = [episode_to_wire(e) for e in ids]
             scope += [{"rollout_id": f"elsewhere-{i:06d}", "attempt": 0} for i in range(others)]
             checkpoint_dir = str(Path(directory) / "checkpoint")
 

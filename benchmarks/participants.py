@@ -51,7 +51,7 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
     AGENT,
@@ -168,7 +168,7 @@ async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None
         seed = AgentSeedSessionRequest.model_validate(
             {
                 "agent_session_id": session_id,
-                "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                "episode_id": episode_to_wire(episode),
                 "task_id": {"taskset": "scale", "task_id": episode.rollout_id},
                 "tool_accesses": [
                     {

@@ -19,22 +19,18 @@
   and the startup check that every model server a capturing agent calls is a participant
   (``capture_config.py``).
 
-The Gym attachment asks ``participants_for`` which plugins a server gets, and
-``install_reply_declarations`` to add the reply headers they declare on. A server kind or
-class without a built-in participant gets none, except that an environment whose run logic
-does not report steps, and every agent's ``/run``, hold no capturable episode: those are
-listed as restarts (``uncaptured.py``). The environment treats an agent that does not
+The Gym attachment registers ``builtin_plugins()`` on every server; each joins through the
+``attach`` hook as a third-party plugin does, and adds its middleware in ``serving``. An
+environment whose run logic does not report steps, and every agent's ``/run``, hold no
+capturable episode: those are listed as restarts (``uncaptured.py``). The environment treats an agent that does not
 declare its sessions capturable as a source of restarts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
-
-__all__ = ["checkpointable_bases", "install_reply_declarations", "participants_for"]
+__all__ = ["builtin_plugins", "checkpointable_bases"]
 
 _STEPPED_ENVIRONMENTS = ("SingleAgentTurnEnvironmentServer",)
 # Agents whose turn loop is Simple Agent's: their turns record mid-turn boundaries (simple_agent_turns.py).
@@ -68,90 +64,31 @@ def checkpointable_bases(server_class: type) -> tuple[type, ...]:
     return ()
 
 
-def participants_for(server: Any, kind: str, settings: CheckpointSettings) -> list[Any]:
-    """The built-in participant plugins of ``server`` (a Gym server of ``kind``), bound to it.
+def builtin_plugins() -> list[Any]:
+    """Fresh built-in participant plugins, one of each, for one server process.
 
-    An environment with stepped run logic gets an ``EpisodeBook`` (step mode from
-    ``checkpoint.step_mode``) and takes over its episode deadline. Call once, only when checkpointing is enabled.
+    Registered on every checkpointed server's plugin manager ahead of third parties; each joins
+    through the ``attach`` hook, exactly as a third-party plugin does, answering ``False`` on a
+    server it does not serve (it is then unregistered), and adds its middleware and takes the
+    retired marks in ``serving``. What a server of each kind keeps:
+
+    - environment: ``SingleAgentTurnBook`` (run logic ``SingleAgentTurnSteps``), else
+      ``RelayBook`` (the ``legacy_agent`` relay), else ``UncapturedRuns`` (every episode a restart);
+    - agent: ``SimpleAgentSessions`` (a Simple Agent) and ``UncapturedRuns`` (its ``/run``);
+    - resources: ``ResourcesSessions``; model: ``ModelCalls``.
     """
-    if kind == "environment" and hasattr(server, "bind_episode_book"):
-        from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
-        from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
+    from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
+    from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import RelayBook
+    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+    from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
+    from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnBook
+    from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 
-        book = EpisodeBook(StepMode(settings.step_mode), validate_state=validate_state)
-        server.bind_episode_book(book)
-        return [book]
-    if kind == "environment" and hasattr(server, "bind_relay_book"):
-        from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import relay_book
-
-        book = relay_book(settings.step_mode)
-        server.bind_relay_book(book)
-        return [book]
-    if kind == "environment":
-        # No steps for this run logic: its episodes are listed as restarts, never silently lost.
-        from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
-
-        name = getattr(getattr(server, "config", None), "name", None) or type(server).__name__
-        return [
-            UncapturedRuns(
-                kind,
-                restart_warning=(
-                    f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
-                    "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
-                    "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
-                    "episode state in a plugin (docs/plugins.md)."
-                ),
-            )
-        ]
-    if kind == "agent":
-        from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, is_session_agent
-        from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
-
-        # An agent's /run owns its whole episode: never capturable, always a restart.
-        runs = UncapturedRuns(kind)
-        if not is_session_agent(server):
-            return [runs]
-        return [SimpleAgentSessions(server, _turn_book(server)), runs]
-    if kind == "resources":
-        from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
-
-        return [ResourcesSessions(server)]
-    if kind == "model":
-        from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
-
-        return [ModelCalls(server)]
-    return []
-
-
-def _turn_book(server: Any) -> Any:
-    """A bound ``TurnBook`` when ``server`` runs Simple Agent's own turn loop under the mixin, else None."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import captures_mid_turn
-
-    if not captures_mid_turn(server):
-        return None
-    from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import TurnBook
-
-    book = TurnBook(model_server=server.config.model_server.name)
-    server.bind_turn_book(book)
-    return book
-
-
-def install_reply_declarations(app: Any, participants: Any, plugins: list[Any]) -> None:
-    """Add the reply-header middleware the built-in ``plugins`` declare through (before the gate is added)."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions, install_agent_declaration
-    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls, install_model_calls
-    from nemo_gym_checkpoint_plugin.builtin_participants.resources import (
-        ResourcesSessions,
-        install_resources_declarations,
-    )
-    from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns, install_run_tracker
-
-    for plugin in plugins:
-        if isinstance(plugin, UncapturedRuns):
-            install_run_tracker(app, plugin)
-        elif isinstance(plugin, ResourcesSessions):
-            install_resources_declarations(app, participants, plugin)
-        elif isinstance(plugin, SimpleAgentSessions):
-            install_agent_declaration(app, mid_turn=plugin.turns is not None, sessions=plugin)
-        elif isinstance(plugin, ModelCalls):
-            install_model_calls(app, plugin)
+    return [
+        SingleAgentTurnBook(),
+        RelayBook(),
+        SimpleAgentSessions(),
+        UncapturedRuns(),
+        ResourcesSessions(),
+        ModelCalls(),
+    ]

@@ -46,12 +46,16 @@ import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
-from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
-from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN, ROLLOUT_PATH_PREFIX
+from nemo_gym_checkpoint_plugin._wire import (
+    AGENT_SESSION_CAPTURE,
+    AGENT_SESSION_HEADER,
+    AGENT_SESSION_MID_TURN,
+    ROLLOUT_PATH_PREFIX,
+)
 
 __all__ = ["SimpleAgentSessions", "is_session_agent", "rewrite_rollout_base", "install_agent_declaration"]
 
@@ -88,7 +92,7 @@ class SimpleAgentSessions:
     cancels the running turns of the attempts a retire names.
     """
 
-    def __init__(self, server: Any, turns: TurnBook | None = None) -> None:
+    def __init__(self, server: Any = None, turns: TurnBook | None = None) -> None:
         self.server = server
         self.turns = turns
         self._installed: set[str] = set()
@@ -96,6 +100,18 @@ class SimpleAgentSessions:
         # changed once seeded, so each is dumped once; a request replaced by another is dumped again.
         self._dumps: dict[str, tuple[Any, dict[str, Any]]] = {}
         self._prune_at = _PRUNE_FLOOR
+
+    @hookimpl
+    def attach(self, server: Any, kind: str) -> bool:
+        """A Simple Agent's sessions (with each turn so far when it runs Simple Agent's own turn loop)."""
+        if kind != "agent" or not is_session_agent(server):
+            return False
+        self.server, self.turns = server, _turn_book(server)
+        return True
+
+    @hookimpl
+    def serving(self, app: Any) -> None:
+        install_agent_declaration(app, mid_turn=self.turns is not None, sessions=self)
 
     def _records(self) -> dict[str, Any]:
         # A pydantic private attribute (each read costs microseconds): hooks read it once.
@@ -143,7 +159,7 @@ class SimpleAgentSessions:
                 continue
             observations = getattr(state, "observations", None)
             entry = {
-                "episode_id": {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt},
+                "episode_id": episode_to_wire(episode_id),
                 "agent_session_id": session_id,
                 # Shared with later exports (never mutated: records are only read once exported).
                 "request": self._request_dump(session_id, state.request),
@@ -289,6 +305,17 @@ class SimpleAgentSessions:
         return fields
 
 
+def _turn_book(server: Any) -> TurnBook | None:
+    """A bound ``TurnBook`` when ``server`` runs Simple Agent's own turn loop under the mixin, else None."""
+    from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import captures_mid_turn
+
+    if not captures_mid_turn(server):
+        return None
+    book = TurnBook(model_server=server.config.model_server.name)
+    server.bind_turn_book(book)
+    return book
+
+
 def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: SimpleAgentSessions | None = None) -> None:
     """Add ``x-ng-checkpoint-agent-session: capture`` (``mid-turn`` with turns) to every successful seed reply.
 
@@ -310,6 +337,6 @@ def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: Sim
             session_id = seeded.get("agent_session_id") if isinstance(seeded, dict) else None
             if isinstance(session_id, str):
                 sessions.remember_seed(session_id)
-        return {AGENT_CAPTURE_HEADER: value}
+        return {AGENT_SESSION_HEADER: value}
 
     app.add_middleware(ReplyHeaders, path="/v1/agent_sessions", headers_for=declare)

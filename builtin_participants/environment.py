@@ -47,7 +47,7 @@ Rules kept here:
   retried retire waits for the tasks an earlier one cancelled (their cleanup included,
   even after the episode left the book) and never cancels them again.
 - **Retired attempts never begin.** With the control plane's marks bound
-  (``bind_marks``), ``begin`` refuses an attempt that is marked retired with
+  (``bind_marks``, which the ``serving`` hook calls), ``begin`` refuses an attempt that is marked retired with
   ``StaleAttempt``: the gate refuses it first, and this check holds even for a request
   that reached the run logic past the gate.
 - **An attempt runs once.** ``claim`` (the run logic calls it before Gym's lifecycle, which
@@ -118,6 +118,10 @@ class EpisodeBook(EpisodeRecords):
     def bind_marks(self, marks: RetiredMarks) -> None:
         """The control plane's retired marks: ``begin`` refuses a retired attempt from now on."""
         self._marks = marks
+
+    @hookimpl
+    def serving(self, marks: RetiredMarks) -> None:
+        self.bind_marks(marks)
 
     # -- what the run logic calls ---------------------------------------------------------------
 

@@ -44,8 +44,9 @@ from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import names_no_
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError, StaleAttempt
 from nemo_gym_checkpoint_plugin._gate import episode_of_run_body
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
 
-__all__ = ["LegacyAgentRelay", "relay_book", "relayed_episode_id", "validate_relay_state"]
+__all__ = ["LegacyAgentRelay", "RelayBook", "relayed_episode_id", "validate_relay_state"]
 
 
 def validate_relay_state(boundary: str | None, state: Mapping[str, Any]) -> None:
@@ -54,9 +55,23 @@ def validate_relay_state(boundary: str | None, state: Mapping[str, Any]) -> None
         raise ValueError(f"a legacy_agent relay has no boundaries; got {boundary!r} (expected null)")
 
 
-def relay_book(step_mode: StepMode | str = StepMode.WAIT) -> EpisodeBook:
-    """The participant of one relay server (no episode deadline: the agent keeps its own limits)."""
-    return EpisodeBook(step_mode, validate_state=validate_relay_state)
+class RelayBook(EpisodeBook):
+    """The participant of a ``legacy_agent`` relay server (``LegacyAgentRelay``): every relay a restart.
+
+    Joins through ``attach`` (step mode from ``checkpoint.step_mode``); no episode deadline: the
+    agent keeps its own limits.
+    """
+
+    def __init__(self, step_mode: StepMode | str = StepMode.WAIT) -> None:
+        super().__init__(step_mode, validate_state=validate_relay_state)
+
+    @hookimpl
+    def attach(self, server: Any, kind: str, settings: Any) -> bool:
+        if kind != "environment" or not isinstance(server, LegacyAgentRelay):
+            return False
+        self.step_mode = StepMode(settings.step_mode)
+        server.bind_relay_book(self)
+        return True
 
 
 def relayed_episode_id(body: bytes) -> EpisodeId | None:

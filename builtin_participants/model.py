@@ -47,7 +47,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenC
 
 from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
@@ -95,7 +95,7 @@ class ModelCall:
     def key(self) -> str | None:
         if self.rollout_id is None:
             return None
-        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+        return capture_key(self.rollout_id, self.attempt)
 
     def capture_id(self) -> str | None:
         """Gym's model call id of this call: noted when its reply began, else read from its task's context.
@@ -120,15 +120,12 @@ class ModelCalls:
     """Participant plugin of a Gym model server (see the module docstring)."""
 
     def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
-        self.server = server
-        captures = captures if captures is not None or server is None else token_captures_for(server)
+        self.server: Any = None
         self.captures = captures
         self.book = CaptureBook(captures) if captures is not None else None
         self.cuts: CutBook | None = None
-        if server is not None and getattr(server, "server_client", None) is not None:
-            settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
-            if settings.enabled:
-                self.cuts = CutBook(settings, server, current_call)
+        if server is not None:
+            self._bind(server, captures)
         self._open = asyncio.Event()
         self._open.set()
         self._by_rollout: dict[str | None, set[ModelCall]] = {}
@@ -137,6 +134,28 @@ class ModelCalls:
         self.served_total = 0
         self.held_total = 0
         self.stopped_total = 0
+
+    def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
+        self.server = server
+        if captures is None:
+            self.captures = captures = token_captures_for(server)
+            self.book = CaptureBook(captures) if captures is not None else None
+        if getattr(server, "server_client", None) is not None:
+            settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
+            if settings.enabled:
+                self.cuts = CutBook(settings, server, current_call)
+
+    @hookimpl
+    def attach(self, server: Any, kind: str) -> bool:
+        """Every model server is one: its calls in flight (and its token capture, its generation cuts)."""
+        if kind != "model":
+            return False
+        self._bind(server)
+        return True
+
+    @hookimpl
+    def serving(self, app: Any) -> None:
+        install_model_calls(app, self)
 
     # -- the middleware's side ---------------------------------------------------------------------
 
@@ -356,14 +375,13 @@ def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> It
     for record in records:
         episode = record["episode_id"]
         rollout, attempt = episode["rollout_id"], episode["attempt"]
-        source = left.pop(rollout if attempt == 0 else f"{rollout}-a{attempt}", None)
+        source = left.pop(capture_key(rollout, attempt), None)
         cut = CutBook.record(source) if source is not None else None
         yield record if cut is None else {**record, CUT_FIELD: cut}
     for key in sorted(left):
         cut = CutBook.record(left[key])
         if cut is not None:
-            episode = from_capture_key(key)
-            yield {"episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt}, CUT_FIELD: cut}
+            yield {"episode_id": episode_to_wire(from_capture_key(key)), CUT_FIELD: cut}
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

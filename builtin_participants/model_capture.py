@@ -55,7 +55,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
 )
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
 
 __all__ = ["StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
 
@@ -157,7 +157,7 @@ class TokenCaptures:
             if not tokens and not ledger:
                 continue
             record: dict[str, Any] = {
-                "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                "episode_id": episode_to_wire(episode),
                 "token_rows": [[call_id, line.decode()] for call_id, line in tokens],
             }
             if ledger:

@@ -34,28 +34,30 @@ rollouts, ``seed_sessions_by_rollout``), and so are tool calls attributed to a r
 controller cannot see whether a step or a tool call ran again after a restart; tests and
 the demo read these counts.
 
-The seed hook is called by ``install_resources_declarations``' middleware once the
-server's ``/seed_session`` handler replied 2xx; the replies of ``/close_session`` end the
-tracking of a session.
+The seed hook is called by the attachment's middleware (``_seeds.py``) once the server's
+``/seed_session`` handler replied 2xx; the replies of ``/close_session`` end the tracking of
+a session (``install_resources_declarations``, added in ``serving``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared
 from nemo_gym_checkpoint_plugin.builtin_participants.session_state import SessionState, UnsupportedSessionValue
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
-from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._seeds import seeded_episode
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
 from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 
@@ -73,7 +75,19 @@ def _stateless(server: Any) -> bool:
 class ResourcesSessions:
     """Participant plugin of a Gym resources server (see the module docstring)."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any = None) -> None:
+        self.server = server
+        self.seed_calls = 0
+        self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
+        self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
+        self._restarts: set[str] = set()
+        self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
+        self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
+        self.instance: str | None = None
+        if server is not None:
+            self._bind(server)
+
+    def _bind(self, server: Any) -> None:
         self.server = server
         table = getattr(server, "_session_episodes", None)
         self._table: dict[str, Any] | None = table if isinstance(table, dict) else None
@@ -86,12 +100,22 @@ class ResourcesSessions:
             self.capturable = self.mode is not CheckpointMode.RESTART_ONLY
         self.verify_replay = self.mode is CheckpointMode.STATELESS
         self.restart_warning = None if self.capturable or self.mode is not None else _restart_warning(server)
-        self.seed_calls = 0
-        self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
-        self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
-        self._restarts: set[str] = set()
-        self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
-        self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
+
+    @hookimpl
+    def attach(self, server: Any, kind: str, instance: str) -> bool:
+        """Every resources server is one. Raises ``SettingsError`` for a bad ``checkpoint_mode``."""
+        if kind != "resources":
+            return False
+        self._bind(server)
+        self.instance = instance
+        return True
+
+    @hookimpl
+    def serving(self, app: Any) -> None:
+        install_resources_declarations(app, self)
+        if self.restart_warning:
+            # A server whose every episode is a restart says so once at startup (and in its status).
+            logger.warning("checkpoint participant %s: %s", self.instance, self.restart_warning)
 
     # -- seeds and closes (from the middleware) ---------------------------------------------------
 
@@ -133,7 +157,7 @@ class ResourcesSessions:
             if key in self._restarts or (scope is not None and key not in scope):
                 continue
             records[key] = {
-                "episode_id": _wire(episode_id),
+                "episode_id": episode_to_wire(episode_id),
                 "resources_session_id": session_id,
                 "task_id": task_id.model_dump(mode="json"),
             }
@@ -145,7 +169,7 @@ class ResourcesSessions:
                     sessions = self.session_state.export_sessions(key, session_ids)
                 except UnsupportedSessionValue as exc:
                     raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
-                record = records.setdefault(key, {"episode_id": _wire(_key_episode(key))})
+                record = records.setdefault(key, {"episode_id": episode_to_wire(_key_episode(key))})
                 record["session_state"] = sessions
         return list(records.values())
 
@@ -264,10 +288,6 @@ class _ToolCalls:
         await self.app(scope, receive, send)
 
 
-def _wire(episode_id: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode_id.rollout_id, "attempt": episode_id.attempt}
-
-
 def _restart_warning(server: Any) -> str:
     """Why every episode of this undeclared server is a restart, and what its author can do (status and log)."""
     config = getattr(server, "config", None)
@@ -288,32 +308,12 @@ def _key_episode(key: str) -> EpisodeId:
     return from_capture_key(key)
 
 
-def _episode_of(body: bytes) -> tuple[EpisodeId, dict[str, Any]] | None:
-    try:
-        try:
-            data = orjson.loads(body)
-        except ValueError:
-            data = json_as_gym_reads(body)  # UTF-16/32, a BOM, NaN: Gym's route reads those too
-        if not isinstance(data, dict) or "episode_id" not in data:
-            return None
-        return episode_from_wire(data["episode_id"]), data
-    except ValueError:
-        return None
-
-
-def install_resources_declarations(app: Any, participants: Any, sessions: ResourcesSessions) -> None:
-    """Call the ``seed_session`` hook after each successful seed (its headers join the reply); track closes."""
+def install_resources_declarations(app: Any, sessions: ResourcesSessions) -> None:
+    """Count tool calls, bind session state, track closes (the ``seed_session`` hook is the wiring's: ``_seeds``)."""
     from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
 
-    async def on_seed(body: bytes, status: int) -> dict[str, str]:
-        found = _episode_of(body) if 200 <= status < 300 else None
-        if found is None:
-            return {}
-        episode_id, session = found
-        return await participants.seed_session(episode_id, session)
-
     async def on_close(body: bytes, status: int) -> dict[str, str]:
-        found = _episode_of(body) if 200 <= status < 300 else None
+        found = seeded_episode(body) if 200 <= status < 300 else None
         if found is not None:
             sessions.session_closed(found[0])
         return {}
@@ -323,5 +323,4 @@ def install_resources_declarations(app: Any, participants: Any, sessions: Resour
         from nemo_gym_checkpoint_plugin.builtin_participants.session_state import install_session_binder
 
         install_session_binder(app, sessions.session_state)
-    app.add_middleware(ReplyHeaders, path="/seed_session", headers_for=on_seed)
     app.add_middleware(ReplyHeaders, path="/close_session", headers_for=on_close)

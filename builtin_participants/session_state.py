@@ -257,9 +257,9 @@ def _context_episode() -> EpisodeId | None:
 
 
 def _body_episode(body: bytes) -> EpisodeId | None:
-    from nemo_gym_checkpoint_plugin.builtin_participants.resources import _episode_of
+    from nemo_gym_checkpoint_plugin._seeds import seeded_episode
 
-    found = _episode_of(body)
+    found = seeded_episode(body)
     return found[0] if found is not None else None
 
 

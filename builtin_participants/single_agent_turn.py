@@ -54,22 +54,17 @@ from uuid import uuid4
 
 from nemo_gym.base_environment_server import CleanupContext
 from nemo_gym.episode_types import EpisodeFailure
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn_calls import (
-    AGENT_CAPTURE_HEADER,
-    AGENT_MID_TURN,
-    RESTART_HEADER,
-    VERIFY_HEADER,
     SingleAgentTurnCalls,
     _Sessions,
 )
 
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+
 __all__ = [
-    "AGENT_CAPTURE_HEADER",
-    "AGENT_MID_TURN",
     "BOUNDARIES",
-    "RESTART_HEADER",
-    "VERIFY_HEADER",
+    "SingleAgentTurnBook",
     "SingleAgentTurnSteps",
     "validate_state",
 ]
@@ -94,6 +89,25 @@ def validate_state(boundary: str | None, state: Mapping[str, Any]) -> None:
     for name in ("resources_cookies", "agent_cookies"):
         if name in state and not isinstance(state[name], Mapping):
             raise ValueError(f"{name} must be a JSON object")
+
+
+class SingleAgentTurnBook(EpisodeBook):
+    """The participant of an environment running ``SingleAgentTurnSteps``: its episodes, step by step.
+
+    Joins through ``attach`` (step mode from ``checkpoint.step_mode``; it takes over the episode
+    deadline); the book takes the retired marks in ``serving``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(validate_state=validate_state)
+
+    @hookimpl
+    def attach(self, server: Any, kind: str, settings: Any) -> bool:
+        if kind != "environment" or not isinstance(server, SingleAgentTurnSteps):
+            return False
+        self.step_mode = StepMode(settings.step_mode)
+        server.bind_episode_book(self)
+        return True
 
 
 class SingleAgentTurnSteps(SingleAgentTurnCalls):

@@ -23,16 +23,18 @@ from nemo_gym.server_utils import get_response_json, raise_for_status
 from nemo_gym.tool_access import DirectHTTPToolAccess
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
 
-from nemo_gym_checkpoint_plugin import _wire as wire
+from nemo_gym_checkpoint_plugin._wire import (
+    AGENT_SESSION_CAPTURE,
+    AGENT_SESSION_HEADER,
+    AGENT_SESSION_MID_TURN,
+    RESTART_HEADER,
+    VERIFY_HEADER,
+)
 
-__all__ = ["AGENT_CAPTURE_HEADER", "AGENT_MID_TURN", "RESTART_HEADER", "VERIFY_HEADER", "SingleAgentTurnCalls"]
+__all__ = ["SingleAgentTurnCalls"]
 
-RESTART_HEADER = wire.RESTART_HEADER
-VERIFY_HEADER = wire.VERIFY_HEADER
-AGENT_CAPTURE_HEADER = wire.AGENT_SESSION_HEADER
-AGENT_MID_TURN = wire.AGENT_SESSION_MID_TURN
-# Values of AGENT_CAPTURE_HEADER under which an agent restores its sessions after a crash.
-_CAPTURING = (wire.AGENT_SESSION_CAPTURE, wire.AGENT_SESSION_MID_TURN)
+# Values of AGENT_SESSION_HEADER under which an agent restores its sessions after a crash.
+_CAPTURING = (AGENT_SESSION_CAPTURE, AGENT_SESSION_MID_TURN)
 
 
 def _cookies(response: Any) -> dict[str, str]:
@@ -183,11 +185,11 @@ class SingleAgentTurnCalls:
             sessions.agent_cookies = _cookies(reply)
         except Exception as error:
             raise self._ng_fail("agent", error) from error
-        declared = reply.headers.get(AGENT_CAPTURE_HEADER)
+        declared = reply.headers.get(AGENT_SESSION_HEADER)
         if declared not in _CAPTURING:
             book.declare_restart(episode)
         # The agent records a boundary after each of its calls: its turn in flight never blocks.
-        sessions.agent_mid_turn = declared == AGENT_MID_TURN
+        sessions.agent_mid_turn = declared == AGENT_SESSION_MID_TURN
 
     async def _ng_agent(
         self, request: Any, sessions: _Sessions, agent_cleanup: Any, before_close: Callable[[], Awaitable[None]]

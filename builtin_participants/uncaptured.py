@@ -24,7 +24,7 @@ cost one string comparison), then:
   object at all goes to the route, whose validation answers;
 - registers the episode while its ``/run`` runs: ``ready`` lists it in ``restarts``
   (never blocking, never exported: this participant exports nothing);
-- refuses a retired attempt (marks bound by the attachment) with ``stale_attempt``, and
+- refuses a retired attempt (the marks ``serving`` hands it) with ``stale_attempt``, and
   a second ``/run`` of an attempt already running with ``attempt_running`` (it lives elsewhere);
 - ``retire`` cancels the named attempts' requests (and earlier ones) once and waits for
   them; a request it stopped answers 409 ``stale_attempt`` if it had not started its
@@ -38,6 +38,7 @@ reopens: the restarts a prepare reported cannot change before its commit.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -53,12 +54,19 @@ from nemo_gym_checkpoint_plugin._types import Readiness
 
 __all__ = ["RunTracker", "UncapturedRuns", "install_run_tracker", "names_no_episode", "rollout_id_required"]
 
+logger = logging.getLogger(__name__)
+
 
 class UncapturedRuns:
-    """Participant plugin: the ``/run`` episodes of this server, each a restart (see the module docstring)."""
+    """Participant plugin: the ``/run`` episodes of this server, each a restart (see the module docstring).
 
-    def __init__(self, kind: str, restart_warning: str | None = None) -> None:
+    Joins through ``attach`` every agent and every environment whose run logic no built-in
+    participant reports steps for (the ``single_agent_turn`` steps, the ``legacy_agent`` relay).
+    """
+
+    def __init__(self, kind: str = "", restart_warning: str | None = None) -> None:
         self.kind = kind
+        self.instance: str | None = None
         # Set for an environment: every episode it runs is a restart (logged at startup, shown in status).
         self.restart_warning = restart_warning
         self._running: dict[str, asyncio.Task[Any]] = {}
@@ -68,8 +76,29 @@ class UncapturedRuns:
         self._open = asyncio.Event()
         self._open.set()
 
-    def bind_marks(self, marks: RetiredMarks) -> None:
+    @hookimpl
+    def attach(self, server: Any, kind: str, instance: str) -> bool:
+        if kind == "environment":
+            from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay
+            from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnSteps
+
+            if isinstance(server, SingleAgentTurnSteps | LegacyAgentRelay):
+                return False  # its episodes have a participant of their own
+            # No steps for this run logic: its episodes are listed as restarts, never silently lost.
+            self.restart_warning = _environment_warning(server)
+        elif kind != "agent":
+            return False
+        # An agent's /run owns its whole episode: never capturable, always a restart.
+        self.kind, self.instance = kind, instance
+        return True
+
+    @hookimpl
+    def serving(self, app: Any, marks: RetiredMarks) -> None:
         self._marks = marks
+        install_run_tracker(app, self)
+        if self.restart_warning:
+            # A server whose every episode is a restart says so once at startup (and in its status).
+            logger.warning("checkpoint participant %s: %s", self.instance, self.restart_warning)
 
     def refusal(self, episode_id: EpisodeId) -> CheckpointError | None:
         """Why this attempt may not start here now (retired, or already running), else None."""
@@ -162,6 +191,16 @@ class UncapturedRuns:
         if self.restart_warning:
             fields["restart_warning"] = self.restart_warning
         return fields
+
+
+def _environment_warning(server: Any) -> str:
+    name = getattr(getattr(server, "config", None), "name", None) or type(server).__name__
+    return (
+        f"environment server {name!r} ({type(server).__name__}) runs episodes whose steps no participant "
+        "reports, so every /run episode is a restart: its rollouts start over after a crash. To continue "
+        "them, implement the participant hooks ready, export, install, retire and delete_restored for its "
+        "episode state in a plugin (docs/plugins.md)."
+    )
 
 
 def _stale(episode_id: EpisodeId) -> StaleAttempt:

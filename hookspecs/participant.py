@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from nemo_gym_checkpoint_plugin._markers import hookspec
 
 if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin._admission import RetiredMarks
     from nemo_gym_checkpoint_plugin._identity import EpisodeId
     from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
     from nemo_gym_checkpoint_plugin._types import (
@@ -51,6 +52,22 @@ def attach(server: Any, app: Any, kind: str, instance: str, settings: Checkpoint
     Return ``False`` when this plugin does not apply to this server: it is unregistered and
     takes no further part in this process; ``None`` or ``True`` keeps it. Raising stops the
     server from starting, naming the plugin.
+    """
+
+
+@hookspec
+def serving(app: Any, marks: RetiredMarks) -> None:
+    """The participant is about to serve: add what this plugin needs on the request path.
+
+    Called once per server process, on the plugins ``attach`` kept, after the control plane
+    was built and before the admission gate is added or anything is served. Add your ASGI
+    middleware to ``app`` here, never in ``attach`` (a server that then fails to start keeps
+    its app untouched); middleware added here runs inside the gate. ``marks`` are the
+    participant's retired marks, kept current by every retire and forget:
+    ``marks.is_retired(rollout_id, attempt)`` and ``marks.retired_up_to(rollout_id)`` (None:
+    no mark). The gate refuses a retired attempt's request; check the marks where an episode
+    begins too, so a request already past the gate stays refused (raise ``StaleAttempt``).
+    Must not wait (a synchronous hook). Raising stops the server from starting.
     """
 
 

@@ -5,16 +5,18 @@ built ``app`` and before Gym's ``run_webserver`` adds its liveness, exception an
 cancellation middleware. When the ``checkpoint:`` block is absent or disabled it
 installs nothing at all. When enabled it:
 
-1. builds the plugin manager, lets every plugin learn its server through the ``attach``
-   hook (a plugin answering ``False`` is unregistered), and builds this process's
+1. builds the plugin manager (the built-in participants, ``builtin_participants.builtin_plugins``,
+   then the entry-point group), lets every plugin learn its server through the ``attach``
+   hook (a plugin answering ``False`` is unregistered: the built-ins join this way too), and builds this process's
    ``ControlPlane`` (kind from the server class, instance = the server's config name);
 2. serves the control routes (``_routes.attach``: router + error handler);
 3. adds the admission gate (``_gate.install_gate``) as the outermost middleware so far, so
    it sees raw ``/ng-rollout/<key>/...`` paths before Gym's own middleware strips them,
    and Gym's cancellation middleware (added later) still wraps it; on environments and
    agents it also attributes ``POST /run`` by its body (only while something is to decide);
-   the built-in participants are bound to the plane's retired marks (``bind_marks``), so
-   an episode checks them where it begins too;
+   before the gate, every plugin's ``serving`` hook adds its middleware and takes the plane's
+   retired marks (so an episode checks them where it begins too), and on resources servers
+   the ``seed_session`` hook is wired to the seed replies (``_seeds.py``);
 4. on agents, sets Gym's rollout context from the ``/ng-rollout/<key>`` prefix (agents
    route the prefix as a path parameter and never set the context themselves), so the
    plugin's client attributes the agent's model and resources calls;
@@ -39,8 +41,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-
-import pluggy
 
 from nemo_gym_checkpoint_plugin._errors import InvalidPhase
 from nemo_gym_checkpoint_plugin._markers import hookimpl
@@ -224,22 +224,10 @@ class Attachment:
     unmanaged: UnmanagedWorkers | None
 
 
-def _builtin_participants(server: Any, kind: str, settings: CheckpointSettings) -> list[Any]:
-    from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
+def builtin_plugins() -> list[Any]:
+    from nemo_gym_checkpoint_plugin.builtin_participants import builtin_plugins as fresh
 
-    return participants_for(server, kind, settings)
-
-
-def _plugin_manager(extra_plugins: Iterable[Any]) -> pluggy.PluginManager:
-    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
-
-    pm = make_plugin_manager(extra_plugins)
-    if not pm.hook.lease_policy.get_hookimpls():
-        # The default lease policy is a core plugin; register it when the built-ins do not.
-        from nemo_gym_checkpoint_plugin._control import DefaultLeasePolicy
-
-        pm.register(DefaultLeasePolicy())
-    return pm
+    return fresh()
 
 
 def attach_checkpointing(
@@ -259,8 +247,8 @@ def attach_checkpointing(
     already carries an attachment; nothing is installed then.
     ``extra_plugins`` are registered on the plugin manager after the built-ins and the
     entry-point group (tests, embedding code). With ``builtin`` the server's built-in
-    participant (``builtin_participants.participants_for``) is registered too, and the reply
-    headers it declares through are installed.
+    participants (``builtin_participants.builtin_plugins``) are registered too, joining
+    through ``attach`` as every plugin does.
     """
     if settings is None:
         settings, token = server_settings(server)
@@ -283,11 +271,12 @@ def attach_checkpointing(
     instance = str(server.config.name)
     num_workers = int(getattr(server.config, "num_workers", None) or 1)
     unmanaged = UnmanagedWorkers(num_workers) if num_workers > 1 else None
-    builtins = _builtin_participants(server, kind, settings) if builtin else []
+    from nemo_gym_checkpoint_plugin._plugins import attach_plugins, make_plugin_manager
+
+    builtins = builtin_plugins() if builtin else []
     plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
-    pm = _plugin_manager(plugins)
-    from nemo_gym_checkpoint_plugin._plugins import attach_plugins
+    pm = make_plugin_manager(plugins)
 
     dropped = attach_plugins(pm, server=server, app=app, kind=kind, instance=instance, settings=settings)
     if dropped:
@@ -296,16 +285,14 @@ def attach_checkpointing(
         control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
     except SettingsError as exc:  # an unknown checkpoint.storage.backend
         raise exc.for_server(instance) from None
-    for plugin in builtins:
-        if hasattr(plugin, "bind_marks"):
-            # Where an episode begins, the marks are checked too (a request past the gate stays refused).
-            plugin.bind_marks(control.marks)
 
     attach_routes(app, control, token)
-    if builtins:
-        from nemo_gym_checkpoint_plugin.builtin_participants import install_reply_declarations
+    # Each plugin's middleware, inside the gate; where an episode begins the marks are checked too.
+    pm.hook.serving(app=app, marks=control.marks)
+    if kind == "resources":
+        from nemo_gym_checkpoint_plugin._seeds import install_seed_hook
 
-        install_reply_declarations(app, control.participants, builtins)
+        install_seed_hook(app, control.participants)
     if kind == "agent":
         app.add_middleware(RolloutAttribution)
     # Added last, so outermost so far: the gate sees the raw prefixed path before any Gym middleware.
@@ -324,8 +311,4 @@ def attach_checkpointing(
     setattr(app.state, ATTACHMENT_STATE, attachment)
     if unmanaged is not None:
         logger.warning("checkpoint participant %s is unmanaged: %s", instance, unmanaged.reason)
-    for plugin in builtins:
-        # A server whose every episode is a restart says so once at startup (and in its status).
-        if getattr(plugin, "restart_warning", None):
-            logger.warning("checkpoint participant %s: %s", instance, plugin.restart_warning)
     return attachment

@@ -30,7 +30,7 @@ import orjson
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Message, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
 from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
-from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, make_episode_id
+from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, make_episode_id
 
 __all__ = ["ExplicitAttemptIds", "decode_run_body"]
 
@@ -72,7 +72,7 @@ def decode_run_body(body: bytes) -> bytes | None:
         return None  # an id Gym refuses for another reason: its validation answers
     if decoded.rollout_id == rollout_id:
         return None
-    data["episode_id"] = {**episode_id, "rollout_id": decoded.rollout_id, "attempt": decoded.attempt}
+    data["episode_id"] = {**episode_id, **episode_to_wire(decoded)}
     return orjson.dumps(data) if strict else json.dumps(data).encode()
 
 

@@ -1,4 +1,9 @@
-"""Episode identity: Gym's own ``EpisodeId`` plus the parsing rules the protocol adds.
+"""Episode identity on the wire: Gym's own ``EpisodeId``, the capture-key rule, and the protocol's parsing rules.
+
+The one home of the capture-key rule (``capture_key``: ``r`` for attempt 0, ``r-aN`` for attempt
+N >= 1, the same rule as Gym's ``EpisodeId.capture_key``) and of the wire form of an episode id
+(``episode_to_wire`` / ``episode_from_wire``: ``{"rollout_id": ..., "attempt": N}``). Everything
+that writes either, on the server and on the controller side, calls these.
 
 Gym's ``EpisodeId`` refuses a ``rollout_id`` ending in ``-a<N>`` (N >= 1) so that
 ``capture_key`` (``r`` / ``r-aN``) stays injective. The protocol adds the way back
@@ -15,12 +20,14 @@ anything else goes through ``EpisodeId`` itself, which accepts or refuses it wit
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from nemo_gym.episode_types import EpisodeId
 
 __all__ = [
     "EpisodeId",
+    "capture_key",
+    "episode_to_wire",
     "from_capture_key",
     "make_episode_id",
     "episode_from_wire",
@@ -78,6 +85,30 @@ def _constructor() -> Any:
 
 construct_episode = _constructor()
 _construct = construct_episode
+
+
+def capture_key(rollout_id: str, attempt: int) -> str:
+    """The capture key of attempt ``attempt`` of ``rollout_id``: ``r`` for attempt 0, ``r-aN`` for N >= 1.
+
+    What ``EpisodeId.capture_key`` returns, without building an ``EpisodeId`` (keys are made by the
+    hundred thousand). ``from_capture_key`` is the way back.
+    """
+    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+class Episodic(Protocol):
+    """Anything naming one attempt of a rollout: an ``EpisodeId``, a collector's row state..."""
+
+    @property
+    def rollout_id(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+
+def episode_to_wire(episode: Episodic) -> dict[str, Any]:
+    """An episode id as the protocol's bodies and records carry it: ``{"rollout_id": ..., "attempt": N}``."""
+    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
 
 
 def is_plain_episode(rollout_id: Any, attempt: Any) -> bool:

@@ -136,13 +136,16 @@ def attach_plugins(pm: pluggy.PluginManager, **context: Any) -> list[str]:
     """Call every plugin's ``attach`` hook once; unregister those answering ``False``. Returns their names.
 
     ``context`` is the hook's keyword arguments (server, app, kind, instance, settings). A
-    plugin that raises stops the caller (the server must not start), named in the error.
+    plugin that raises stops the caller (the server must not start), named in the error
+    (``PluginLoadError``); a ``SettingsError`` (a configuration error) passes unchanged.
     """
     dropped: list[str] = []
     # Each implementation on its own, so a False names its plugin (as pluggy calls it: by argument name).
     for impl in list(pm.hook.attach.get_hookimpls()):
         try:
             answer = impl.function(*[context[arg] for arg in impl.argnames])
+        except SettingsError:
+            raise  # a configuration error (a built-in's bad checkpoint_mode): exit status 2, as it says
         except Exception as exc:
             raise PluginLoadError(impl.plugin_name, exc) from exc
         if inspect.isawaitable(answer):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_checkpoint_plugin._errors import InvalidPhase
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, construct_episode
 
 __all__ = [
     "MAX_REPORTED_BLOCKERS",
@@ -189,7 +189,7 @@ class EpisodeIds(Sequence[EpisodeId]):
     @property
     def sorted_capture_keys(self) -> tuple[str, ...]:
         if self._keys is None:
-            self._keys = tuple(sorted({r if a == 0 else f"{r}-a{a}" for r, a in self.pairs}))
+            self._keys = tuple(sorted({capture_key(r, a) for r, a in self.pairs}))
         return self._keys
 
     def materialized(self) -> list[EpisodeId]:

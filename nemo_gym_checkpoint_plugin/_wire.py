@@ -1,8 +1,10 @@
 """Names on the wire, shared by the server runtime and the controller side (docs/protocol.md).
 
 One place for every string both sides (or several modules of one side) must agree on:
-the control routes' prefix, the checkpoint id pattern, Gym's rollout path prefix, and the
-headers a participant declares through.
+the control routes' prefix, the checkpoint id pattern, Gym's rollout path prefix, the
+top-level keys of Gym's config that hold servers, and the headers a participant declares
+through. The episode ids on the wire (capture keys, ``{"rollout_id", "attempt"}``) are
+``_identity``'s.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ __all__ = [
     "OWNER_PATTERN",
     "RESTART_HEADER",
     "ROLLOUT_PATH_PREFIX",
+    "SERVER_TYPES",
     "VERIFY_HEADER",
 ]
 
@@ -30,6 +33,10 @@ OWNER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]*$"
 
 # Gym's ROLLOUT_PATH_PREFIX ("ng-rollout") as a path prefix: /ng-rollout/<capture key>/<route>.
 ROLLOUT_PATH_PREFIX = "/ng-rollout/"
+
+# The server types of Gym's config (``<name>: {<server type>: {<implementation>: {...}}}``), in the
+# order discovery lists participants: models, resources, agents, environments.
+SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents", "environment_servers")
 
 # A resources seed reply declaring its episode a restart (value "1").
 RESTART_HEADER = "x-ng-checkpoint-restart"

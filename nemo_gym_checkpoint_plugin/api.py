@@ -8,8 +8,10 @@ Everything a participant plugin, a third-party verifier or a storage backend nee
   ``ParticipantExport`` (answer of ``export``), ``RestoredRecord`` (what ``install`` receives),
   ``SeedDeclaration`` (answer of ``seed_session``), ``LeasePolicy``, ``Phase``, ``PrepareReport``,
   ``CheckpointSettings`` (the validated ``checkpoint:`` block ``attach`` receives).
-- Episode ids: ``EpisodeId`` (``rollout_id``, ``attempt``, ``capture_key``), ``from_capture_key``,
-  ``make_episode_id``, ``episode_from_wire``, ``AmbiguousEpisodeId``.
+- Episode ids: ``EpisodeId`` (``rollout_id``, ``attempt``, ``capture_key``), ``capture_key(rollout_id,
+  attempt)`` (the key without building an ``EpisodeId``), ``from_capture_key`` (the way back),
+  ``episode_to_wire`` / ``episode_from_wire`` (the ``{"rollout_id", "attempt"}`` of records and bodies),
+  ``make_episode_id``, ``AmbiguousEpisodeId``.
 - The typed refusals of the protocol (``CheckpointError`` and one class per code); raise the one
   whose docstring fits, never a bare exception for bad input.
 - ``StorageBackend``, ``StorageWriter`` and ``RestoredRecords``: the protocols a backend answering
@@ -47,7 +49,15 @@ from ._errors import (
     Unauthorized,
     WriteFailed,
 )
-from ._identity import AmbiguousEpisodeId, EpisodeId, episode_from_wire, from_capture_key, make_episode_id
+from ._identity import (
+    AmbiguousEpisodeId,
+    EpisodeId,
+    capture_key,
+    episode_from_wire,
+    episode_to_wire,
+    from_capture_key,
+    make_episode_id,
+)
 from ._markers import PROJECT as ENTRY_POINT_GROUP
 from ._markers import hookimpl
 from ._settings import CheckpointSettings
@@ -83,7 +93,9 @@ __all__ = [
     # episode ids
     "AmbiguousEpisodeId",
     "EpisodeId",
+    "capture_key",
     "episode_from_wire",
+    "episode_to_wire",
     "from_capture_key",
     "make_episode_id",
     # errors

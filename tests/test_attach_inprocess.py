@@ -22,6 +22,7 @@ from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE, RolloutAttribut
 from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
 from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
 from nemo_gym_checkpoint_plugin._gate import AdmissionGate
+from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._settings import SettingsError
 from nemo_gym_checkpoint_plugin.testing.gym_config import (
     AGENT,
@@ -268,3 +269,64 @@ def test_an_agent_names_the_rollout_of_a_plain_run_body_only_when_enabled(tmp_pa
     control = getattr(app.state, "checkpoint_control", None)
     if control is not None:
         asyncio.run(control.aclose())
+
+
+class _Inner:
+    """A do-nothing ASGI middleware a plugin adds in ``serving``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+class _Joiner:
+    def __init__(self, applies: bool) -> None:
+        self.applies = applies
+        self.served: list[tuple[Any, Any]] = []
+
+    @hookimpl
+    def attach(self, kind: str) -> bool:
+        return self.applies
+
+    @hookimpl
+    def serving(self, app: Any, marks: Any) -> None:
+        self.served.append((app, marks))
+        app.add_middleware(_Inner)
+
+
+async def test_hook_serving_runs_once_on_each_kept_plugin_with_the_marks_inside_the_gate(tmp_path: Path) -> None:
+    config = _config(tmp_path, ENABLED)
+    server = _build(_server_class(config, MODEL), config, MODEL)
+    app = server.setup_webserver()
+    kept, dropped = _Joiner(True), _Joiner(False)
+    attachment = attach_checkpointing(server, app, extra_plugins=[kept, dropped])
+    assert attachment is not None
+    assert kept.served == [(app, attachment.control.marks)] and dropped.served == []
+    # Starlette lists middleware outermost first: what serving added runs inside the gate.
+    assert _middleware(app).index(AdmissionGate) < _middleware(app).index(_Inner)
+    await attachment.control.aclose()
+
+
+# The built-in participants each server keeps after every one of them answered ``attach``.
+_KEPT = {
+    MODEL: {"ModelCalls"},
+    AGENT: {"SimpleAgentSessions", "UncapturedRuns"},
+    RESOURCES: {"ResourcesSessions"},
+    ENVIRONMENT: {"SingleAgentTurnBook"},
+}
+
+
+@pytest.mark.parametrize("name", GYM_SERVERS)
+async def test_the_built_in_participants_join_through_attach(tmp_path: Path, name: str) -> None:
+    from nemo_gym_checkpoint_plugin.builtin_participants import builtin_plugins
+
+    config = _config(tmp_path, ENABLED)
+    server = _build(derive_checkpointable(_server_class(config, name)), config, name)
+    app = _app(server)
+    control = app.state.checkpoint_control
+    builtin_names = {type(plugin).__name__ for plugin in builtin_plugins()}
+    kept = {type(p).__name__ for p in control.pm.get_plugins()} & builtin_names
+    assert kept == _KEPT[name]
+    await control.aclose()

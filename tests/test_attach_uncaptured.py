@@ -19,11 +19,13 @@ from control_support import wait_until
 from gym_fakes import FakeReply
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.server_utils import ServerClient
-from nemo_gym_checkpoint_plugin.builtin_participants import participants_for
+from nemo_gym_checkpoint_plugin.builtin_participants import builtin_plugins
+from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
 from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._plugins import attach_plugins, make_plugin_manager
 from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
@@ -124,5 +126,9 @@ def test_an_environment_without_steps_lists_its_runs_as_restarts() -> None:
     class UnknownRunLogic:  # an environment server class the plugin has no steps for
         pass
 
-    (plugin,) = participants_for(UnknownRunLogic(), "environment", CheckpointSettings(enabled=True))
+    pm = make_plugin_manager(builtin_plugins(), load_entry_points=False)
+    settings = CheckpointSettings(enabled=True)
+    attach_plugins(pm, server=UnknownRunLogic(), app=None, kind="environment", instance="env", settings=settings)
+    (plugin,) = [p for p in pm.get_plugins() if isinstance(p, UncapturedRuns | EpisodeBook)]
     assert isinstance(plugin, UncapturedRuns) and plugin.kind == "environment"
+    assert "every /run episode is a restart" in (plugin.restart_warning or "")

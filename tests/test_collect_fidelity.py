@@ -16,6 +16,7 @@ from nemo_gym.rollout_collection import RolloutCollectionConfig, _episode_reques
 from nemo_gym.server_utils import BaseServerConfig, GlobalAIOHTTPAsyncClientConfig, set_global_aiohttp_client
 from omegaconf import OmegaConf
 
+from nemo_gym_checkpoint_plugin._identity import capture_key
 from nemo_gym_checkpoint_plugin.coordination._checkpointer import CollectionCheckpointer
 from nemo_gym_checkpoint_plugin.coordination._collection import (
     CheckpointingCollectionHelper,
@@ -189,7 +190,7 @@ class _Coordinator:
         self.calls.append(("restore", list(episode_ids)))
         if self.restore_error is not None:
             raise self.restore_error
-        keys = [f"{e['rollout_id']}-a{e['attempt'] + 1}" for e in episode_ids]
+        keys = [capture_key(e["rollout_id"], e["attempt"] + 1) for e in episode_ids]
         return SimpleNamespace(restored=lambda: sorted(keys))
 
     async def resume(self, checkpoint_id: str, **_: Any) -> dict[str, Any]:

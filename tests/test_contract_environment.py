@@ -19,10 +19,10 @@ from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.rollout_correlation import current_rollout_id
 from nemo_gym.server_utils import ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
-from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import AGENT_CAPTURE_HEADER, RESTART_HEADER
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._wire import AGENT_SESSION_HEADER, RESTART_HEADER
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import environment as environment_contract
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
@@ -63,7 +63,7 @@ class FakeGymPeers(ServerClient):
             return FakeReply(reply, headers, {"resources": f"resources-{key}"})
         if url_path == "/v1/agent_sessions":
             reply = {"agent_session_id": body["agent_session_id"]}
-            return FakeReply(reply, {AGENT_CAPTURE_HEADER: self.agent_declares}, {"agent": f"agent-{key}"})
+            return FakeReply(reply, {AGENT_SESSION_HEADER: self.agent_declares}, {"agent": f"agent-{key}"})
         if url_path.endswith("/v1/responses"):
             turn = self.turns.setdefault(key, asyncio.Event())
             self.in_agent_turn.add(key)

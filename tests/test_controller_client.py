@@ -24,6 +24,7 @@ from nemo_gym.server_utils import BaseServerConfig, GlobalAIOHTTPAsyncClientConf
 from omegaconf import OmegaConf
 
 from nemo_gym_checkpoint_plugin import coordination
+from nemo_gym_checkpoint_plugin._identity import from_capture_key
 from nemo_gym_checkpoint_plugin.coordination import (
     ControllerCollectionHelper,
     ControllerServerClient,
@@ -173,7 +174,7 @@ def test_a_row_at_an_attempt_goes_out_through_gyms_own_request_body(row: dict, a
     before = dict(row)
     moved = row_at_attempt(row, attempt)
     assert _episode_request_body(moved)["episode_id"] == wire
-    assert row_episode(moved) == {"rollout_id": wire["rollout_id"].removesuffix(f"-a{attempt}"), "attempt": attempt}
+    assert row_episode(moved) == {"rollout_id": from_capture_key(wire["rollout_id"]).rollout_id, "attempt": attempt}
     assert row == before  # the input row is left as it was
 
 

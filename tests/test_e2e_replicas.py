@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from nemo_gym_checkpoint_plugin.api import capture_key
 from nemo_gym_checkpoint_plugin.coordination import commit, discover, prepare, restore, resume
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import run_body
 from nemo_gym_checkpoint_plugin.testing.deployment import (
@@ -45,7 +46,7 @@ ALL = [r for ids in ROLLOUTS.values() for r in ids]
 
 def _keys(rollouts: list[str], attempt: int) -> list[str]:
     """Gym's capture keys (``EpisodeId.capture_key``): the rollout id for attempt 0, ``<id>-a<n>`` after."""
-    return sorted(r if attempt == 0 else f"{r}-a{attempt}" for r in rollouts)
+    return sorted(capture_key(r, attempt) for r in rollouts)
 
 
 def _conversation(rollout_id: str) -> str:

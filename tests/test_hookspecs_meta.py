@@ -63,6 +63,7 @@ def test_the_spec_modules_hold_the_hooks_of_the_design() -> None:
         "release_exported",
         "status_fields",
         "attach",
+        "serving",
     }
     core = {"storage_backend", "lease_policy", "coordination_order"}
     assert set(HOOKSPECS) == participant | core

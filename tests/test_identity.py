@@ -10,9 +10,11 @@ from pydantic import ValidationError
 from nemo_gym_checkpoint_plugin._identity import (
     AmbiguousEpisodeId,
     EpisodeId,
+    capture_key,
     construct_episode,
     episode_from_wire,
     episode_id,
+    episode_to_wire,
     from_capture_key,
     make_episode_id,
 )
@@ -28,6 +30,21 @@ attempts = st.integers(min_value=0, max_value=10**6)
 def test_capture_key_round_trips(rollout_id: str, attempt: int) -> None:
     episode = EpisodeId(rollout_id=rollout_id, attempt=attempt)
     assert from_capture_key(episode.capture_key) == episode
+
+
+@given(rollout_ids, attempts)
+def test_capture_key_is_gyms_rule_and_the_wire_form_round_trips(rollout_id: str, attempt: int) -> None:
+    episode = EpisodeId(rollout_id=rollout_id, attempt=attempt)
+    assert capture_key(rollout_id, attempt) == episode.capture_key
+    assert from_capture_key(capture_key(rollout_id, attempt)) == episode
+    assert episode_to_wire(episode) == {"rollout_id": rollout_id, "attempt": attempt}
+    assert episode_from_wire(episode_to_wire(episode)) == episode
+
+
+def test_capture_key_by_hand() -> None:
+    assert capture_key("r", 0) == "r"
+    assert capture_key("r", 1) == "r-a1"
+    assert capture_key("task-3", 12) == "task-3-a12"
 
 
 @given(rollout_ids, attempts)

@@ -21,6 +21,7 @@ RUNTIME = tuple(
         "_workers",
         "_gate",
         "_explicit_ids",
+        "_seeds",
         "_routes",
         "_admission",
         "_attach",

@@ -29,7 +29,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, is_plain_episode
 
 from .._types import EpisodeIds
 
@@ -39,10 +39,8 @@ __all__ = ["BodyLimits", "BodyRefused", "ListField", "read_body", "parse_body"]
 INLINE_BODY_BYTES = 16 * 1024
 # Item errors reported per list: enough to fix a client, never a reply as big as the body.
 _MAX_ITEM_ERRORS = 10
-# Gym's EpisodeId rules for rollout_id, as plain checks: the pattern, and no reserved -a<N> suffix.
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*").fullmatch
-_RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*\Z").search
-# The same two checks over rollout ids joined by newlines (a newline inside an id is caught by counting them).
+# Gym's EpisodeId rules for rollout_id (``_identity.is_plain_episode``) over rollout ids joined by
+# newlines (a newline inside an id is caught by counting them).
 _ROLLOUT_IDS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?:\n[A-Za-z0-9][A-Za-z0-9._-]*)*").fullmatch
 _RESERVED_SUFFIX_LINE = re.compile(r"-a[1-9][0-9]*(?:\n|\Z)").search
 _EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
@@ -192,7 +190,7 @@ def _plain_episodes(items: list[Any]) -> EpisodeIds | None:
     if max(attempts) == 0:
         keys = set(rollout_ids)
     else:
-        keys = {r if a == 0 else f"{r}-a{a}" for r, a in pairs}
+        keys = {capture_key(r, a) for r, a in pairs}
     return EpisodeIds(pairs, tuple(sorted(keys)))
 
 
@@ -209,15 +207,9 @@ def _episodes(name: str, items: list[Any], errors: list[dict[str, Any]]) -> Epis
             rollout_id = item.get("rollout_id")
             attempt = item.get("attempt", 0)
             # Exactly what EpisodeId accepts unchanged; anything else goes through EpisodeId below.
-            if (
-                type(rollout_id) is str
-                and type(attempt) is int
-                and attempt >= 0
-                and _ROLLOUT_ID(rollout_id)
-                and ("-a" not in rollout_id or not _RESERVED_SUFFIX(rollout_id))
-            ):
+            if is_plain_episode(rollout_id, attempt):
                 pairs.append((rollout_id, attempt))
-                keys.add(rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}")
+                keys.add(capture_key(rollout_id, attempt))
                 continue
         try:
             episode = EpisodeId.model_validate(item)

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from .._errors import InvalidCheckpointState
+from .._identity import capture_key
 from .codec import decode_line
 from .files import open_regular
 from .layout import (
@@ -74,7 +75,7 @@ def capture_key_of(episode_id: Any) -> str:
         raise ValueError(f"rollout_id {rollout_id!r} is not a valid rollout id")
     if type(attempt) is not int or attempt < 0:
         raise ValueError(f"attempt {attempt!r} is not a non-negative integer")
-    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+    return capture_key(rollout_id, attempt)
 
 
 def _bad(directory: Location, why: str, **data: Any) -> InvalidCheckpointState:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidCheckpointState
+from .._identity import capture_key
 from .._storage.objstore import ObjectPath, is_url
 from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
@@ -377,7 +378,8 @@ async def _collect(
                 await give_back(coordinator, args.checkpoint_timeout)
                 return 1
             helper.set_attempts(
-                plan.attempts, restored=[f"{rollout_id}-a{plan.attempts[rollout_id]}" for rollout_id in plan.continued]
+                plan.attempts,
+                restored=[capture_key(rollout_id, plan.attempts[rollout_id]) for rollout_id in plan.continued],
             )
             progress.say(
                 f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "

@@ -39,13 +39,13 @@ from typing import Any
 
 import yaml
 
+from .._wire import SERVER_TYPES
 from ._where import UsageError
 
 __all__ = ["LAUNCH_ENTRYPOINT", "PTH_NAME", "ServerEnvironment", "checkpointed_config", "run_enable"]
 
 LAUNCH_ENTRYPOINT = "-mnemo_gym_checkpoint_plugin.wrap"
 PTH_NAME = "_nemo_gym_checkpoint_layer.pth"
-_SERVER_TYPES = ("responses_api_models", "responses_api_agents", "resources_servers", "environment_servers")
 _PROBE = "import nemo_gym, nemo_gym_checkpoint_plugin.wrap"
 
 
@@ -94,7 +94,7 @@ def _servers(parsed: Any) -> list[tuple[str, str, str, Any]]:
             continue
         (server_type,) = block.keys()
         inner_map = block[server_type]
-        if server_type not in _SERVER_TYPES or not hasattr(inner_map, "keys") or len(inner_map) != 1:
+        if server_type not in SERVER_TYPES or not hasattr(inner_map, "keys") or len(inner_map) != 1:
             continue
         (implementation,) = inner_map.keys()
         inner = inner_map[implementation]

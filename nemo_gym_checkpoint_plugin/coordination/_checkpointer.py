@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidCheckpointState
+from .._identity import capture_key, episode_to_wire
 from ._collection import RunTracker
 from ._collector_state import CheckpointStore, CollectorState, RowState
 from ._coordinator import Coordinator
@@ -199,7 +200,7 @@ class CollectionCheckpointer:
         await self._emit("committed", checkpoint=checkpoint_id)
         rows = []
         for rollout_id, attempt in in_flight.items():
-            key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+            key = capture_key(rollout_id, attempt)
             state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
             rows.append(RowState(rollout_id, attempt, state))
         record.continued = sum(1 for r in rows if r.state == "continued")
@@ -256,7 +257,7 @@ class CollectionCheckpointer:
         """
         retire_id = f"retire-{self.seq:06d}-{self.store.run}"
         self.seq += 1
-        scope = [{"rollout_id": row.rollout_id, "attempt": row.attempt} for row in rows]
+        scope = [episode_to_wire(row) for row in rows]
         await self.coordinator.retire(retire_id, scope, timeout=self.timeout)
         for row in rows:
             plan.attempts[row.rollout_id] = max(plan.attempts.get(row.rollout_id, 0), row.attempt + 1)
@@ -267,7 +268,7 @@ class CollectionCheckpointer:
         restore_id = f"restore-{self.seq:06d}-{self.store.run}"
         self.seq += 1
         started = time.monotonic()
-        scope = [{"rollout_id": row.rollout_id, "attempt": row.attempt} for row in wanted]
+        scope = [episode_to_wire(row) for row in wanted]
         try:
             restored = await self.coordinator.restore(restore_id, str(state.path), scope, timeout=self.timeout)
         except CoordinationError as exc:
@@ -285,7 +286,7 @@ class CollectionCheckpointer:
         for row in wanted:
             # The restore retired the checkpointed attempt everywhere: what it did not install starts over.
             plan.attempts[row.rollout_id] = row.attempt + 1
-            replacement = f"{row.rollout_id}-a{row.attempt + 1}"
+            replacement = capture_key(row.rollout_id, row.attempt + 1)
             (plan.continued if replacement in back else plan.restarted).append(row.rollout_id)
         # Their marks are forgotten once they are final, like every other row's.
         await self._emit(

@@ -56,7 +56,7 @@ from nemo_gym.server_utils import (
 )
 from pydantic import PrivateAttr
 
-from .._identity import from_capture_key, make_episode_id
+from .._identity import capture_key, episode_to_wire, from_capture_key, make_episode_id
 from ._errors import ATTEMPT_RUNNING
 from ._gym_client import ControllerServerClient, is_run_call
 
@@ -88,7 +88,7 @@ def decode_explicit_attempt(body: Any) -> Any:
     decoded = make_episode_id(rollout_id, None if attempt == 0 else attempt)
     if decoded.rollout_id == rollout_id:
         return body
-    return {**body, "episode_id": {**episode_id, "rollout_id": decoded.rollout_id, "attempt": decoded.attempt}}
+    return {**body, "episode_id": {**episode_id, **episode_to_wire(decoded)}}
 
 
 def episode_of_run(body: Any) -> tuple[str, int] | None:
@@ -367,7 +367,7 @@ class CheckpointingCollectionHelper(RolloutCollectionHelper):
             explicit = row.get(ROLLOUT_ID_KEY_NAME)
             if isinstance(explicit, str) and from_capture_key(explicit).rollout_id != explicit:
                 # An explicit "<id>-aN" names its attempt itself; an attempt index beside it is ambiguous.
-                row[ROLLOUT_ID_KEY_NAME] = f"{rollout_id}-a{attempt}" if attempt else rollout_id
+                row[ROLLOUT_ID_KEY_NAME] = capture_key(rollout_id, attempt)
                 row.pop(ATTEMPT_INDEX_KEY_NAME, None)
             elif attempt:
                 row[ATTEMPT_INDEX_KEY_NAME] = attempt

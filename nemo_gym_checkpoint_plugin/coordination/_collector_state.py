@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from .._errors import InvalidCheckpointState
+from .._identity import episode_to_wire
 from .._storage.codec import decode_line, encode_line
 from .._storage.files import create_private, make_private_dirs, write_failed
 from .._storage.index import check_participants_index
@@ -68,7 +69,7 @@ class RowState:
     state: str
 
     def record(self) -> dict[str, Any]:
-        return {"episode_id": {"rollout_id": self.rollout_id, "attempt": self.attempt}, "state": self.state}
+        return {"episode_id": episode_to_wire(self), "state": self.state}
 
 
 @dataclass

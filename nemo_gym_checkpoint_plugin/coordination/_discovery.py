@@ -29,13 +29,13 @@ import orjson
 import yaml
 
 from .._settings import CHECKPOINT_KEY, settings_from_global_config
+from .._wire import SERVER_TYPES
 from ._errors import NO_MODEL_PARTICIPANT, TIMEOUT, UNKNOWN_KIND, UNREACHABLE, ParticipantFailure
 from ._order import KINDS
 from ._transport import CallFailed, ControlTransport, Endpoint
 
 __all__ = ["Participant", "Probe", "endpoints_from_config", "load_config", "probe_all", "token_from_config"]
 
-SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents", "environment_servers")
 HEAD_SERVER = "head_server"
 
 

@@ -40,7 +40,7 @@ from nemo_gym.rollout_correlation import maybe_rollout_id_from_run_body
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
 from pydantic import PrivateAttr
 
-from .._identity import from_capture_key
+from .._identity import capture_key, episode_to_wire, from_capture_key
 
 __all__ = ["ControllerCollectionHelper", "ControllerServerClient", "is_run_call", "row_at_attempt", "row_episode"]
 
@@ -110,9 +110,8 @@ def row_episode(row: Mapping[str, Any]) -> dict[str, Any]:
             f"row names its attempt twice: {ROLLOUT_ID_KEY_NAME}={explicit!r} and {ATTEMPT_INDEX_KEY_NAME}={attempt}"
         )
     if key is None:
-        key = f"{row[TASK_INDEX_KEY_NAME]}-{row[ROLLOUT_INDEX_KEY_NAME]}" + (f"-a{attempt}" if attempt else "")
-    episode = from_capture_key(key)
-    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+        key = capture_key(f"{row[TASK_INDEX_KEY_NAME]}-{row[ROLLOUT_INDEX_KEY_NAME]}", attempt)
+    return episode_to_wire(from_capture_key(key))
 
 
 def row_at_attempt(row: Mapping[str, Any], attempt: int) -> dict[str, Any]:
@@ -123,7 +122,7 @@ def row_at_attempt(row: Mapping[str, Any], attempt: int) -> dict[str, Any]:
     out = dict(row)
     if isinstance(row.get(ROLLOUT_ID_KEY_NAME), str):
         # An explicit id names its attempt itself; an attempt index beside it would be ambiguous.
-        out[ROLLOUT_ID_KEY_NAME] = f"{rollout_id}-a{attempt}" if attempt else rollout_id
+        out[ROLLOUT_ID_KEY_NAME] = capture_key(rollout_id, attempt)
         out.pop(ATTEMPT_INDEX_KEY_NAME, None)
     elif attempt:
         out[ATTEMPT_INDEX_KEY_NAME] = attempt

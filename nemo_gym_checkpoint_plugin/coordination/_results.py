@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._identity import episode_from_wire, from_capture_key
+from .._identity import EpisodeId, episode_from_wire, episode_to_wire, from_capture_key
+from .._identity import capture_key as key_of
 from ._errors import ATTEMPT_RUNNING, INCONSISTENT_CHECKPOINT, ParticipantFailure
 
 __all__ = ["CommitResult", "PrepareResult", "RestoreResult", "capture_key", "created_replacements", "wire_episode_id"]
@@ -20,14 +21,17 @@ __all__ = ["CommitResult", "PrepareResult", "RestoreResult", "capture_key", "cre
 
 def wire_episode_id(value: Any) -> dict[str, Any]:
     """An episode id as the wire's ``{"rollout_id", "attempt"}``, from a capture key, a dict or an EpisodeId."""
-    episode = from_capture_key(value) if isinstance(value, str) else episode_from_wire(value)
-    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+    return episode_to_wire(_episode(value))
 
 
 def capture_key(value: Any) -> str:
     """The capture key (``r`` / ``r-aN``) of an episode id given in any of the accepted forms."""
-    wire = wire_episode_id(value)
-    return wire["rollout_id"] if wire["attempt"] == 0 else f"{wire['rollout_id']}-a{wire['attempt']}"
+    episode = _episode(value)
+    return key_of(episode.rollout_id, episode.attempt)
+
+
+def _episode(value: Any) -> EpisodeId:
+    return from_capture_key(value) if isinstance(value, str) else episode_from_wire(value)
 
 
 @dataclass

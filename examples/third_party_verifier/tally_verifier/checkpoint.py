@@ -28,6 +28,7 @@ from nemo_gym_checkpoint_plugin.api import (
     Readiness,
     RestoredRecord,
     SeedDeclaration,
+    episode_to_wire,
     from_capture_key,
     hookimpl,
     make_episode_id,
@@ -82,7 +83,7 @@ class TallyCheckpoint:
                 continue  # never export a restart; only episodes in scope
             records.append(
                 {
-                    "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
+                    "episode_id": episode_to_wire(episode),
                     "session_id": session_id,
                     "resources_session_id": tally.resources_session_id,
                     "target": tally.target,

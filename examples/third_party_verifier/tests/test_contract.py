@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from tally_verifier.app import TallyResourcesServer
 
-from nemo_gym_checkpoint_plugin.api import EpisodeId
+from nemo_gym_checkpoint_plugin.api import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import resources as resources_contract
 
@@ -21,10 +21,6 @@ from nemo_gym_checkpoint_plugin.testing.contracts import resources as resources_
 BLOCK = {"checkpoint_mode": "export_restore"}
 
 ENTRY_POINT_NAME = "tally_verifier"
-
-
-def _wire(episode: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
 
 
 class TallyHarness:
@@ -37,7 +33,7 @@ class TallyHarness:
     async def _seed(self, episode: EpisodeId, task_data: dict[str, Any]) -> None:
         body = {
             "resources_session_id": f"res-{episode.rollout_id}-{episode.attempt}",
-            "episode_id": _wire(episode),
+            "episode_id": episode_to_wire(episode),
             "task_id": {"taskset": "tally", "task_id": episode.rollout_id},
             "task_data": {"target": 2, **task_data},
         }
@@ -52,7 +48,10 @@ class TallyHarness:
         await self._seed(episode, {"checkpointable": False})
 
     async def finish(self, episode: EpisodeId) -> None:
-        body = {"resources_session_id": f"res-{episode.rollout_id}-{episode.attempt}", "episode_id": _wire(episode)}
+        body = {
+            "resources_session_id": f"res-{episode.rollout_id}-{episode.attempt}",
+            "episode_id": episode_to_wire(episode),
+        }
         async with self.built.client() as http:
             reply = await http.post("/close_session", json=body)
         assert reply.status_code == 200, reply.text
@@ -62,7 +61,7 @@ class TallyHarness:
         return any((t.rollout_id, t.attempt) == (episode.rollout_id, episode.attempt) for t in tallies)
 
     def bad_record(self, episode: EpisodeId) -> Mapping[str, Any]:
-        return {"episode_id": _wire(episode), "target": 2, "total": 1}  # no session_id
+        return {"episode_id": episode_to_wire(episode), "target": 2, "total": 1}  # no session_id
 
     async def status(self) -> Mapping[str, Any]:
         return await self.built.status()
