@@ -51,7 +51,8 @@ class Tally:
         """The rows not in the output, named, and that ``--resume`` runs them (None: none)."""
         if not self.missing:
             return None
-        return f"{len(self.missing)} of {self.rows} rows are not in the output ({_names(self.missing)}); --resume runs them"
+        shown = _names(self.missing)
+        return f"{len(self.missing)} of {self.rows} rows are not in the output ({shown}); --resume runs them"
 
     def problems(self, *, missing: bool = True) -> list[str]:
         """The errors, in words, naming the rows (``missing`` false: all but the missing rows)."""
