@@ -3,6 +3,10 @@
 The probes of issue 23 on real processes (the testing kit's deployment, real ``ng-checkpoint
 collect`` processes, SIGKILL where a test is about a crash). In every case the output ends with
 every row exactly once, or the second controller is refused before it changed anything.
+
+The same deployment serves the collector stopped by a preemption notice (SIGTERM): its last
+checkpoint is published within ``--drain-budget``, and a ``--resume`` on fresh servers loses nothing;
+a second SIGTERM stops it at once, with nothing published and the deployment resumed.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import asyncio
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -400,3 +406,96 @@ def test_a_shared_root_is_refused_and_allowed_it_follows_no_planted_link_and_res
     summary = resumed.summary()
     assert summary["restored_from"] == real and summary["continued"] > 0
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+def _phases(deployment: Any) -> set[str]:
+    """The control phase of every Gym server of the deployment."""
+    urls = [url for name, url in deployment.urls.items() if name != BACKEND]
+    return {request(url + CONTROL_PREFIX + "/status")[1]["phase"] for url in urls}
+
+
+@pytest.mark.slow
+def test_a_sigterm_publishes_a_last_checkpoint_within_the_budget_and_a_resume_on_fresh_servers_loses_nothing(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})  # four rows stay in flight
+    # No periodic checkpoint (every 60 s): the only one is the SIGTERM's.
+    drained = Collector(
+        backend, tmp_path, "drained", ckpt=ckpt, output=output, every=60, extra=("--drain-budget", "20")
+    )
+    wait_until(
+        lambda: (
+            (fake(backend, "stats")["held"] >= 4 and len(rows_of(output)) == ROWS - 4)
+            or drained.proc.poll() is not None
+        ),
+        120,
+        "four rows in flight, the others in the output",
+    )
+    assert drained.proc.poll() is None, drained.text()[-3000:]
+    signalled = time.monotonic()
+    drained.proc.send_signal(signal.SIGTERM)  # the collector alone, as a preemption notice reaches it
+    assert drained.wait(60) == 0, drained.text()[-3000:]
+    text, summary = drained.text(), drained.summary()
+    (published,) = drained.events_named("published")
+    assert summary["drain"]["published"] and summary["drain"]["checkpoint"] == published["checkpoint"]
+    assert summary["drain"]["after_s"] < 20 and time.monotonic() - signalled < 60
+    assert published["continued"] >= 4  # the rows held in flight are in it
+    assert CheckpointStore(ckpt).published()[-1][1].name == published["checkpoint"]
+    # The line an interrupted run prints, as what it is (no error), and the exit status 0.
+    assert f"stopped on SIGTERM: checkpoint {published['checkpoint']} published " in text
+    assert "rows are not in the output (" in text and "; --resume runs them" in text
+    assert "ng-checkpoint collect: error" not in text
+    assert rows_of(output) == {i: 1 for i in rows_of(output)} and len(rows_of(output)) == ROWS - 4
+
+    backend.kill()  # the preempted machines are gone: fresh servers
+    backend.start(timeout=240)
+    resumed = Collector(backend, tmp_path, "resumed", ckpt=ckpt, output=output, resume=True)
+    assert resumed.wait() == 0, resumed.text()[-3000:]
+    after = resumed.summary()
+    assert after["restored_from"] == published["checkpoint"] and after["continued"] == published["continued"]
+    assert rows_of(output) == {i: 1 for i in range(ROWS)}
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_stops_at_once_without_publishing_and_the_deployment_is_resumed(
+    backend: Any, tmp_path: Path
+) -> None:
+    ckpt, output = tmp_path / "ckpt", tmp_path / "out.jsonl"
+    fake(backend, "hold", {"match": "(rollout row", "count": 4, "step": 1})
+    # The drain's checkpoint blocks once the deployment is prepared (collect_entry's pause), within a long budget.
+    stopped = Collector(
+        backend,
+        tmp_path,
+        "stopped",
+        ckpt=ckpt,
+        output=output,
+        every=60,
+        pause="prepared:1",
+        extra=("--drain-budget", "120"),
+    )
+    wait_until(
+        lambda: fake(backend, "stats")["held"] >= 4 or stopped.proc.poll() is not None, 120, "four rows in flight"
+    )
+    stopped.proc.send_signal(signal.SIGTERM)
+    wait_until(
+        lambda: stopped.events_named("paused") or stopped.proc.poll() is not None, 60, "the drain's prepared checkpoint"
+    )
+    assert stopped.proc.poll() is None, stopped.text()[-3000:]
+    assert _phases(backend) == {"prepared"}
+    signalled = time.monotonic()
+    stopped.proc.send_signal(signal.SIGTERM)
+    assert stopped.wait(60) == 1, stopped.text()[-3000:]
+    assert time.monotonic() - signalled < 30  # at once, not at the budget's end
+    text = stopped.text()
+    assert "second SIGTERM: stopping at once, without the last checkpoint" in text
+    assert (
+        "stopped on SIGTERM without a last checkpoint (a second SIGTERM stopped it); nothing of it was published"
+        in text
+    )
+    assert stopped.summary()["drain"]["published"] is False and not stopped.events_named("published")
+    assert CheckpointStore(ckpt).published() == []
+    assert _phases(backend) == {"idle"}  # resumed: admission open again
+    # The rows it left running on the servers die with them (fresh servers for the next test).
+    backend.kill()
+    backend.start(timeout=240)

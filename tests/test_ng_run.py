@@ -1,11 +1,19 @@
-"""Gym's own launcher: ``ng-checkpoint enable`` then ``ng_run`` starts ``examples/gym_config.yaml`` as is.
+"""Gym's own launcher: ``ng-checkpoint enable`` then ``ng_run`` on a config made of the wheel's own configs.
+
+The config is what a new user writes: the nemo-gym wheel's shipped configs for the model
+(``vllm_model``), the agent (``simple_agent``) and the environment (``single_agent_turn``) in
+``config_paths``, the wheel's block of the resources server (``example_single_tool_call``), and
+only the keys they leave to the user (the backend, which servers refer to which); no server has
+a port, an entrypoint of the plugin or a ``checkpoint:`` block. ``ng-checkpoint enable`` wraps
+every server, pins a free port for each (and says so), adds the ``checkpoint:`` block, and
+``ng_run`` starts the config it wrote.
 
 Ray stays on loopback twice over. Everything runs inside a network namespace holding only a
 loopback interface (``netns_support``), and Ray is docs/ng_run.md's recipe: the test starts it with
 ``ray start --head --node-ip-address=127.0.0.1`` and ``ng_run`` joins it through Gym's own
 ``ray_head_node_address`` (it would otherwise start its own cluster on the address Ray picks).
 The test reads every listening socket of the namespace and checks it is on 127.0.0.1.
-The fake inference backend stands in for vLLM on the example's port 18000. The scenario
+The fake inference backend stands in for vLLM on port 18000. The scenario
 is the demo's (``crash_scenario``): rollouts in flight are checkpointed with the
 coordination library, ``ng_run``, its servers and the backend are SIGKILLed, a fresh
 ``ng_run`` starts, the checkpoint is restored and every rollout finishes without repeating
@@ -24,6 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import nemo_gym
 import orjson
 import pytest
 import yaml
@@ -42,8 +51,10 @@ pytestmark = [
     ),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "gym_config.yaml"
+# Where the wheel installs its servers (resources_servers/, responses_api_models/, ... beside nemo_gym/).
+WHEEL = Path(nemo_gym.__file__).resolve().parent.parent
+BACKEND_PORT = 18000
+HEAD_SERVER_PORT = 11000  # Gym's default: the config gives none
 # The console script, run by this interpreter: Gym's legacy shim reads the command from argv[0].
 NG_RUN = str(Path(sys.executable).parent / "ng_run")
 RAY = str(Path(sys.executable).parent / "ray")
@@ -54,15 +65,52 @@ TOKEN = "ng-run-test-token"
 START_TIMEOUT = 420.0
 
 
-def _example() -> dict[str, Any]:
-    return yaml.safe_load(EXAMPLE.read_text(encoding="utf-8"))
-
-
-def _urls() -> dict[str, str]:
-    example = _example()
-    urls = {BACKEND: example["policy_base_url"].removesuffix("/v1")}
+def wheel_config(work: Path) -> Path:
+    """A Gym config made of the wheel's shipped configs, no server given a port (what ``enable`` starts from)."""
+    shipped = yaml.safe_load(
+        (WHEEL / "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml").read_text()
+    )
+    config = {
+        "config_paths": [
+            "responses_api_models/vllm_model/configs/vllm_model.yaml",
+            "responses_api_agents/simple_agent/configs/simple_agent.yaml",
+            "environment_servers/single_agent_turn/configs/single_agent_turn.yaml",
+        ],
+        "policy_base_url": f"http://127.0.0.1:{BACKEND_PORT}/v1",
+        "policy_api_key": "fake-key",
+        "policy_model_name": "fake-model",
+        # Only the resources server itself: its shipped file also defines two servers this scenario does not use.
+        "example_single_tool_call": shipped["example_single_tool_call"],
+        # What the shipped configs leave to the user (??? in them), and the fake backend's reply format.
+        "policy_model": {"responses_api_models": {"vllm_model": {"uses_reasoning_parser": False}}},
+        "simple_agent": {
+            "responses_api_agents": {
+                "simple_agent": {"resources_server": {"type": "resources_servers", "name": "example_single_tool_call"}}
+            }
+        },
+        "single_agent_turn": {
+            "environment_servers": {
+                "single_agent_turn": {
+                    "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"},
+                    "agent_server": {"type": "responses_api_agents", "name": "simple_agent"},
+                    "resources_tool_transports": ["direct_http"],
+                    "cleanup_timeout_seconds": 30,
+                }
+            }
+        },
+    }
     for name in GYM_SERVERS:
-        inner = server_location(example, name)[2]
+        assert not {"port", "host"} & set(server_location(config, name)[2]), name
+    path = work / "gym_config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def _urls(config: Path) -> dict[str, str]:
+    written = yaml.safe_load(config.read_text(encoding="utf-8"))
+    urls = {BACKEND: f"http://127.0.0.1:{BACKEND_PORT}"}
+    for name in GYM_SERVERS:
+        inner = server_location(written, name)[2]
         urls[name] = f"http://{inner['host']}:{inner['port']}"
     return urls
 
@@ -70,10 +118,10 @@ def _urls() -> dict[str, str]:
 class NgRunDeployment:
     """What ``run_scenario`` needs of a deployment, for the servers ``ng_run`` starts in the namespace."""
 
-    def __init__(self, ns: LoopbackNamespace, work: Path, env: dict[str, str]) -> None:
+    def __init__(self, ns: LoopbackNamespace, work: Path, env: dict[str, str], config: Path) -> None:
         self.ns, self.work, self.env = ns, work, env
-        self.urls = _urls()
-        self.config = str(EXAMPLE)
+        self.urls = _urls(config)
+        self.config = str(config)
         self.launcher: subprocess.Popen | None = None
         self.backend: subprocess.Popen | None = None
         self.children: list[subprocess.Popen] = []
@@ -113,7 +161,7 @@ class NgRunDeployment:
         return child
 
     def start(self) -> None:
-        """The backend, then ``ng_run`` on the example as is, from the directory ``enable`` ran in.
+        """The backend, then ``ng_run`` on the config ``enable`` wrote, from the directory ``enable`` ran in.
 
         Returns once every server answers. A fresh backend each time, as after a real crash: its
         counters are what the scenario reads to find steps that ran twice.
@@ -128,14 +176,14 @@ class NgRunDeployment:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                "18000",
+                str(BACKEND_PORT),
             ],
             f"backend-{self.starts}.log",
         )
         log_path = self.work / f"ng_run-{self.starts}.log"
         # Its own session: Ctrl-C in a terminal signals the whole foreground group, and so can the test.
         self.launcher = self._spawn(
-            [sys.executable, NG_RUN, f"+config_paths=[{EXAMPLE}]", f"+ray_head_node_address=127.0.0.1:{RAY_PORT}"],
+            [sys.executable, NG_RUN, f"+config_paths=[{self.config}]", f"+ray_head_node_address=127.0.0.1:{RAY_PORT}"],
             log_path.name,
             cwd=self.work,
             start_new_session=True,
@@ -215,23 +263,33 @@ def namespace():
     ns.close()
 
 
-def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_through_it(namespace, tmp_path):
+def test_enable_then_ng_run_starts_the_wheels_configs_without_ports_and_checkpoints_and_restores(namespace, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    # 1. enable: the example is already checkpointed (nothing written); each server's venv imports the plugin.
+    source = wheel_config(work)
+    # 1. enable: every server wrapped, a free port pinned for each (said), the checkpoint block added;
+    # each server's venv imports the plugin.
     enabled = subprocess.run(
-        [*NG_CHECKPOINT, "enable", str(EXAMPLE), "--json"], cwd=work, capture_output=True, text=True, timeout=300
+        [*NG_CHECKPOINT, "enable", str(source), "--json"], cwd=work, capture_output=True, text=True, timeout=300
     )
     assert enabled.returncode == 0, enabled.stderr
     done = orjson.loads(enabled.stdout)
-    assert done["written"] is None and done["config"] == str(EXAMPLE)
+    config = work / "gym_config.checkpointed.yaml"
+    assert done["written"] == str(config) and done["config"] == str(config)
+    assert sorted(done["ports_chosen"]) == sorted(GYM_SERVERS)
+    for name, port in done["ports_chosen"].items():
+        assert f"{name}: no port in the config, pinned to {port}" in " ".join(done["warnings"])
+    written = yaml.safe_load(config.read_text(encoding="utf-8"))
+    assert written["checkpoint"] == {"enabled": True, "control_auth_token_env": TOKEN_ENV}
+    for name in GYM_SERVERS:
+        inner = server_location(written, name)[2]
+        assert inner["entrypoint"] == LAUNCH_ENTRYPOINT and inner["port"] == done["ports_chosen"][name]
     assert sorted(s["name"] for s in done["servers"]) == sorted(GYM_SERVERS)
     for server in done["servers"]:
         venv = Path(server["venv"])
         assert venv == work / server["type"] / server["implementation"] / ".venv"
         assert server["action"] == "created, layered on this environment"
         assert list(venv.glob(f"lib/python*/site-packages/{PTH_NAME}"))
-    assert all(server_location(_example(), name)[2]["entrypoint"] == LAUNCH_ENTRYPOINT for name in GYM_SERVERS)
 
     ray_tmp = tempfile.mkdtemp(prefix="ngray-")  # short: Ray's unix socket paths must fit 107 bytes
     home = work / "home"
@@ -243,11 +301,11 @@ def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_thro
         "RAY_USAGE_STATS_ENABLED": "0",
         "HOME": str(home),
     }
-    deployment = NgRunDeployment(namespace, work, env)
+    deployment = NgRunDeployment(namespace, work, env, config)
     try:
         deployment.start_ray()
         deployment.start()
-        status = namespace.command([*NG_CHECKPOINT, "status", "--config", str(EXAMPLE), "--json"], timeout=60, env=env)
+        status = namespace.command([*NG_CHECKPOINT, "status", "--config", str(config), "--json"], timeout=60, env=env)
         participants = orjson.loads(status.stdout)["participants"]
         assert sorted((p["name"], p["kind"], p["phase"]) for p in participants) == [
             ("example_single_tool_call", "resources", "idle"),
@@ -259,7 +317,8 @@ def test_enable_then_ng_run_starts_the_example_and_checkpoints_and_restores_thro
         inside = namespace.processes()
         assert deployment.launcher.pid in inside and len(inside) > 6
         listening = namespace.listening(deployment.launcher.pid)
-        assert {port for _a, port in listening} >= {18000, 18001, 18002, 18003, 18004, 18005, RAY_PORT}
+        ports = {BACKEND_PORT, HEAD_SERVER_PORT, RAY_PORT, *done["ports_chosen"].values()}
+        assert {port for _a, port in listening} >= ports
         assert [a for a, _p in listening if not namespace.is_loopback(a)] == []
         assert "Connecting to Ray cluster at specified address: 127.0.0.1" in (work / "ng_run-1.log").read_text()
 

@@ -6,7 +6,9 @@ Gym's own parser; the collection runs in Gym's ``RolloutCollectionHelper`` (subc
 ``coordination._collection``). Added: ``--checkpoint-every``, ``--checkpoint-dir`` (absolute, or an
 object-store URL such as ``s3://bucket/run``: the deployment's ``checkpoint.storage.backend`` is then ``fsspec``),
 ``--keep``, ``--resume`` (Gym's ``resume_from_cache`` plus a restore of the last published
-checkpoint that verifies; a damaged one falls back to the one before, and says so).
+checkpoint that verifies; a damaged one falls back to the one before, and says so), ``--drain-budget``
+(a SIGTERM takes one last checkpoint at once within it, then the collection stops: ``_collect_drain.py``).
+The arguments are in ``_collect_args.py``.
 
 Everything that can be refused is refused before any row or server is touched: a relative
 ``--checkpoint-dir``, one whose parent is missing or that cannot be written, one another user could
@@ -19,8 +21,9 @@ rollouts and the ``forget`` command (``_collect_marks.py``).
 The summary is read from Gym's files at the end (``_collect_tally.py``): ``finished`` counts the
 rows in the output, terminal failures are listed as such, and a row missing from the output or
 in it twice is an error naming the rows.
-Exit status: 0 done (every row once in the output or failed for good), 1 the collection or the
-deployment failed, or a row is missing or duplicated at the end, 2 usage or leftover retired marks.
+Exit status: 0 done (every row once in the output or failed for good), or stopped on SIGTERM with a
+last checkpoint published; 1 the collection or the deployment failed, a row is missing or duplicated at
+the end, or a SIGTERM stopped it without a last checkpoint; 2 usage or leftover retired marks.
 """
 
 from __future__ import annotations
@@ -42,103 +45,17 @@ from .._storage.objstore_put import check_exclusive_create
 from ..coordination._collect_lock import CollectionLock, DirectoryLocked, collector_owner
 from ..coordination._collector_state import CheckpointStore, deployment_identity, identity_mismatch
 from ..coordination._errors import CoordinationError
+from ._collect_args import add_collect_parser
+from ._collect_drain import Drain
 from ._collect_marks import leftover_marks, marks_refusal, token_arguments
 from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
-from ._collect_progress import CollectProgress, summary_table
+from ._collect_progress import CollectProgress, collect_summary, summary_table
 from ._collect_root import untrusted
-from ._collect_tally import Tally, finished_rollouts, tally
+from ._collect_tally import finished_rollouts, tally
 from ._output import print_json
 from ._where import UsageError, _token
 
 __all__ = ["add_collect_parser", "check_checkpoint_dir", "run_collect"]
-
-DEFAULT_EVERY = 60.0
-DEFAULT_KEEP = 2
-
-
-def add_collect_parser(
-    sub: argparse._SubParsersAction,
-    common: argparse.ArgumentParser,
-    positive: Callable[[str], float],
-    count: Callable[[str], int],
-) -> None:
-    parser = sub.add_parser(
-        "collect",
-        parents=[common],
-        help="run Gym's rollout collection, checkpointing the rows in flight",
-        description="Run Gym's own rollout collection (the configuration ng_collect_rollouts takes, as Gym's "
-        "+key=value overrides) and checkpoint the deployment while rows are in flight; --resume "
-        "continues after a crash of the deployment and the collector.",
-        epilog="example: ng-checkpoint collect --checkpoint-dir /ckpt/run1 --checkpoint-every 300 "
-        "'+config_paths=[gym.yaml]' +input_jsonl_fpath=in.jsonl +output_jsonl_fpath=out.jsonl. "
-        "exit status: 0 done (every row once in the output, or failed for good), 1 the collection or the "
-        "deployment failed, or a row is missing or twice in the output at the end (named), 2 usage, or the "
-        "deployment holds retired marks this collection did not make (named, with the forget command)",
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        required=True,
-        metavar="DIR",
-        help="absolute directory holding the checkpoints (its parent must exist), or an "
-        "object-store URL (s3://bucket/run; the servers need checkpoint.storage.backend: fsspec)",
-    )
-    parser.add_argument(
-        "--checkpoint-every",
-        type=positive,
-        default=DEFAULT_EVERY,
-        metavar="SECONDS",
-        help=f"seconds between checkpoints while rows are in flight (default {DEFAULT_EVERY:g})",
-    )
-    parser.add_argument(
-        "--keep",
-        type=count,
-        default=DEFAULT_KEEP,
-        metavar="K",
-        help=f"published checkpoints kept (default {DEFAULT_KEEP}); older ones are removed only "
-        "after a newer one is published, and only this collection's",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue a crashed collection: Gym's resume_from_cache, and the rows in flight at "
-        "the last published checkpoint continue as their next attempt",
-    )
-    parser.add_argument(
-        "--allow-shared-root",
-        action="store_true",
-        help="use a --checkpoint-dir other users can write (refused without it: they could "
-        "redirect or forge checkpoints), with a warning",
-    )
-    parser.add_argument(
-        "--take-over",
-        action="store_true",
-        help="take the deployment over from the controller that owns it (it is fenced for good); "
-        "without it, a deployment another controller owns is refused, naming it",
-    )
-    parser.add_argument(
-        "--checkpoint-timeout",
-        type=positive,
-        default=60.0,
-        metavar="S",
-        help="seconds each prepare, commit and restore may take (default 60)",
-    )
-    token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
-    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
-    parser.add_argument(
-        "--probe-timeout",
-        type=positive,
-        default=2.0,
-        metavar="S",
-        help="seconds to wait for each status probe (default 2)",
-    )
-    parser.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
-    parser.add_argument(
-        "gym_overrides",
-        nargs=argparse.REMAINDER,
-        metavar="+KEY=VALUE",
-        help="ng_collect_rollouts' configuration (Gym's overrides)",
-    )
 
 
 def check_checkpoint_dir(raw: str) -> Path | ObjectPath:
@@ -415,17 +332,23 @@ async def _collect(
             on_fenced=lambda _detail: run_task.cancel(),
         )
         keeper_task = asyncio.create_task(keeper.run())
+        # SIGTERM: one last checkpoint within --drain-budget, then Gym's collection stops (_collect_drain.py).
+        drain = Drain(checkpointer, args.drain_budget, progress.say, stop=run_task.cancel)
+        drain.install()
         started = time.monotonic()
         failed: BaseException | str | None = None
         try:
             await run_task
         except asyncio.CancelledError:
-            if keeper.fenced is None:
+            if keeper.fenced is None and not drain.draining:
                 raise
-            failed = f"another controller took the deployment over ({keeper.fenced}); this collector stopped"
+            if keeper.fenced is not None:
+                failed = f"another controller took the deployment over ({keeper.fenced}); this collector stopped"
         except Exception as exc:  # Gym's own failure of the run: reported, exit 1
             failed = exc
         finally:
+            drain.remove()
+            await drain.wait()
             keeper.stop()
             checkpointer.stop()
             await loop_task
@@ -436,14 +359,20 @@ async def _collect(
         # What the files hold, not what this process saw: a second controller's rows, a row written
         # twice, a row whose attempt lived elsewhere all show here (_collect_tally.py).
         outcome = tally(collection)
-        summary = _summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started)
+        summary = collect_summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started, drain)
         print(summary_table(summary), file=sys.stderr)
         if outcome.terminal:
             progress.say(
                 f"{len(outcome.terminal)} rows failed for good (Gym's failures sidecar, never retried): "
                 f"{', '.join(outcome.terminal[:20])}{' ...' if len(outcome.terminal) > 20 else ''}"
             )
-        problems = outcome.problems()
+        problems = outcome.problems(missing=not drain.published)
+        if drain.draining:
+            last = [c.checkpoint_id for c in checkpointer.checkpoints if c.published] or [plan.source]
+            lines, errors = drain.report(outcome.missing_line(), last[-1])
+            for line in lines:
+                progress.say(line)
+            problems += errors
         if failed is not None:
             problems.insert(0, f"the collection failed: {failed}")
         for problem in problems:
@@ -451,32 +380,3 @@ async def _collect(
         if getattr(args, "json", False):
             print_json(summary, compact=True)
         return 1 if problems else 0
-
-
-def _summary(
-    root: Path | ObjectPath, helper: Any, checkpointer: Any, plan: Any, outcome: Tally, elapsed: float
-) -> dict[str, Any]:
-    published = [c for c in checkpointer.checkpoints if c.published]
-    pauses = [c.paused_s for c in checkpointer.checkpoints]
-    return {
-        "rollouts": outcome.rows,
-        "finished": outcome.finished,
-        **outcome.to_json(),
-        "lives_elsewhere": sorted(set(helper.tracker.elsewhere)),
-        "finished_before": helper.done_before,
-        "continued": len(plan.continued),
-        "restarted": len(plan.restarted),
-        "retired_restarts": len(plan.retired),
-        "restored_from": plan.source,
-        "restore_s": round(plan.restore_s, 3),
-        "restore_problem": plan.problem,
-        "fallbacks": [list(f) for f in plan.fallbacks],
-        "checkpoints": len(published),
-        "checkpoint_attempts": len(checkpointer.checkpoints),
-        "prepare_s": round(max((c.prepare_s for c in published), default=0.0), 3),
-        "commit_s": round(max((c.commit_s for c in published), default=0.0), 3),
-        "pause_s": {"mean": sum(pauses) / len(pauses) if pauses else 0.0, "max": max(pauses, default=0.0)},
-        "forgotten": checkpointer.forgotten,
-        "elapsed_s": round(elapsed, 3),
-        "checkpoint_dir": str(root),
-    }

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ._output import console, table
 
-__all__ = ["CollectProgress", "summary_table"]
+__all__ = ["CollectProgress", "collect_summary", "summary_table"]
 
 
 class CollectProgress:
@@ -91,6 +91,14 @@ class CollectProgress:
         self.update()
 
 
+def _drained(drain: dict[str, Any] | None) -> str | None:
+    if drain is None:
+        return None
+    if drain["published"]:
+        return f"last checkpoint {drain['checkpoint']} published (budget {drain['budget_s']:g}s)"
+    return f"without a last checkpoint ({drain['problem'] or 'stopped'})"
+
+
 def summary_table(summary: dict[str, Any]) -> str:
     """The end-of-run summary as a two-column table."""
     pauses = summary["pause_s"]
@@ -115,6 +123,38 @@ def summary_table(summary: dict[str, Any]) -> str:
         ],
         ["fallbacks", "; ".join(f"{cid}: {why}" for cid, why in summary["fallbacks"]) or None],
         ["rollouts forgotten", summary["forgotten"]],
+        ["stopped on SIGTERM", _drained(summary.get("drain"))],
         ["checkpoint dir", summary["checkpoint_dir"]],
     ]
     return table(["COLLECTION", ""], rows, wrap=("",))
+
+
+def collect_summary(
+    root: Any, helper: Any, checkpointer: Any, plan: Any, outcome: Any, elapsed: float, drain: Any
+) -> dict[str, Any]:
+    """The ``--json`` summary of one collection (``outcome``: its ``Tally``, read from Gym's files)."""
+    published = [c for c in checkpointer.checkpoints if c.published]
+    pauses = [c.paused_s for c in checkpointer.checkpoints]
+    return {
+        "rollouts": outcome.rows,
+        "finished": outcome.finished,
+        **outcome.to_json(),
+        "lives_elsewhere": sorted(set(helper.tracker.elsewhere)),
+        "finished_before": helper.done_before,
+        "continued": len(plan.continued),
+        "restarted": len(plan.restarted),
+        "retired_restarts": len(plan.retired),
+        "restored_from": plan.source,
+        "restore_s": round(plan.restore_s, 3),
+        "restore_problem": plan.problem,
+        "fallbacks": [list(f) for f in plan.fallbacks],
+        "checkpoints": len(published),
+        "checkpoint_attempts": len(checkpointer.checkpoints),
+        "prepare_s": round(max((c.prepare_s for c in published), default=0.0), 3),
+        "commit_s": round(max((c.commit_s for c in published), default=0.0), 3),
+        "pause_s": {"mean": sum(pauses) / len(pauses) if pauses else 0.0, "max": max(pauses, default=0.0)},
+        "forgotten": checkpointer.forgotten,
+        "elapsed_s": round(elapsed, 3),
+        "checkpoint_dir": str(root),
+        "drain": drain.to_json(),
+    }

@@ -47,14 +47,18 @@ class Tally:
         """Every row once in the output or finally failed; none twice, none foreign."""
         return not (self.missing or self.duplicated or self.unexpected)
 
-    def problems(self) -> list[str]:
-        """The errors, in words, naming the rows."""
+    def missing_line(self) -> str | None:
+        """The rows not in the output, named, and that ``--resume`` runs them (None: none)."""
+        if not self.missing:
+            return None
+        shown = _names(self.missing)
+        return f"{len(self.missing)} of {self.rows} rows are not in the output ({shown}); --resume runs them"
+
+    def problems(self, *, missing: bool = True) -> list[str]:
+        """The errors, in words, naming the rows (``missing`` false: all but the missing rows)."""
         problems = []
-        if self.missing:
-            problems.append(
-                f"{len(self.missing)} of {self.rows} rows are not in the output ({_names(self.missing)}); "
-                "--resume runs them"
-            )
+        if missing and (line := self.missing_line()) is not None:
+            problems.append(line)
         if self.duplicated:
             problems.append(f"{len(self.duplicated)} rows are in the output more than once ({_names(self.duplicated)})")
         if self.unexpected:

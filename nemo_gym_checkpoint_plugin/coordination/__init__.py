@@ -11,6 +11,14 @@ CLI) drives a deployment with::
             await commit(coordinator, "step-120", "/ckpt/step-120", scope)
         await resume(coordinator, "step-120")
 
+On a preemption notice (a SIGTERM, a drain notice), ``checkpoint_now`` takes one checkpoint at once
+within a budget (prepare, commit, publish, always resume; nothing published when the budget ends
+first or the task is cancelled)::
+
+    now = await checkpoint_now(coordinator, "step-121", "/ckpt/step-121", in_flight_episode_ids, budget=30)
+    if now.published:
+        ...  # record /ckpt/step-121 and now.scope as the checkpoint to restore from
+
 Orders, pools, bounds and failure handling are those of docs/protocol.md's
 "Coordination order"; every failure is a ``CoordinationError`` naming each
 failing server and its code.
@@ -31,6 +39,7 @@ from typing import Any
 
 import aiohttp
 
+from ._checkpoint_now import DEFAULT_BUDGET, CheckpointNow, checkpoint_now
 from ._coordinator import DEFAULT_TIMEOUT, Coordinator, Progress
 from ._discovery import (
     Participant,
@@ -60,8 +69,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_BUDGET",
     "DEFAULT_TIMEOUT",
     "KINDS",
+    "CheckpointNow",
     "CommitResult",
     "ControlTransport",
     "ControllerCollectionHelper",
@@ -76,6 +87,7 @@ __all__ = [
     "Progress",
     "RestoreResult",
     "capture_key",
+    "checkpoint_now",
     "commit",
     "default_order",
     "discover",

@@ -3,11 +3,12 @@
 ``CollectionCheckpointer`` runs beside Gym's collection on the same event loop:
 
 - every ``every`` seconds, while rows are in flight, it checkpoints the deployment
-  (failed attempts removed first, so what a full disk left of them is free again; ``prepare``;
-  when ready, ``commit`` of the rows in flight minus the restarts into ``<root>/<checkpoint id>``;
-  the collector's state written and published last), then ``resume`` (always, whatever failed),
-  then removes this collection's checkpoints older than the ``keep`` newest published ones
-  (``_storage.retention``);
+  (failed attempts removed first, so what a full disk left of them is free again; then
+  ``checkpoint_now``: ``prepare``; when ready, ``commit`` of the rows in flight minus the restarts
+  into ``<root>/<checkpoint id>``; the collector's state written and published last; ``resume``,
+  always, whatever failed), then removes this collection's checkpoints older than the ``keep``
+  newest published ones (``_storage.retention``); ``checkpoint(budget=...)`` is the same checkpoint
+  taken at once and bounded (``collect`` on SIGTERM: ``cli/_collect_drain.py``);
 - between checkpoints it forgets, on every participant, the rollouts whose ``/run``
   returned (forget is refused while a checkpoint is open, so it never overlaps one);
 - ``restore_from`` puts a published checkpoint back into fresh servers before the
@@ -30,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._errors import InvalidCheckpointState
 from .._identity import capture_key, episode_to_wire
+from ._checkpoint_now import CheckpointNow, checkpoint_now
 from ._collection import RunTracker
 from ._collector_state import CheckpointStore, CollectorState, RowState
 from ._coordinator import Coordinator
@@ -104,6 +105,8 @@ class CollectionCheckpointer:
         self.last_published_at: float | None = None
         self.forgotten = 0
         self._stop = asyncio.Event()
+        # One checkpoint or forget at a time: a checkpoint on SIGTERM waits for the periodic one under way.
+        self._busy = asyncio.Lock()
 
     async def _emit(self, event: str, **data: Any) -> None:
         if self.observe is not None:
@@ -132,40 +135,85 @@ class CollectionCheckpointer:
 
     async def forget_final(self) -> None:
         """Forget, on every participant, each rollout whose ``/run`` returned since the last call."""
-        final = self.tracker.take_final()
-        if not final:
-            return
-        try:
-            await self.coordinator.forget(f"forget-{self.seq:06d}-{self.store.run}", final, timeout=self.timeout)
-        except CoordinationError as exc:
-            # Marks are bounded bookkeeping: a failed forget is retried with the next batch.
-            self.tracker.final[:0] = final
-            logger.warning("forget failed (retried later): %s", exc)
-            return
+        async with self._busy:
+            final = self.tracker.take_final()
+            if not final:
+                return
+            try:
+                await self.coordinator.forget(f"forget-{self.seq:06d}-{self.store.run}", final, timeout=self.timeout)
+            except CoordinationError as exc:
+                # Marks are bounded bookkeeping: a failed forget is retried with the next batch.
+                self.tracker.final[:0] = final
+                logger.warning("forget failed (retried later): %s", exc)
+                return
         self.forgotten += len(final)
         await self._emit("forgot", rollouts=len(final))
 
-    async def checkpoint(self) -> CheckpointRecord:
-        """One checkpoint of the deployment and the collector; the deployment is resumed whatever happens."""
+    async def checkpoint(self, budget: float | None = None) -> CheckpointRecord:
+        """One checkpoint of the deployment and the collector (``checkpoint_now``); the deployment is resumed
+        whatever happens. ``budget`` (None: each call bounded by ``timeout`` alone) bounds it from this call,
+        the wait for a checkpoint or forget already under way included: at its end nothing is published.
+        Cancelled, it records the attempt (not published, the deployment resumed) and re-raises."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(budget):
+                await self._busy.acquire()
+        except TimeoutError:
+            record = CheckpointRecord(
+                self.store.checkpoint_id(self.seq),
+                published=False,
+                problem=f"the budget of {budget:g}s ended before the checkpoint under way did",
+            )
+            self.checkpoints.append(record)
+            await self._emit("resumed", checkpoint=record.checkpoint_id, record=record)
+            return record
+        try:
+            left = None if budget is None else max(budget - (time.monotonic() - started), 0.0)
+            return await self._checkpoint(left)
+        finally:
+            self._busy.release()
+
+    async def _checkpoint(self, budget: float | None) -> CheckpointRecord:
         checkpoint_id = self.store.checkpoint_id(self.seq)
         self.seq += 1
         record = CheckpointRecord(checkpoint_id, published=False)
         # Failed attempts go before this one writes: what a full disk left of them is space again.
         await asyncio.to_thread(self._prune, [self.store.path(checkpoint_id)])
-        started = time.monotonic()
+        in_flight: dict[str, int] = {}
+
+        def episodes() -> list[dict[str, Any]]:
+            in_flight.update(self.tracker.in_flight)
+            return self.tracker.episodes()
+
+        async def publish(now: CheckpointNow) -> dict[str, Any]:
+            return await self._publish(now, record, in_flight)
+
         try:
-            await self._checkpoint(checkpoint_id, record, started)
-        except (CoordinationError, InvalidCheckpointState) as exc:
-            record.problem = str(exc).splitlines()[0]
-            logger.warning("checkpoint %s not published: %s", checkpoint_id, exc)
-        finally:
-            try:
-                await self.coordinator.resume(checkpoint_id, timeout=self.timeout)
-            except CoordinationError as exc:
-                record.problem = record.problem or f"resume: {str(exc).splitlines()[0]}"
-                logger.warning("resume of %s failed: %s", checkpoint_id, exc)
-            record.paused_s = time.monotonic() - started
+            now = await checkpoint_now(
+                self.coordinator,
+                checkpoint_id,
+                # Made here, exclusively, before any participant writes into it: never a directory someone planted.
+                lambda: self.store.create(checkpoint_id),
+                episodes,
+                budget=budget,
+                timeout=self.timeout,
+                publish=publish,
+                observe=self.observe,
+                resume_timeout=self.timeout,
+            )
+        except asyncio.CancelledError:
+            record.problem = record.problem or "stopped before it was published"
             self.checkpoints.append(record)
+            raise
+        record.published = now.published
+        record.prepare_s, record.paused_s = now.prepare_s, now.paused_s
+        if now.published:
+            record.commit_s = now.commit_s
+            self.last_published_at = time.monotonic()
+        record.problem = now.problem
+        if now.problem is not None:
+            logger.warning("checkpoint %s%s: %s", checkpoint_id, "" if now.published else " not published", now.problem)
+        self.checkpoints.append(record)
         await self._emit("resumed", checkpoint=checkpoint_id, record=record)
         if record.published:
             # Off the loop (as before each attempt): on an object store, listing and removing are network calls.
@@ -178,26 +226,14 @@ class CollectionCheckpointer:
         for path in self.store.prune(self.keep, in_use=in_use):
             logger.info("removed checkpoint %s", path)
 
-    async def _checkpoint(self, checkpoint_id: str, record: CheckpointRecord, started: float) -> None:
-        await self._emit("prepare", checkpoint=checkpoint_id)
-        prepared = await self.coordinator.prepare(checkpoint_id, timeout=self.timeout)
-        record.prepare_s = time.monotonic() - started
-        if not prepared.ready:
-            record.problem = f"not ready by the deadline ({prepared.blocker_count()} blockers)"
-            await self._emit("skipped", checkpoint=checkpoint_id, why=record.problem)
-            return
-        await self._emit("prepared", checkpoint=checkpoint_id)
-        restarts = set(prepared.restarts())
-        in_flight = dict(self.tracker.in_flight)
-        scope = prepared.continued(self.tracker.episodes())
-        committed_at = time.monotonic()
-        # Made here, exclusively, before any participant writes into it: never a directory someone planted.
-        target = await asyncio.to_thread(self.store.create, checkpoint_id)
-        committed = await self.coordinator.commit(checkpoint_id, str(target), scope, timeout=self.timeout)
+    async def _publish(self, now: CheckpointNow, record: CheckpointRecord, in_flight: dict[str, int]) -> dict[str, Any]:
+        """``checkpoint_now``'s last step: the collector's state beside the Gym records, its manifest last."""
+        assert now.prepared is not None and now.committed is not None and now.commit_started is not None
+        checkpoint_id, target = now.checkpoint_id, now.checkpoint_dir
+        restarts = set(now.prepared.restarts())
         written: set[str] = set()
-        for keys in committed.episode_ids.values():
+        for keys in now.committed.episode_ids.values():
             written.update(keys)
-        await self._emit("committed", checkpoint=checkpoint_id)
         rows = []
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
@@ -214,15 +250,23 @@ class CollectionCheckpointer:
                 "output": str(self.output_path.resolve()),
                 "output_bytes": _size(self.output_path),
             },
-            timings={"prepare_s": round(record.prepare_s, 6), "commit_s": round(time.monotonic() - committed_at, 6)},
+            timings={
+                "prepare_s": round(now.prepare_s, 6),
+                "commit_s": round(time.monotonic() - now.commit_started, 6),
+            },
         )
         digest, count = await asyncio.to_thread(self.store.write_records, state)
-        await self._emit("records", checkpoint=checkpoint_id, path=str(target))
-        await asyncio.to_thread(self.store.publish, state, digest, count)
-        record.commit_s = time.monotonic() - committed_at
-        record.published = True
-        self.last_published_at = time.monotonic()
-        await self._emit("published", checkpoint=checkpoint_id, path=str(target), continued=record.continued)
+        await self._emit("records", checkpoint=checkpoint_id, path=target)
+        # The manifest is created in one step: once begun it is finished, and said, even when the budget
+        # ends or a second signal comes meanwhile (never "nothing published" about a published checkpoint).
+        publishing = asyncio.ensure_future(asyncio.to_thread(self.store.publish, state, digest, count))
+        try:
+            await asyncio.shield(publishing)
+        except asyncio.CancelledError:
+            await publishing
+            now.published = True
+            raise
+        return {"continued": record.continued}
 
     # -- resuming -------------------------------------------------------------------------------
 
