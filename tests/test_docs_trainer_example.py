@@ -11,6 +11,7 @@ completed step repeated, no ``/run`` resent after the dropped connection.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import re
 import types
@@ -38,7 +39,9 @@ RESTART = "t3"
 
 def example_module() -> types.ModuleType:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 1, "docs/trainer.md must hold exactly one python example"
+    assert blocks, "docs/trainer.md must hold the worked python example (its first python block)"
+    for block in blocks[1:]:  # the smaller snippets after it must at least be valid Python
+        compile(block, str(DOC), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     module = types.ModuleType("trainer_example")
     exec(compile(blocks[0], str(DOC), "exec"), module.__dict__)  # noqa: S102 - our own doc
     return module
