@@ -126,3 +126,10 @@ class Active:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     # The frozen heap (_collector.py) from the checkpoint's or restore's beginning until it ends.
     heap: Any = None
+
+    def cancel_tasks(self) -> None:
+        """Cancel the operation's own tasks, all but the one calling (it is ending the operation)."""
+        current = asyncio.current_task()
+        for task in list(self.tasks):
+            if task is not current:
+                task.cancel()

@@ -240,10 +240,7 @@ class ControlPlane:
             # In a thread: on an object store stop() waits for a manifest PUT under way, off the loop.
             if active.writer is not None:
                 await asyncio.to_thread(active.writer.stop)
-            current = asyncio.current_task()
-            for task in list(active.tasks):
-                if task is not current:
-                    task.cancel()
+            active.cancel_tasks()
             cleanup = active.cleanup_task
             if cleanup is not None and not cleanup.done():
                 try:

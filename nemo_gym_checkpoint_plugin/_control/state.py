@@ -140,10 +140,7 @@ class PlaneState:
         self.lease.clear()
         if active.heap is not None:
             active.heap.release()
-        current = asyncio.current_task()
-        for task in list(active.tasks):
-            if task is not current:
-                task.cancel()
+        active.cancel_tasks()
         install = self.install_task
         if install is not None and not install.done():
             # An install outliving its restore is kept: admission reopens once it finished.

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidCheckpointState, WriteFailed
+from .._process import pid_alive
 from .files import write_failed
 from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, build_manifest
 from .location import lexists
@@ -49,16 +50,6 @@ __all__ = ["ObjectStoreWriter", "remove_dead_spools"]
 _SPOOL = re.compile(r"^\.ng-checkpoint-spool-(?P<pid>[0-9]+)-[0-9a-f]{32}\.jsonl$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
-
-
 def remove_dead_spools(spool_dir: Path) -> list[str]:
     """Remove the spool files of processes that are gone (killed while writing); the names removed."""
     removed = []
@@ -68,7 +59,7 @@ def remove_dead_spools(spool_dir: Path) -> list[str]:
         return removed
     for name in names:
         match = _SPOOL.fullmatch(name)
-        if match is None or int(match["pid"]) == os.getpid() or _alive(int(match["pid"])):
+        if match is None or int(match["pid"]) == os.getpid() or pid_alive(int(match["pid"])):
             continue
         with contextlib.suppress(OSError):
             os.unlink(spool_dir / name)

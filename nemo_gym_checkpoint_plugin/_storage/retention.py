@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 
 from .._errors import InvalidCheckpointState
+from .._process import pid_alive
 from .layout import INDEX_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .location import Location, child_dirs, lexists, location, names, read_small
 from .objstore import ObjectPath
@@ -76,7 +77,7 @@ class Lease:
             return True  # unreadable: never remove on a guess
         if self.expires_at is not None and self.expires_at <= now:
             return False
-        if self.host == socket.gethostname() and self.pid is not None and not _alive(self.pid):
+        if self.host == socket.gethostname() and self.pid is not None and not pid_alive(self.pid):
             return False
         return True
 
@@ -85,16 +86,6 @@ class Lease:
             return f"a lease {self.holder} that cannot be read ({self.problem})"
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.expires_at or 0))
         return f"{self.operation} of {self.checkpoint_id} by pid {self.pid} on {self.host}, until {until}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._process import pid_alive
+
 __all__ = [
     "PREFIX",
     "RUNTIME_ROOT",
@@ -52,21 +54,6 @@ SOCKET_PATH_MAX = 107
 _PROBE_SECONDS = 0.5
 
 _NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-[A-Za-z0-9_]+$")
-
-
-def pid_alive(pid: int) -> bool:
-    """False only when no process ``pid`` exists here (a process of another user counts as alive)."""
-    if pid <= 0:
-        return False  # never a server's pid; kill() would signal a process group instead
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True
 
 
 def socket_accepts(path: str | os.PathLike[str]) -> bool:

@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from .._process import pid_alive
+
 __all__ = ["LOCK_NAME", "CollectionLock", "DirectoryLocked", "Holder", "collector_owner"]
 
 LOCK_NAME = "collect.lock"
@@ -55,12 +57,8 @@ def _process_start(pid: int) -> str | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        pass  # another user's process: it exists
     now = _process_start(pid)
     return started is None or now is None or now == started
 
