@@ -42,6 +42,7 @@ from ._collect import add_collect_parser, run_collect
 from ._gc import add_gc_parser, run_gc
 from ._live import run_live
 from ._offline import inspect_checkpoint, verify_checkpoint
+from ._options import add_probe_options
 from ._output import print_error, print_json, table
 from ._scope import CheckpointUnreadable, dir_argument
 from ._where import CONFIG_ENV, TOKEN_ENV, UsageError
@@ -113,17 +114,7 @@ def _common(json_only: bool = False) -> argparse.ArgumentParser:
         metavar="URL",
         help="a server's base URL, e.g. http://127.0.0.1:8001 (repeatable; instead of --config)",
     )
-    token = where.add_mutually_exclusive_group()
-    token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
-    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
-    where.add_argument(
-        "--probe-timeout",
-        type=_positive,
-        default=2.0,
-        metavar="S",
-        help="seconds to wait for each status probe (default 2)",
-    )
-    where.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
+    add_probe_options(where, _positive)
     where.add_argument(
         "--owner",
         type=_owner_id,

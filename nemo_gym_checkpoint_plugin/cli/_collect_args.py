@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ._collect_drain import DEFAULT_DRAIN_BUDGET
+from ._options import add_probe_options
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "add_collect_parser"]
 
@@ -90,17 +91,7 @@ def add_collect_parser(
         metavar="S",
         help="seconds each prepare, commit and restore may take (default 60)",
     )
-    token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token-file", metavar="PATH", help="a file holding the control token")
-    token.add_argument("--token-env", metavar="VAR", help="environment variable holding the control token")
-    parser.add_argument(
-        "--probe-timeout",
-        type=positive,
-        default=2.0,
-        metavar="S",
-        help="seconds to wait for each status probe (default 2)",
-    )
-    parser.add_argument("--tries", type=int, default=3, metavar="N", help="status probes per server (default 3)")
+    add_probe_options(parser, positive)
     parser.add_argument(
         "gym_overrides",
         nargs=argparse.REMAINDER,
