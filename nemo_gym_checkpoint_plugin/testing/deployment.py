@@ -17,6 +17,10 @@ Process groups: with ``own_process_groups=True`` (tests) each child leads its ow
 group, and ``stop``/``kill`` signal whole groups, so nothing a server spawned survives.
 With ``False`` (``make serve``) children stay in the caller's group, so a SIGKILL of
 that group takes every server down with it.
+
+Spawning: a child is a plain ``subprocess.Popen`` unless a ``Zygote`` is in use (``spawner=``, or the
+session's one that the testing kit's pytest plugin sets with ``use_zygote``): then a Gym server or the
+backend is forked from it with the same argv, cwd, environment, session and log (``zygote.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,22 @@ from .gym_config import (
 )
 from .ports import free_port_base, parse_port_base, port_is_free
 from .process_specs import FAKE_BACKEND_MODULE, ProcessSpec, backend_spec, fake_backend_script, gym_specs
+from .zygote import ForkedProcess, Zygote
+
+# A child of a Deployment: a process of its own, or one forked from a zygote (the same calls answer).
+ChildProcess = subprocess.Popen[bytes] | ForkedProcess
+# The zygote every Deployment without a ``spawner`` uses (None: plain processes); see ``use_zygote``.
+_session_zygote: Callable[[], Zygote | None] | None = None
+
+
+def use_zygote(get: Callable[[], Zygote | None] | None) -> None:
+    """Make ``get()`` the zygote of every ``Deployment`` built without ``spawner`` (None: plain processes).
+
+    ``get`` is called at each spawn, so a zygote can be started on first use.
+    """
+    global _session_zygote
+    _session_zygote = get
+
 
 __all__ = [
     # Re-exported from gym_config so callers need one import.
@@ -144,10 +164,12 @@ class Deployment:
         gym_settings: Mapping[str, Any] | None = None,
         replicas: int = 1,
         environment: Mapping[str, Any] | None = None,
+        spawner: Zygote | None = None,
     ) -> None:
         from omegaconf import OmegaConf
 
         self.port_base = port_base
+        self.spawner = spawner
         self.work_dir = Path(work_dir)
         self.own_process_groups = own_process_groups
         self.log_dir = log_dir
@@ -175,7 +197,7 @@ class Deployment:
             for i in range(1, (replicas if name in REPLICATED else 1) + 1)
         }
         self.specs = [backend, *gym_specs(self.config, self.config_yaml, dirs, python, names)]
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._procs: dict[str, ChildProcess] = {}
 
     @property
     def urls(self) -> dict[str, str]:
@@ -188,7 +210,7 @@ class Deployment:
         return [urls[replica_name(name, i)] for i in range(1, (self.replicas if name in REPLICATED else 1) + 1)]
 
     @property
-    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+    def processes(self) -> dict[str, ChildProcess]:
         return dict(self._procs)
 
     @property
@@ -229,7 +251,7 @@ class Deployment:
             self.kill()
             raise
 
-    def _spawn(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
+    def _spawn(self, spec: ProcessSpec) -> ChildProcess:
         env = {
             **os.environ,
             **self.extra_env,
@@ -243,7 +265,18 @@ class Deployment:
         log_path = self.log_path(spec.name)
         # The child keeps its own copy of the descriptor; ours is closed as soon as it is spawned.
         log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+        zygote = self.spawner or (_session_zygote() if _session_zygote is not None else None)
         try:
+            if zygote is not None and zygote.can_run(spec.argv):
+                output = log.fileno() if log is not None else sys.stderr.fileno()
+                return zygote.spawn(
+                    spec.argv,
+                    cwd=spec.cwd,
+                    env=env,
+                    stdout=output,
+                    stderr=output,
+                    start_new_session=self.own_process_groups,
+                )
             return subprocess.Popen(
                 spec.argv,
                 cwd=spec.cwd,
@@ -283,7 +316,7 @@ class Deployment:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         return "; last log lines:\n" + "\n".join(tail)
 
-    def _signal(self, proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    def _signal(self, proc: ChildProcess, sig: signal.Signals) -> None:
         try:
             if self.own_process_groups:
                 os.killpg(proc.pid, sig)

@@ -28,10 +28,16 @@ same config and ports). The rest of ``harness`` (``send_rollout``, ``send_wave``
 Loading the plugin also loads ``reaper``: every process the run starts (servers, their
 children, Ray's daemons under ``ng_run``) is killed at the end of the session, and by a
 watchdog when pytest itself is killed, so no server outlives the run.
+
+Servers of a ``Deployment`` are forked from one warm interpreter for the session (``zygote``: Gym's
+libraries imported once, not once per server), started when the first deployment starts;
+``NG_CHECKPOINT_TEST_ZYGOTE=0`` starts each as a plain process instead.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -39,28 +45,66 @@ import pytest
 import pytest_asyncio
 
 from . import reaper
-from .deployment import Deployment
+from .deployment import Deployment, use_zygote
 from .harness import GymHarness, new_deployment
+from .zygote import Zygote, ZygoteError
 
 __all__ = ["gym_deployment", "gym_deployment_factory", "participant_servers"]
 
 _RUN = pytest.StashKey[str]()
+ZYGOTE_ENV = "NG_CHECKPOINT_TEST_ZYGOTE"
+
+
+class _SessionZygote:
+    """The session's zygote, started on first use; if it cannot start, servers start as plain processes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._zygote: Zygote | None = None
+        self.failure: str | None = None
+
+    def __call__(self) -> Zygote | None:
+        with self._lock:
+            if self._zygote is None and self.failure is None:
+                try:
+                    self._zygote = Zygote()
+                except (ZygoteError, OSError) as exc:
+                    self.failure = str(exc)
+            return self._zygote
+
+    def close(self) -> None:
+        with self._lock:
+            if self._zygote is not None:
+                self._zygote.close()
+                self._zygote = None
+
+
+_ZYGOTE = pytest.StashKey[_SessionZygote]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Before any test starts a process: each inherits the run's mark (``reaper``).
     run = config.stash[_RUN] = reaper.new_run()
     reaper.start_watchdog(run)
+    if os.environ.get(ZYGOTE_ENV, "1") != "0":
+        zygote = config.stash[_ZYGOTE] = _SessionZygote()
+        use_zygote(zygote)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    zygote = session.config.stash.get(_ZYGOTE, None)
+    if zygote is not None:
+        use_zygote(None)
+        zygote.close()
+        if zygote.failure is not None and reporter is not None:
+            reporter.write_line(f"zygote: not used, servers started as plain processes: {zygote.failure}", yellow=True)
     run = session.config.stash.get(_RUN, None)
     if run is None:
         return
     killed = reaper.sweep(run)
     if killed:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"reaper: killed {len(killed)} process(es) the tests left running: {killed}"
         if reporter is not None:
             reporter.write_line(message, yellow=True)
