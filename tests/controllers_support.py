@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import new_deployment
+from nemo_gym_checkpoint_plugin.testing.deployment import spawn
 from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, ENVIRONMENT, TOKEN_ENV, rollout_body
 
 TOKEN = "controllers-token"
@@ -125,13 +126,13 @@ class Collector:
             "+environment_server_routes={example_single_tool_call: single_agent_turn}",
         ]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
+            # Forked from the session's zygote where it can (Gym's libraries already imported), as servers are.
+            self.proc = spawn(
                 argv,
                 cwd=work,
                 env={**os.environ, TOKEN_ENV: TOKEN, **(env or {})},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                stdout=log.fileno(),
+                stderr=log.fileno(),
                 start_new_session=True,
             )
 

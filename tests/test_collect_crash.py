@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 from nemo_gym_checkpoint_plugin._storage.index import write_participants_index
 from nemo_gym_checkpoint_plugin.coordination._collector_state import CheckpointStore, CollectorState, RowState
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import RESTART_TASK_DATA, new_deployment
+from nemo_gym_checkpoint_plugin.testing.deployment import ChildProcess, spawn
 from nemo_gym_checkpoint_plugin.testing.gym_config import BACKEND, RESOURCES, TOKEN_ENV, rollout_body
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until
 
@@ -76,7 +76,7 @@ class Run:
         self.output = work / "out.jsonl"
         self.leg = 0
 
-    def start(self, pause: str, resume: bool, every: float = 0.3) -> tuple[subprocess.Popen[bytes], Path]:
+    def start(self, pause: str, resume: bool, every: float = 0.3) -> tuple[ChildProcess, Path]:
         # Checkpoints close together: rows in flight at one are mostly still in flight at the next kill.
         self.leg += 1
         events = self.work / f"events-{self.leg}.jsonl"
@@ -99,16 +99,15 @@ class Run:
             "+disable_health_check=true",
             "+environment_server_routes={example_single_tool_call: single_agent_turn}",
         ]
-        log = open(self.work / f"collector-{self.leg}.log", "wb")  # noqa: SIM115 - the child keeps it
-        proc = subprocess.Popen(
-            argv,
-            cwd=self.work,
-            env={**os.environ, TOKEN_ENV: TOKEN},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.work / f"collector-{self.leg}.log", "wb") as log:
+            proc = spawn(
+                argv,
+                cwd=self.work,
+                env={**os.environ, TOKEN_ENV: TOKEN},
+                stdout=log.fileno(),
+                stderr=log.fileno(),
+                start_new_session=True,
+            )
         return proc, events
 
     def repeated_steps(self, events: Path) -> tuple[int, int]:
@@ -129,7 +128,7 @@ class Run:
                 repeated += sum(completed.get(conversation, {}).values())
         return len(restored[0]["continued"]), repeated
 
-    def crash(self, proc: subprocess.Popen[bytes]) -> None:
+    def crash(self, proc: ChildProcess) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         self.deployment.kill()
@@ -150,7 +149,7 @@ def _output(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v for k, v in item.items() if k != "id"} for item in record["response"]["output"]]
 
 
-def _paused_or_exited(proc: subprocess.Popen[bytes], events: Path) -> Any:
+def _paused_or_exited(proc: ChildProcess, events: Path) -> Any:
     return lambda: proc.poll() is not None or any(e["event"] == "paused" for e in _events(events))
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,35 @@ def use_zygote(get: Callable[[], Zygote | None] | None) -> None:
     _session_zygote = get
 
 
+def spawn(
+    argv: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str],
+    env: Mapping[str, str],
+    stdout: int,
+    stderr: int,
+    start_new_session: bool = True,
+    zygote: Zygote | None = None,
+) -> ChildProcess:
+    """Start ``argv`` as a ``Deployment`` starts its servers: forked from ``zygote`` (default: the session's,
+    ``use_zygote``) when it can run it, else a plain ``Popen``. ``stdout``/``stderr`` are descriptors.
+
+    For a test's other Python children that import Gym (a collector, say), so they skip its import too.
+    """
+    chosen = zygote or (_session_zygote() if _session_zygote is not None else None)
+    if chosen is not None and chosen.can_run(argv):
+        return chosen.spawn(argv, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=start_new_session)
+    return subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=start_new_session,
+    )
+
+
 __all__ = [
     # Re-exported from gym_config so callers need one import.
     "AGENT",
@@ -98,9 +127,12 @@ __all__ = [
     "ProcessSpec",
     "fake_backend_script",
     # Process management.
+    "ChildProcess",
     "Deployment",
     "DeploymentAborted",
     "DeploymentError",
+    "spawn",
+    "use_zygote",
     "free_port_base",
     "parse_port_base",
     "port_is_free",
@@ -265,26 +297,16 @@ class Deployment:
         log_path = self.log_path(spec.name)
         # The child keeps its own copy of the descriptor; ours is closed as soon as it is spawned.
         log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-        zygote = self.spawner or (_session_zygote() if _session_zygote is not None else None)
+        output = log.fileno() if log is not None else sys.stderr.fileno()
         try:
-            if zygote is not None and zygote.can_run(spec.argv):
-                output = log.fileno() if log is not None else sys.stderr.fileno()
-                return zygote.spawn(
-                    spec.argv,
-                    cwd=spec.cwd,
-                    env=env,
-                    stdout=output,
-                    stderr=output,
-                    start_new_session=self.own_process_groups,
-                )
-            return subprocess.Popen(
+            return spawn(
                 spec.argv,
                 cwd=spec.cwd,
                 env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log if log is not None else sys.stderr.fileno(),
-                stderr=subprocess.STDOUT if log is not None else sys.stderr.fileno(),
+                stdout=output,
+                stderr=output,
                 start_new_session=self.own_process_groups,
+                zygote=self.spawner,
             )
         finally:
             if log is not None:

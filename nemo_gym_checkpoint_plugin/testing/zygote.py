@@ -48,6 +48,7 @@ PRELOAD = (
     "nemo_gym.base_responses_api_model",
     "nemo_gym.base_responses_api_agent",
     "nemo_gym.openai_utils",
+    "nemo_gym.rollout_collection",  # a collector (ng-checkpoint collect) a test starts
     "uvicorn",
     "fastapi",
     "aiohttp",
