@@ -41,6 +41,7 @@ from ._errors import Unauthorized, install_error_handler
 from ._identity import EpisodeId
 from ._storage.objstore import is_url, normalize_url
 from ._telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._telemetry.spans import incoming as incoming_trace
 from ._wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX, OWNER_PATTERN
 
 __all__ = [
@@ -189,6 +190,11 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
             async def guarded(request: Request) -> Response:
                 if not _authorized(request.headers.get("authorization", ""), expected):
                     raise Unauthorized("missing or wrong bearer token")
+                # Under the controller's trace (its traceparent) unless Gym's server span already adopted it.
+                with incoming_trace(request.headers):
+                    return await answer(request)
+
+            async def answer(request: Request) -> Response:
                 try:
                     return await handler(request)
                 except BodyRefused as exc:

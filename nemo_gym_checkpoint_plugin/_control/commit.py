@@ -280,7 +280,7 @@ class Committer:
         scope = None if scope_keys is None else frozenset(scope_keys)
         reply: dict[str, Any] = {k: v for k, v in kept.reply_extras.items() if k not in _REPLY_FIELDS}
         reply.update(phase=Phase.COMMITTED.value, manifest=manifest, episode_ids=written)
-        self._state.telemetry.published(manifest, len(written), size)
+        self._state.telemetry.published(checkpoint_id, manifest, len(written), size)
         async with self._state.lock:
             if self._state.active is active:
                 self._state.phase = Phase.COMMITTED

@@ -148,8 +148,7 @@ class ControlPlane:
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """Close admission and wait (until ``deadline_ts``) for readiness; see docs/protocol.md ``prepare``."""
-        async with self.telemetry.call("prepare", checkpoint_id):
-            return await self._prepare(checkpoint_id, deadline_ts)
+        return await self.telemetry.call("prepare", checkpoint_id, self._prepare(checkpoint_id, deadline_ts))
 
     async def _prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         self.state.check_deadline(deadline_ts)
@@ -213,23 +212,23 @@ class ControlPlane:
         stop: bool = False,
     ) -> dict[str, Any]:
         """Export once and write (``commit.py``); see docs/protocol.md ``commit``."""
-        async with self.telemetry.call("commit", checkpoint_id):
-            return await self._commits.commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop)
+        work = self._commits.commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop)
+        return await self.telemetry.call("commit", checkpoint_id, work)
 
     async def restore(
         self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: list[EpisodeId]
     ) -> dict[str, Any]:
         """Mark, read and install a checkpoint's episodes (``restore.py``); see docs/protocol.md ``restore``."""
-        async with self.telemetry.call("restore", checkpoint_id):
-            return await self._restores.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+        work = self._restores.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+        return await self.telemetry.call("restore", checkpoint_id, work)
 
     async def retire(self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict[str, Any]:
-        async with self.telemetry.call("retire", checkpoint_id):
-            return await self._restores.retire(checkpoint_id, deadline_ts, episode_ids)
+        work = self._restores.retire(checkpoint_id, deadline_ts, episode_ids)
+        return await self.telemetry.call("retire", checkpoint_id, work)
 
     async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict[str, Any]:
-        async with self.telemetry.call("forget", checkpoint_id):
-            return await self._restores.forget(checkpoint_id, deadline_ts, rollout_ids)
+        work = self._restores.forget(checkpoint_id, deadline_ts, rollout_ids)
+        return await self.telemetry.call("forget", checkpoint_id, work)
 
     # -- renew and resume ------------------------------------------------------------------------
 
@@ -242,8 +241,7 @@ class ControlPlane:
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """End the active checkpoint or restore: abort its work, reopen admission, remember the id."""
-        async with self.telemetry.call("resume", checkpoint_id):
-            return await self._resume(checkpoint_id, deadline_ts)
+        return await self.telemetry.call("resume", checkpoint_id, self._resume(checkpoint_id, deadline_ts))
 
     async def _resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         self.state.check_deadline(deadline_ts)

@@ -118,6 +118,7 @@ class Restorer:
                 # Ids only for the records read (this participant's own, a fraction of a large scope): the
                 # scope's pairs were validated as EpisodeId would, so a record naming one is built from it.
                 records = [_restored_record(record, pairs) for record in restored.records]
+                self._state.telemetry.read(len(records))
                 # Before anything is retired or installed: every record's owner must be here to take it.
                 self._state.participants.check_owners(records)
                 # The replacement of every episode in scope, made into EpisodeIds only if a plugin reads them.
