@@ -242,3 +242,16 @@ async def test_marks_stay_untouched_by_a_scrape(h: Harness) -> None:
     await scrape(h)
     assert h.plane.phase == "idle" and h.plane.admission.is_open and len(h.plane.marks) == 0
     assert isinstance(h.plane.marks, RetiredMarks) and isinstance(h.plane.admission, Admission)
+
+
+def test_docs_name_every_metric_and_span_attribute() -> None:
+    from nemo_gym_checkpoint_plugin._telemetry import spans
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "telemetry.md").read_text(encoding="utf-8")
+    for metric in METRICS:
+        row = f"| `{metric.otel}` | `{metric.unit}` | `{metric.prometheus}` | {metric.type} |"
+        assert row in page, row
+    for attribute in spans.ATTRIBUTES:
+        assert f"| `{attribute}` |" in page, attribute
+    for stage in ("wait_ready", "export", "write", "read", "install"):
+        assert f"`checkpoint {stage}`" in page, stage

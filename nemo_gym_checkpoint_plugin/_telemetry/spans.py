@@ -1,7 +1,7 @@
 """Checkpoint spans: OpenTelemetry API spans in the ``checkpoint`` span group (docs/telemetry.md "Spans").
 
 Gym 0.7.0 selects span groups through nemo-lens: ``nemo_gym.telemetry._fallbacks.is_span_group_enabled``
-answers whether a group is in the ``span_groups`` spec (``telemetry.span_groups``, or
+answers whether a group is in the ``span_groups`` spec (that key of Gym's ``telemetry:`` block, or
 ``NEMO_GYM_OTEL_SPAN_GROUPS``), and a group must be registered with lens's ``SpanRegistry`` before
 Gym's ``init_telemetry`` resolves the spec. Importing this module registers ``checkpoint`` under the
 plugin's own namespace (a no-op without nemo-lens, where Gym's telemetry is off and so are these
