@@ -292,6 +292,7 @@ class ControlPlane:
     async def status(self) -> dict[str, Any]:
         report = await self.participants.ready(self.checkpoint_id)
         body = await self.participants.status_fields()
+        body.update(self.telemetry.status_fields())  # last_checkpoint (docs/telemetry.md)
         body.update(
             kind=self.kind,
             instance=self.instance,

@@ -161,7 +161,7 @@ class PlaneState:
 
     async def _open(self, checkpoint_id: str) -> None:
         self.admission.open()
-        self.telemetry.admission_opened()
+        self.telemetry.admission_opened(checkpoint_id)
         try:
             await self.participants.open_admission(checkpoint_id)
         except Exception as exc:

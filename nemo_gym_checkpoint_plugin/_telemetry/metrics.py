@@ -342,10 +342,14 @@ class ServerMetrics:
         if self._closed_at is None:
             self._closed_at = time.monotonic()
 
-    def admission_opened(self) -> None:
+    def admission_opened(self) -> float | None:
+        """Admission reopened: observe and return how long it was closed (None: it was not)."""
         closed_at, self._closed_at = self._closed_at, None
-        if closed_at is not None:
-            self.admission_closed.observe(time.monotonic() - closed_at)
+        if closed_at is None:
+            return None
+        paused = time.monotonic() - closed_at
+        self.admission_closed.observe(paused)
+        return paused
 
     def checkpoint_published(self, manifest: dict[str, Any], episodes: int, size: int | None) -> None:
         self.completed.inc()

@@ -65,6 +65,9 @@ class ServerTelemetry:
         )
         # The last published checkpoint's (id, bytes): its commit reply's span carries the size.
         self._published: tuple[str, int | None] | None = None
+        self._clock = clock
+        # What ``status`` tells of the last published checkpoint (plugin field ``last_checkpoint``).
+        self.last_checkpoint: dict[str, Any] | None = None
 
     def _attributes(self, checkpoint_id: str, **more: Any) -> dict[str, Any]:
         return {
@@ -106,8 +109,11 @@ class ServerTelemetry:
     def admission_closing(self) -> None:
         self.metrics.admission_closing()
 
-    def admission_opened(self) -> None:
-        self.metrics.admission_opened()
+    def admission_opened(self, checkpoint_id: str) -> None:
+        paused = self.metrics.admission_opened()
+        last = self.last_checkpoint
+        if paused is not None and last is not None and last["checkpoint_id"] == checkpoint_id:
+            last["paused_seconds"] = paused  # the pause this checkpoint imposed, prepare to resume
 
     def prepared(self, restarts: int) -> None:
         self.metrics.restarts_reported(restarts)
@@ -116,6 +122,13 @@ class ServerTelemetry:
         """A checkpoint's manifest is durable (called in the commit's task: the commit's span gets the figures)."""
         self.metrics.checkpoint_published(manifest, episodes, size)
         self._published = (checkpoint_id, size)
+        self.last_checkpoint = {
+            "checkpoint_id": checkpoint_id,
+            "published_at": self._clock(),
+            "size_bytes": size,
+            "records": manifest.get("record_count"),
+            "episodes": episodes,
+        }
         if spans.enabled():
             from opentelemetry import trace
 
@@ -133,6 +146,10 @@ class ServerTelemetry:
 
     def installed(self) -> None:
         self.metrics.restore_installed()
+
+    def status_fields(self) -> dict[str, Any]:
+        """``last_checkpoint`` once this server published one (``paused_seconds`` once admission reopened)."""
+        return {} if self.last_checkpoint is None else {"last_checkpoint": dict(self.last_checkpoint)}
 
     async def scrape(self, held_counts: Callable[[], Any]) -> bytes:
         """The Prometheus text, after refreshing what only the participants know (held responses)."""
