@@ -94,6 +94,9 @@ def test_ng_checkpoint_status_shows_the_last_checkpoint_and_warns(tmp_path: Path
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.count("last checkpoint") == 4, shown.stdout
         assert shown.stderr.count("warning: ") == 4, shown.stderr
+        watched = cli("status", *where, "--interval", "0.001", "--watch", "0.1", "--count", "1")
+        assert watched.returncode == 0 and watched.stderr.count("warning: ") == 4, watched.stderr
+        assert max(map(len, shown.stdout.splitlines())) <= 80  # the notes wrap: the table still fits
         quiet = cli("status", *where, "--interval", "100000")
         assert "warning" not in quiet.stderr
         document = orjson.loads(cli("status", *where, "--json", "--interval", "0.001").stdout)

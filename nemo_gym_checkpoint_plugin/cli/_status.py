@@ -210,11 +210,14 @@ async def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
             if args.json:
                 print_json({"time": time.time(), **_public(document)}, compact=True)
             elif live is not None:
-                body = _render(document) + "".join(f"\nerror: {line}" for line in errors)
+                notes = [f"warning: {line}" for line in document.get("warnings", ())] + [f"error: {e}" for e in errors]
+                body = _render(document) + "".join(f"\n{line}" for line in notes)
                 live.update(Text.from_ansi(f"every {args.watch:g}s, Ctrl-C stops  {stamp}\n{body}"), refresh=True)
             else:
                 print(f"-- {stamp} (every {args.watch:g}s, Ctrl-C stops)", flush=True)
                 print(_render(document), flush=True)
+                for line in document.get("warnings", ()):
+                    print(f"warning: {line}", file=sys.stderr, flush=True)
                 for line in errors:
                     print(f"error: {line}", file=sys.stderr, flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):
