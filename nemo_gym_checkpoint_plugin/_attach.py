@@ -299,6 +299,7 @@ def attach_checkpointing(
     counters = install_gate(
         app, control.admission, control.marks, run_path="/run" if kind in ("environment", "agent") else None
     )
+    control.telemetry.metrics.watch_gate(counters)  # parked requests in the metrics (docs/telemetry.md)
     if kind == "environment":
         from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
 

@@ -44,6 +44,8 @@ When checkpointing is disabled the gate is not installed at all; whether to call
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -89,6 +91,8 @@ class GateCounters:
     parked: int = 0
     parks: int = 0
     refused: int = 0
+    # Told each parked request's wait in seconds (the metrics' gym.checkpoint.parked.duration); parked path only.
+    observe_park: Callable[[float], None] | None = None
 
 
 def is_exempt(path: str) -> bool:
@@ -220,6 +224,7 @@ class AdmissionGate:
         counters = self._counters
         counters.parked += 1
         counters.parks += 1
+        parked_at = time.monotonic()
         try:
             if attempt is None:
                 # Returns only with admission open: a wake that finds a new checkpoint already
@@ -238,6 +243,8 @@ class AdmissionGate:
                 return True
         finally:
             counters.parked -= 1
+            if counters.observe_park is not None:
+                counters.observe_park(time.monotonic() - parked_at)
 
     async def _refuse(self, send: Send, attempt: Attempt) -> None:
         rollout_id, number = attempt

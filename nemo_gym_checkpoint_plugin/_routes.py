@@ -1,6 +1,7 @@
 """The control routes under ``/ng-control/v1/checkpoint/`` (docs/protocol.md "Routes").
 
-The protocol's eight, plus the plugin's ``owner`` route; every POST but ``owner`` passes the owner
+The protocol's eight, plus the plugin's ``owner`` route and ``GET metrics`` (Prometheus text,
+docs/telemetry.md); every POST but ``owner`` passes the owner
 lease first (``control/owner.py``: an optional ``owner`` field, ``take_over`` on prepare and restore).
 
 Every route checks ``Authorization: Bearer <token>`` before it reads the body, so without
@@ -39,6 +40,8 @@ from ._control.bodies import BodyLimits, BodyRefused, ListField, parse_body, rea
 from ._errors import Unauthorized, install_error_handler
 from ._identity import EpisodeId
 from ._storage.objstore import is_url, normalize_url
+from ._telemetry import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ._telemetry.spans import incoming as incoming_trace
 from ._wire import CHECKPOINT_ID_PATTERN, CONTROL_PREFIX, OWNER_PATTERN
 
 __all__ = [
@@ -187,6 +190,11 @@ def _guarded_route_class(token: str) -> type[APIRoute]:
             async def guarded(request: Request) -> Response:
                 if not _authorized(request.headers.get("authorization", ""), expected):
                     raise Unauthorized("missing or wrong bearer token")
+                # Under the controller's trace (its traceparent) unless Gym's server span already adopted it.
+                with incoming_trace(request.headers):
+                    return await answer(request)
+
+            async def answer(request: Request) -> Response:
                 try:
                     return await handler(request)
                 except BodyRefused as exc:
@@ -223,6 +231,12 @@ def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = N
     @router.get("/status")
     async def status() -> dict[str, Any]:
         return await control.status()
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        # Prometheus text of this server's checkpoint metrics (docs/telemetry.md), behind the same token.
+        body = await control.telemetry.scrape(lambda: control.participants.ready(control.checkpoint_id))
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     async def owned(request: Request, model: type[_B], operation: str) -> _B:
         """The body, once the owner lease let the call through (control/owner.py)."""

@@ -86,6 +86,11 @@ class CheckpointMixin:
     def run_webserver(cls) -> Any:
         # Before Gym builds anything (and before any Ray or uvicorn start): a bad block never serves.
         exit_on_bad_settings(server_config=cls.load_config_from_global_config())  # type: ignore[attr-defined]
+        if load_settings()[0].enabled:
+            from nemo_gym_checkpoint_plugin._telemetry.spans import register_span_group
+
+            # Before Gym's init_telemetry resolves its span_groups spec, which must find "checkpoint".
+            register_span_group()
         return super().run_webserver()  # type: ignore[misc]
 
     def setup_webserver(self) -> Any:

@@ -291,6 +291,7 @@ async def make_harness(
     clock: Callable[[], float] = time.time,
     storage: Any = None,
     limits: BodyLimits | None = None,
+    instance: str = INSTANCE,
 ) -> Harness:
     participant = participant or Participant()
     pm = make_plugin_manager([participant, *extra_plugins], load_entry_points=False, named_plugins=named_plugins)
@@ -298,7 +299,7 @@ async def make_harness(
     plane = ControlPlane(
         pm,
         kind=KIND,
-        instance=INSTANCE,
+        instance=instance,
         lease_policy=LeasePolicy(grace_seconds=grace_seconds, retry_seconds=retry_seconds),
         clock=clock,
         storage=storage,

@@ -116,6 +116,40 @@ async def test_enabled_serves_control_routes_behind_the_token_and_gates_outermos
     await app.state.checkpoint_control.aclose()
 
 
+@pytest.mark.parametrize("checkpoint", [None, {"enabled": False}, ENABLED])
+@pytest.mark.parametrize("name", GYM_SERVERS)
+async def test_checkpoint_metrics_exist_only_when_enabled(
+    tmp_path: Path, name: str, checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/telemetry.md: with checkpointing off no registry is built and no metrics route is served.
+    from nemo_gym_checkpoint_plugin._telemetry import metrics
+
+    built: list[Any] = []
+    original = metrics.ServerMetrics.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(metrics.ServerMetrics, "__init__", counting)
+    config = _config(tmp_path, checkpoint)
+    app = _app(_build(derive_checkpointable(_server_class(config, name)), config, name))
+    enabled = checkpoint is ENABLED
+    assert len(built) == (1 if enabled else 0)
+    async with _asgi(app) as http:
+        scrape = await http.get("/ng-control/v1/checkpoint/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        refused = await http.get("/ng-control/v1/checkpoint/metrics")
+    if not enabled:
+        assert scrape.status_code == refused.status_code == 404
+        return
+    assert scrape.status_code == 200 and refused.status_code == 401
+    assert "gym_checkpoint_duration_seconds" in scrape.text and "gym_checkpoint_completed_total 0.0" in scrape.text
+    # The gate's counters are connected: its parked requests are read at scrape time.
+    assert built[0].gate is getattr(app.state, ATTACHMENT_STATE).gate_counters
+    assert "gym_checkpoint_held_responses 0.0" in scrape.text
+    await app.state.checkpoint_control.aclose()
+
+
 @pytest.mark.parametrize("checkpoint", [None, ENABLED])
 @pytest.mark.parametrize("name", GYM_SERVERS)
 def test_the_session_cookie_is_the_unwrapped_servers(tmp_path: Path, name: str, checkpoint: Any) -> None:

@@ -46,6 +46,7 @@ from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_dir
 from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
+from nemo_gym_checkpoint_plugin._telemetry.sizes import records_size
 
 from .._types import Phase, sorted_keys
 from .memory import Active, KeptExport, Replay
@@ -79,6 +80,14 @@ def _scoped(records: Iterable[Mapping[str, Any]], scope: frozenset[str] | None, 
             continue
         written.append(key)
         yield record
+
+
+def _write_and_size(
+    writer: Any, records: Iterable[Any], extras: Mapping[str, Any], checkpoint_dir: str, kind: str, instance: str
+) -> tuple[dict[str, Any], int | None]:
+    """Write (in the storage thread), then the published records file's size for the metrics (None: unknown)."""
+    manifest = writer.write(records, extras)
+    return manifest, records_size(checkpoint_dir, kind, instance, manifest)
 
 
 def _raise(error: BaseException, cause: BaseException) -> NoReturn:
@@ -224,7 +233,9 @@ class Committer:
         checkpoint_id = active.checkpoint_id
         scope = None if args[1] is None else frozenset(args[1])
         try:
-            exported = await self._state.participants.export(checkpoint_id, scope)
+            # The export hands back an iterator: most of its records are made while the write consumes them.
+            with self._state.telemetry.stage("export", checkpoint_id):
+                exported = await self._state.participants.export(checkpoint_id, scope)
         except BaseException as exc:
             _raise(self._export_failed(active, exc), exc)
         written: list[str] = []
@@ -245,8 +256,11 @@ class Committer:
             if active.writes_stopped:
                 writer.stop()  # a commit already replied deadline_exceeded: this write must not publish
             records = kept.replay()
-            with collector_paused():  # a retried write encodes every record again
-                manifest = await run_storage(writer.write, records, kept.manifest_extras)
+            with collector_paused(), self._state.telemetry.stage("write", checkpoint_id):
+                # A retried write encodes every record again.
+                manifest, size = await run_storage(
+                    _write_and_size, writer, records, kept.manifest_extras, checkpoint_dir, self.kind, self.instance
+                )
         except BaseException as exc:
             if isinstance(exc, WriteFailed) and kept.source_error is None:
                 logger.warning("commit of %s: the write failed (%s); the export is kept", checkpoint_id, exc)
@@ -266,6 +280,7 @@ class Committer:
         scope = None if scope_keys is None else frozenset(scope_keys)
         reply: dict[str, Any] = {k: v for k, v in kept.reply_extras.items() if k not in _REPLY_FIELDS}
         reply.update(phase=Phase.COMMITTED.value, manifest=manifest, episode_ids=written)
+        self._state.telemetry.published(checkpoint_id, manifest, len(written), size)
         async with self._state.lock:
             if self._state.active is active:
                 self._state.phase = Phase.COMMITTED

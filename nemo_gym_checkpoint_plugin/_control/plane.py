@@ -40,6 +40,7 @@ from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._errors import DeadlineExceeded, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._settings import CheckpointSettings
+from nemo_gym_checkpoint_plugin._telemetry import ServerTelemetry
 
 from .._types import LeasePolicy, Phase, PrepareReport
 from .commit import Committer
@@ -98,7 +99,16 @@ class ControlPlane:
         self.lease = Lease(policy, self._self_resume, clock)
         # One controller per deployment (owner.py): checked by the routes before each control call.
         self.owners = OwnerLease(policy, clock)
-        self.state = PlaneState(self.participants, self.lease, clock)
+        # Only a plane builds its telemetry: with checkpointing off there is none (docs/telemetry.md).
+        self.telemetry = ServerTelemetry(
+            kind,
+            instance,
+            active_operation=lambda: None if self.state.active is None else self.state.active.operation,
+            admission_open=lambda: self.admission.is_open,
+            lease_expiries=lambda: self.lease.self_resumes,
+            clock=clock,
+        )
+        self.state = PlaneState(self.participants, self.lease, clock, self.telemetry)
         self.admission: Admission = self.state.admission
         self.marks: RetiredMarks = self.state.marks
         self._commits = Committer(self.state, self.storage, kind, instance)
@@ -138,6 +148,9 @@ class ControlPlane:
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """Close admission and wait (until ``deadline_ts``) for readiness; see docs/protocol.md ``prepare``."""
+        return await self.telemetry.call("prepare", checkpoint_id, self._prepare(checkpoint_id, deadline_ts))
+
+    async def _prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         self.state.check_deadline(deadline_ts)
         async with self.state.lock:
             active = self.state.fence(checkpoint_id)
@@ -169,11 +182,12 @@ class ControlPlane:
 
     async def _await_readiness(self, active: Active) -> PrepareReport:
         try:
-            while True:
-                report = await self.participants.ready(active.checkpoint_id)
-                if report.ready:
-                    break
-                await self.participants.wait_ready(active.checkpoint_id)
+            with self.telemetry.stage("wait_ready", active.checkpoint_id):
+                while True:
+                    report = await self.participants.ready(active.checkpoint_id)
+                    if report.ready:
+                        break
+                    await self.participants.wait_ready(active.checkpoint_id)
         except Exception:
             # A prepare that raises reopens admission: phase and admission never disagree.
             async with self.state.lock:
@@ -184,6 +198,7 @@ class ControlPlane:
                 self.state.phase = Phase.PREPARED
                 active.report = report
                 active.prepare_reply = {"phase": Phase.PREPARED.value, "report": report.to_wire()}
+                self.telemetry.prepared(len(report.restarts))
         return report
 
     # -- commit, restore, retire, forget: the plane's parts ----------------------------------------
@@ -197,19 +212,23 @@ class ControlPlane:
         stop: bool = False,
     ) -> dict[str, Any]:
         """Export once and write (``commit.py``); see docs/protocol.md ``commit``."""
-        return await self._commits.commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop)
+        work = self._commits.commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop)
+        return await self.telemetry.call("commit", checkpoint_id, work)
 
     async def restore(
         self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: list[EpisodeId]
     ) -> dict[str, Any]:
         """Mark, read and install a checkpoint's episodes (``restore.py``); see docs/protocol.md ``restore``."""
-        return await self._restores.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+        work = self._restores.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+        return await self.telemetry.call("restore", checkpoint_id, work)
 
     async def retire(self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]) -> dict[str, Any]:
-        return await self._restores.retire(checkpoint_id, deadline_ts, episode_ids)
+        work = self._restores.retire(checkpoint_id, deadline_ts, episode_ids)
+        return await self.telemetry.call("retire", checkpoint_id, work)
 
     async def forget(self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]) -> dict[str, Any]:
-        return await self._restores.forget(checkpoint_id, deadline_ts, rollout_ids)
+        work = self._restores.forget(checkpoint_id, deadline_ts, rollout_ids)
+        return await self.telemetry.call("forget", checkpoint_id, work)
 
     # -- renew and resume ------------------------------------------------------------------------
 
@@ -222,6 +241,9 @@ class ControlPlane:
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         """End the active checkpoint or restore: abort its work, reopen admission, remember the id."""
+        return await self.telemetry.call("resume", checkpoint_id, self._resume(checkpoint_id, deadline_ts))
+
+    async def _resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         self.state.check_deadline(deadline_ts)
         async with self.state.lock:
             active = self.state.active
@@ -270,6 +292,7 @@ class ControlPlane:
     async def status(self) -> dict[str, Any]:
         report = await self.participants.ready(self.checkpoint_id)
         body = await self.participants.status_fields()
+        body.update(self.telemetry.status_fields())  # last_checkpoint (docs/telemetry.md)
         body.update(
             kind=self.kind,
             instance=self.instance,

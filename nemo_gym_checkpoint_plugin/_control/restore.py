@@ -111,12 +111,14 @@ class Restorer:
     ) -> dict[str, Any]:
         try:
             with collector_paused():
-                restored = await run_storage(
-                    self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
-                )
+                with self._state.telemetry.stage("read", active.checkpoint_id):
+                    restored = await run_storage(
+                        self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)
+                    )
                 # Ids only for the records read (this participant's own, a fraction of a large scope): the
                 # scope's pairs were validated as EpisodeId would, so a record naming one is built from it.
                 records = [_restored_record(record, pairs) for record in restored.records]
+                self._state.telemetry.read(len(records))
                 # Before anything is retired or installed: every record's owner must be here to take it.
                 self._state.participants.check_owners(records)
                 # The replacement of every episode in scope, made into EpisodeIds only if a plugin reads them.
@@ -129,6 +131,7 @@ class Restorer:
                     self._install(active.checkpoint_id, restored.manifest, records, scope)
                 )
                 await asyncio.shield(install)
+                self._state.telemetry.installed()
                 promote_to_oldest()  # the installed state is long-lived: no young collection of it
         except asyncio.CancelledError:
             raise
@@ -150,10 +153,11 @@ class Restorer:
         scope: Sequence[EpisodeId],
     ) -> None:
         try:
-            # The checkpointed attempts are retired (marked above). A process that did not crash may
-            # still run or hold them: stop and free them first, so their replacements install cleanly.
-            await self._state.participants.retire([r.checkpointed for r in records])
-            await self._state.participants.install(checkpoint_id, manifest, records, scope)
+            with self._state.telemetry.stage("install", checkpoint_id):
+                # The checkpointed attempts are retired (marked above). A process that did not crash may
+                # still run or hold them: stop and free them first, so their replacements install cleanly.
+                await self._state.participants.retire([r.checkpointed for r in records])
+                await self._state.participants.install(checkpoint_id, manifest, records, scope)
         except BaseException as exc:
             # Never half-installed: whatever an install left behind goes before the error is reported.
             try:

@@ -21,6 +21,7 @@ from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._collector import hold_heap
 from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, DeadlineExceeded, StaleCheckpoint
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._telemetry import ServerTelemetry
 
 from .._types import MAX_DEADLINE_AHEAD_SECONDS, AdmissionNotReopened, DeadlineTooFar, Phase, rollout_attempts
 from .facade import Participants
@@ -42,10 +43,14 @@ class PlaneState:
     the transitions call; ``lease`` is extended by every accepted call and cleared at idle.
     """
 
-    def __init__(self, participants: Participants, lease: Lease, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, participants: Participants, lease: Lease, clock: Callable[[], float], telemetry: ServerTelemetry
+    ) -> None:
         self.participants = participants
         self.lease = lease
         self.clock = clock
+        # What the operations report (metrics, spans): docs/telemetry.md.
+        self.telemetry = telemetry
         self.admission = Admission()
         self.marks = RetiredMarks()
         self.phase = Phase.IDLE
@@ -123,6 +128,7 @@ class PlaneState:
         self.phase = phase
         # No full collection of the heap inside the checkpoint or restore (_collector.py); released at idle.
         active.heap = hold_heap()
+        self.telemetry.admission_closing()
         self.admission.close()
         try:
             await self.participants.close_admission(active.checkpoint_id)
@@ -155,6 +161,7 @@ class PlaneState:
 
     async def _open(self, checkpoint_id: str) -> None:
         self.admission.open()
+        self.telemetry.admission_opened(checkpoint_id)
         try:
             await self.participants.open_admission(checkpoint_id)
         except Exception as exc:

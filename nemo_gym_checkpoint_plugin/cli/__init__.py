@@ -51,6 +51,8 @@ __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
 DEFAULT_WATCH = 2.0
+# ``status --interval``: a checkpoint pausing a server longer than this share of the interval is warned about.
+DEFAULT_PAUSE_SHARE = 0.1
 
 TOKEN_HELP = (
     f"the control token, first match wins: --token-file or --token-env (explicit), else the "
@@ -69,6 +71,16 @@ def _positive(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value} is not a number of seconds") from None
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
+    return number
+
+
+def _share(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value} is not a number") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a share of the interval (more than 0, at most 1)")
     return number
 
 
@@ -180,6 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # Stop a watch after N refreshes (hidden: for tests and scripts that want a bounded watch).
     status.add_argument("--count", type=_count, help=argparse.SUPPRESS)
+    status.add_argument(
+        "--interval",
+        type=_positive,
+        metavar="SECONDS",
+        help="the checkpoint interval: warn about a server whose last checkpoint paused it longer than "
+        "--max-pause-share of it",
+    )
+    status.add_argument(
+        "--max-pause-share",
+        type=_share,
+        default=DEFAULT_PAUSE_SHARE,
+        metavar="FRACTION",
+        help=f"with --interval, the share of it a checkpoint may pause a server (default {DEFAULT_PAUSE_SHARE:g})",
+    )
     prepare = _operation(sub, "prepare", "close admission stage by stage and wait for readiness", live)
     prepare.add_argument(
         "--take-over",

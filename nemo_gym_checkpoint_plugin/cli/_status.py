@@ -61,7 +61,61 @@ def _notes(name: str, status: dict[str, Any]) -> str | None:
     if status.get("restart_warning"):
         # The whole text (why, and which hooks to implement) is restart_warning in --json and the server's log.
         notes.append("every episode restarts (why: --json)")
+    last = last_checkpoint(status)
+    if last is not None:
+        notes.append(last)
     return ", ".join(notes) or None
+
+
+def _size(value: Any) -> str | None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    size = float(value)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return None
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def last_checkpoint(status: dict[str, Any], now: float | None = None) -> str | None:
+    """``last checkpoint 3m ago, paused 1.2s, 4.1 MB`` from the ``last_checkpoint`` status field (docs/telemetry.md)."""
+    last = status.get("last_checkpoint")
+    if not isinstance(last, dict) or not isinstance(last.get("published_at"), int | float):
+        return None
+    parts = [f"last checkpoint {_age(max(0.0, (now or time.time()) - last['published_at']))} ago"]
+    paused = last.get("paused_seconds")
+    if isinstance(paused, int | float):
+        parts.append(f"paused {paused:.1f}s")
+    size = _size(last.get("size_bytes"))
+    if size is not None:
+        parts.append(size)
+    return ", ".join(parts)
+
+
+def pause_warnings(statuses: dict[str, dict[str, Any]], interval: float | None, share: float) -> list[str]:
+    """A line per server whose last checkpoint paused it longer than ``share`` of ``interval`` (none without one)."""
+    if interval is None:
+        return []
+    allowed = share * interval
+    lines = []
+    for name, status in sorted(statuses.items()):
+        last = status.get("last_checkpoint")
+        paused = last.get("paused_seconds") if isinstance(last, dict) else None
+        if isinstance(paused, int | float) and paused > allowed:
+            lines.append(
+                f"{name}: checkpoint {last.get('checkpoint_id')} paused it {paused:.1f}s, more than "
+                f"{share:g} of the {interval:g}s interval ({allowed:.1f}s)"
+            )
+    return lines
 
 
 async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict[str, Any], list[str], int]:
@@ -109,6 +163,9 @@ async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict
             # A deployment-wide failure is no server's row; a token every server refused needs no table.
             rows += [[f.server, None, "ERROR", None, None, f.code] for f in shown if f.server != DEPLOYMENT]
         document["table"] = rows
+        warnings = pause_warnings(statuses, getattr(args, "interval", None), getattr(args, "max_pause_share", 0.1))
+        if warnings:
+            document["warnings"] = warnings
         return document, errors, 1 if failures else 0
 
 
@@ -128,6 +185,8 @@ async def run_status(args: argparse.Namespace, deployment: Deployment) -> int:
         else:
             if document["table"]:
                 print(_render(document))
+            for line in document.get("warnings", ()):
+                print(f"warning: {line}", file=sys.stderr)
             for line in errors:
                 print(f"error: {line}", file=sys.stderr)
         return code
@@ -151,11 +210,14 @@ async def _watch(args: argparse.Namespace, deployment: Deployment) -> int:
             if args.json:
                 print_json({"time": time.time(), **_public(document)}, compact=True)
             elif live is not None:
-                body = _render(document) + "".join(f"\nerror: {line}" for line in errors)
+                notes = [f"warning: {line}" for line in document.get("warnings", ())] + [f"error: {e}" for e in errors]
+                body = _render(document) + "".join(f"\n{line}" for line in notes)
                 live.update(Text.from_ansi(f"every {args.watch:g}s, Ctrl-C stops  {stamp}\n{body}"), refresh=True)
             else:
                 print(f"-- {stamp} (every {args.watch:g}s, Ctrl-C stops)", flush=True)
                 print(_render(document), flush=True)
+                for line in document.get("warnings", ()):
+                    print(f"warning: {line}", file=sys.stderr, flush=True)
                 for line in errors:
                     print(f"error: {line}", file=sys.stderr, flush=True)
     except (KeyboardInterrupt, asyncio.CancelledError):

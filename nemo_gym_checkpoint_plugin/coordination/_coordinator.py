@@ -30,6 +30,10 @@ from ._errors import BAD_REPLY, INCONSISTENT_CHECKPOINT, CoordinationError, Part
 from ._order import stages_for
 from ._ownership import OwnershipMixin
 from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, created_replacements, wire_episode_id
+from ._telemetry import call_outcome as _call_outcome
+from ._telemetry import call_span as _call_span
+from ._telemetry import operation_outcome as _operation_outcome
+from ._telemetry import operation_span as _operation_span
 from ._transport import CallFailed, ControlTransport, Endpoint, encode_body
 
 __all__ = ["Coordinator", "Progress", "DEFAULT_TIMEOUT"]
@@ -122,12 +126,16 @@ class Coordinator(OwnershipMixin):
 
         async def one(participant: Participant) -> tuple[Participant, dict[str, Any] | ParticipantFailure]:
             started = time.monotonic()
-            try:
-                outcome: dict[str, Any] | ParticipantFailure = await self.transport.call(
-                    participant.endpoint, operation, body, timeout=timeout
-                )
-            except CallFailed as exc:
-                outcome = exc.failure
+            # A child of the operation's span per participant call (none for status probes); its traceparent
+            # rides on the call, so the participant's spans join this trace (docs/telemetry.md).
+            with _call_span(operation, participant) as current:
+                try:
+                    outcome: dict[str, Any] | ParticipantFailure = await self.transport.call(
+                        participant.endpoint, operation, body, timeout=timeout
+                    )
+                except CallFailed as exc:
+                    outcome = exc.failure
+                _call_outcome(current, outcome)
             counter[0] += 1
             if self.progress is not None:
                 failed = isinstance(outcome, ParticipantFailure)
@@ -175,8 +183,10 @@ class Coordinator(OwnershipMixin):
         """
         # No full collection of this process's heap (a training controller's can be large) inside the
         # fan-out: it would hold up every reply this process reads (_collector.py).
-        with heap_frozen():
-            return await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
+        with heap_frozen(), _operation_span(operation, payload) as current:
+            ran = await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
+            _operation_outcome(current, ran[0], ran[1], ran[3])
+            return ran
 
     async def _stages_run(
         self,

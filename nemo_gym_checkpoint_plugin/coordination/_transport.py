@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from .._telemetry import spans
 from ._errors import BAD_REPLY, TIMEOUT, UNREACHABLE, ParticipantFailure
 
 __all__ = ["CONTROL_PREFIX", "CallFailed", "ControlTransport", "Endpoint", "encode_body"]
@@ -127,9 +128,13 @@ class ControlTransport:
             return CallFailed(ParticipantFailure(endpoint.name, endpoint.url, operation, code, detail, status))
 
         session = self._get_session()
+        headers = self._headers
+        if spans.enabled():
+            headers = dict(headers)
+            spans.inject(headers)  # the current call span's traceparent (docs/telemetry.md)
         try:
             async with asyncio.timeout(max(timeout, 0.0)):
-                async with session.request(method, url, data=body, headers=self._headers) as response:
+                async with session.request(method, url, data=body, headers=headers) as response:
                     raw = await response.read()
                     status = response.status
         except TimeoutError:

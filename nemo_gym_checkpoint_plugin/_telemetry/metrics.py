@@ -1,0 +1,379 @@
+"""One participant server's checkpoint metrics, in a registry of its own (docs/telemetry.md "Metrics").
+
+``ServerMetrics`` is built by the control plane (so only where checkpointing is on) and holds a
+``prometheus_client.CollectorRegistry`` that is never the process-wide default: a server embedding
+several apps (tests), or Gym's own metrics on the default registry, never see each other's series.
+The names are OpenTelemetry-style ``gym.checkpoint.*`` with UCUM units (``METRICS`` lists each with
+its Prometheus exposition name, which adds ``_seconds``, ``_bytes``, ``_total``). No label ever
+carries a checkpoint id or an episode key: labels are bounded sets (operation, stage, error code).
+
+Values the plane already keeps (requests parked at the gate, the lease's self-resumes, the phase)
+are read at scrape time by a collector, so nothing on the data path changes for them. The held
+responses of a model server are refreshed from the participants' ``ready`` counts before each
+scrape (``refresh``), as ``status`` reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin._gate import GateCounters
+
+__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "METRICS", "MetricName", "ServerMetrics", "error_code"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds: a prepare of an idle server takes milliseconds, a commit of a large one minutes.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# The count a model server's ``ready`` hook reports for responses held at closed admission.
+HELD_RESPONSES_COUNT = "model_responses_held"
+
+
+@dataclass(frozen=True)
+class MetricName:
+    """One metric: its OpenTelemetry name and UCUM unit, its Prometheus name, type, labels and meaning."""
+
+    otel: str
+    unit: str
+    prometheus: str
+    type: str
+    labels: tuple[str, ...]
+    meaning: str
+
+
+METRICS: tuple[MetricName, ...] = (
+    MetricName(
+        "gym.checkpoint.duration",
+        "s",
+        "gym_checkpoint_duration_seconds",
+        "histogram",
+        ("phase",),
+        "time this server took to answer a control call, by phase (prepare, commit, restore, resume, retire, forget)",
+    ),
+    MetricName(
+        "gym.checkpoint.stage.duration",
+        "s",
+        "gym_checkpoint_stage_duration_seconds",
+        "histogram",
+        ("stage",),
+        "time of one stage of a control operation (wait_ready, export, write, read, install)",
+    ),
+    MetricName(
+        "gym.checkpoint.completed",
+        "{checkpoint}",
+        "gym_checkpoint_completed_total",
+        "counter",
+        (),
+        "checkpoints this server wrote and published (a commit whose manifest is durable)",
+    ),
+    MetricName(
+        "gym.checkpoint.restored",
+        "{restore}",
+        "gym_checkpoint_restored_total",
+        "counter",
+        (),
+        "restores this server read and installed",
+    ),
+    MetricName(
+        "gym.checkpoint.failed",
+        "{call}",
+        "gym_checkpoint_failed_total",
+        "counter",
+        ("phase", "code"),
+        "control calls that failed, by phase and error code (docs/protocol.md codes; internal: anything else)",
+    ),
+    MetricName(
+        "gym.checkpoint.in_progress",
+        "{operation}",
+        "gym_checkpoint_in_progress",
+        "gauge",
+        ("operation",),
+        "1 while a checkpoint or restore is active on this server (prepare to resume), else 0",
+    ),
+    MetricName(
+        "gym.checkpoint.last_success.time",
+        "s",
+        "gym_checkpoint_last_success_time_seconds",
+        "gauge",
+        (),
+        "Unix time of this server's last published checkpoint (absent until the first one)",
+    ),
+    MetricName(
+        "gym.checkpoint.size",
+        "By",
+        "gym_checkpoint_size_bytes",
+        "gauge",
+        (),
+        "size of the records file of this server's last published checkpoint",
+    ),
+    MetricName(
+        "gym.checkpoint.records",
+        "{record}",
+        "gym_checkpoint_records",
+        "gauge",
+        (),
+        "records in this server's last published checkpoint",
+    ),
+    MetricName(
+        "gym.checkpoint.episodes",
+        "{episode}",
+        "gym_checkpoint_episodes",
+        "gauge",
+        (),
+        "episodes in this server's last published checkpoint",
+    ),
+    MetricName(
+        "gym.checkpoint.admission.closed.duration",
+        "s",
+        "gym_checkpoint_admission_closed_duration_seconds",
+        "histogram",
+        (),
+        "how long admission stayed closed (the pause this server imposed), per checkpoint or restore",
+    ),
+    MetricName(
+        "gym.checkpoint.admission.closed",
+        "1",
+        "gym_checkpoint_admission_closed",
+        "gauge",
+        (),
+        "1 while admission is closed (new data requests park), else 0",
+    ),
+    MetricName(
+        "gym.checkpoint.parked.requests",
+        "{request}",
+        "gym_checkpoint_parked_requests",
+        "gauge",
+        (),
+        "data requests parked at the admission gate right now",
+    ),
+    MetricName(
+        "gym.checkpoint.parked.duration",
+        "s",
+        "gym_checkpoint_parked_duration_seconds",
+        "histogram",
+        (),
+        "how long each parked data request waited at the admission gate",
+    ),
+    MetricName(
+        "gym.checkpoint.held.responses",
+        "{response}",
+        "gym_checkpoint_held_responses",
+        "gauge",
+        (),
+        "model responses held at closed admission right now (model servers; 0 elsewhere)",
+    ),
+    MetricName(
+        "gym.checkpoint.restarts",
+        "{episode}",
+        "gym_checkpoint_restarts_total",
+        "counter",
+        (),
+        "episodes a prepare reported as restarts (they start over instead of continuing)",
+    ),
+    MetricName(
+        "gym.checkpoint.lease.expiries",
+        "{expiry}",
+        "gym_checkpoint_lease_expiries_total",
+        "counter",
+        (),
+        "leases that expired without a controller call (the server resumed on its own)",
+    ),
+)
+
+_BY_OTEL = {metric.otel: metric for metric in METRICS}
+
+
+def _help(otel: str) -> str:
+    metric = _BY_OTEL[otel]
+    return f"{metric.meaning} ({metric.otel}, unit {metric.unit})"
+
+
+def error_code(exc: BaseException) -> str:
+    """The bounded code a failed call is counted under: the protocol's, else ``internal``."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code:
+        return code
+    from nemo_gym_checkpoint_plugin._types import DeadlineTooFar
+
+    if isinstance(exc, DeadlineTooFar):
+        return "deadline_too_far"
+    return "internal"
+
+
+class _Live(Collector):
+    """The values read at scrape time from what the plane and the gate already keep."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        # Read only at scrape time: registering must not read a plane still being built.
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        in_progress = GaugeMetricFamily(
+            "gym_checkpoint_in_progress", _help("gym.checkpoint.in_progress"), labels=["operation"]
+        )
+        active = m.active_operation()
+        for operation in ("checkpoint", "restore"):
+            in_progress.add_metric([operation], 1.0 if active == operation else 0.0)
+        yield in_progress
+        yield GaugeMetricFamily(
+            "gym_checkpoint_admission_closed",
+            _help("gym.checkpoint.admission.closed"),
+            value=0.0 if m.admission_open() else 1.0,
+        )
+        gate = m.gate
+        yield GaugeMetricFamily(
+            "gym_checkpoint_parked_requests",
+            _help("gym.checkpoint.parked.requests"),
+            value=float(gate.parked if gate is not None else 0),
+        )
+        yield GaugeMetricFamily(
+            "gym_checkpoint_held_responses", _help("gym.checkpoint.held.responses"), value=float(m.held_responses)
+        )
+        last = GaugeMetricFamily(
+            "gym_checkpoint_last_success_time_seconds", _help("gym.checkpoint.last_success.time"), unit="seconds"
+        )
+        if m.last_success is not None:
+            last.add_metric([], m.last_success)
+        yield last
+        yield CounterMetricFamily(
+            "gym_checkpoint_lease_expiries", _help("gym.checkpoint.lease.expiries"), value=float(m.lease_expiries())
+        )
+
+
+class ServerMetrics:
+    """The metrics of one participant server; ``registry`` is its own (never prometheus_client's default).
+
+    ``active_operation``, ``admission_open`` and ``lease_expiries`` are read at scrape time (the plane
+    hands them in); ``watch_gate`` connects the admission gate's counters once the gate is installed.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        instance: str,
+        *,
+        active_operation: Callable[[], str | None] = lambda: None,
+        admission_open: Callable[[], bool] = lambda: True,
+        lease_expiries: Callable[[], int] = lambda: 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kind = kind
+        self.instance = instance
+        self.active_operation = active_operation
+        self.admission_open = admission_open
+        self.lease_expiries = lease_expiries
+        self._clock = clock
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.duration = Histogram(
+            "gym_checkpoint_duration",
+            _help("gym.checkpoint.duration"),
+            ["phase"],
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            "gym_checkpoint_stage_duration",
+            _help("gym.checkpoint.stage.duration"),
+            ["stage"],
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.completed = Counter("gym_checkpoint_completed", _help("gym.checkpoint.completed"), registry=r)
+        self.restored = Counter("gym_checkpoint_restored", _help("gym.checkpoint.restored"), registry=r)
+        self.failed = Counter("gym_checkpoint_failed", _help("gym.checkpoint.failed"), ["phase", "code"], registry=r)
+        self.size = Gauge("gym_checkpoint_size", _help("gym.checkpoint.size"), unit="bytes", registry=r)
+        self.records = Gauge("gym_checkpoint_records", _help("gym.checkpoint.records"), registry=r)
+        self.episodes = Gauge("gym_checkpoint_episodes", _help("gym.checkpoint.episodes"), registry=r)
+        self.admission_closed = Histogram(
+            "gym_checkpoint_admission_closed_duration",
+            _help("gym.checkpoint.admission.closed.duration"),
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.parked_duration = Histogram(
+            "gym_checkpoint_parked_duration",
+            _help("gym.checkpoint.parked.duration"),
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.restarts = Counter("gym_checkpoint_restarts", _help("gym.checkpoint.restarts"), registry=r)
+        self.gate: GateCounters | None = None
+        self.held_responses = 0
+        self._closed_at: float | None = None
+        # Unix time of the last published checkpoint; None until one (a 0 would say "in 1970").
+        self.last_success: float | None = None
+        r.register(_Live(self))
+
+    # -- what the plane reports ------------------------------------------------------------------
+
+    def watch_gate(self, counters: GateCounters) -> None:
+        """Read the admission gate's parked requests at scrape time and time each park."""
+        self.gate = counters
+        counters.observe_park = self.parked_duration.observe
+
+    def call_ended(self, phase: str, seconds: float, error: BaseException | None = None) -> None:
+        self.duration.labels(phase).observe(seconds)
+        if error is not None:
+            self.failed.labels(phase, error_code(error)).inc()
+
+    def stage_ended(self, stage: str, seconds: float) -> None:
+        self.stage_duration.labels(stage).observe(seconds)
+
+    def admission_closing(self) -> None:
+        if self._closed_at is None:
+            self._closed_at = time.monotonic()
+
+    def admission_opened(self) -> float | None:
+        """Admission reopened: observe and return how long it was closed (None: it was not)."""
+        closed_at, self._closed_at = self._closed_at, None
+        if closed_at is None:
+            return None
+        paused = time.monotonic() - closed_at
+        self.admission_closed.observe(paused)
+        return paused
+
+    def checkpoint_published(self, manifest: dict[str, Any], episodes: int, size: int | None) -> None:
+        self.completed.inc()
+        self.last_success = self._clock()
+        count = manifest.get("record_count")
+        if isinstance(count, int):
+            self.records.set(count)
+        self.episodes.set(episodes)
+        if size is not None:
+            self.size.set(size)
+
+    def restore_installed(self) -> None:
+        self.restored.inc()
+
+    def restarts_reported(self, count: int) -> None:
+        if count:
+            self.restarts.inc(count)
+
+    def set_held_responses(self, counts: dict[str, Any]) -> None:
+        held = counts.get(HELD_RESPONSES_COUNT, 0)
+        self.held_responses = held if isinstance(held, int) and not isinstance(held, bool) else 0
+
+    # -- exposition ------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
