@@ -246,7 +246,7 @@ def _venv_site_packages(venv_dir: Path) -> Path:
 
 
 def prepare_environment(server: ServerEnvironment) -> ServerEnvironment:
-    """Make ``server.venv`` import the plugin; returns the server with what was done (``action``)."""
+    """Make the server's venv import the plugin; returns the server with what was done (``action``)."""
     python = server.venv / "bin" / "python"
     created = False
     if not (python.exists() and (server.venv / "bin" / "activate").exists()):
