@@ -8,7 +8,7 @@ call they continue (``parent_call_id``) and which request produced them (a token
 capture key it was first recorded under in its ``rollout_id`` (not the attempt's key), a ledger row
 names it in ``ng_checkpoint_restored_from``.
 
-``superseded`` is the rule for a call sent again after a restore (``model_capture.py``): the
+``superseded`` is the rule for a call sent again after a restore (``token_capture.py``): the
 restored rows with the new call's request that no live row builds on are the answers that never
 reached the agent. The shape checks here are what Gym's readers need of a row to accept it.
 """

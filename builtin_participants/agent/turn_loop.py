@@ -5,7 +5,7 @@
 - ``_require_agent_session`` (``responses`` calls it with the session id of the request)
   also notes that id for the activation about to run;
 - ``_create_episode`` (the turn's loop) runs the original loop with the session's ``Turn``
-  active (``agent_turns.py``), as a task the retire of its attempt can cancel.
+  active (``turn_journal.py``), as a task the retire of its attempt can cancel.
 
 With a ``TurnBook`` bound (checkpointing enabled, ``bind_turn_book``) the server's client
 becomes a ``JournaledClient`` and its module's ``http_request`` is wrapped (both behave as
@@ -25,7 +25,7 @@ import sys
 from contextvars import ContextVar
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import (
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import (
     _ACTIVE,
     JournaledClient,
     Turn,

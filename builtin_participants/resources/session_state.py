@@ -4,7 +4,7 @@ Many Gym resources servers keep their per-session state in dict attributes keyed
 session id (the ``session_id`` of the signed session cookie: ``request.session[SESSION_ID_KEY]``),
 e.g. ``example_session_state_mgmt``'s ``session_id_to_counter`` or a ``GymnasiumServer``'s
 ``session_state``. A server that names such attributes (``checkpoint_session_state`` in its
-config, or the built-in table of ``declarations.py``) gets them checkpointed by the built-in
+config, or the built-in table of ``checkpoint_modes.py``) gets them checkpointed by the built-in
 resources participant, with no plugin of its own:
 
 - **Which episode a session belongs to.** ``SessionBinder``, the innermost middleware of the

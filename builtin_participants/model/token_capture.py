@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import split_key
-from nemo_gym_checkpoint_plugin.builtin_participants.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
-from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_rows import (
     LEDGER,
     RESTORED_FROM,
     TOKENS,
@@ -53,6 +52,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
     token_row_id,
     unpack_line,
 )
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import split_key
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key

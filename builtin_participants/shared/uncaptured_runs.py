@@ -79,8 +79,8 @@ class UncapturedRuns:
     @hookimpl
     def attach(self, server: Any, kind: str, instance: str) -> bool:
         if kind == "environment":
-            from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay
-            from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnSteps
+            from nemo_gym_checkpoint_plugin.builtin_participants.environment.relay import LegacyAgentRelay
+            from nemo_gym_checkpoint_plugin.builtin_participants.environment.steps import SingleAgentTurnSteps
 
             if isinstance(server, SingleAgentTurnSteps | LegacyAgentRelay):
                 return False  # its episodes have a participant of their own

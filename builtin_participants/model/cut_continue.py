@@ -27,8 +27,12 @@ from typing import Any
 
 import orjson
 from aiohttp import ClientError
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_parse import parse_message
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import Generation, WorkerStreamError, worker_stream
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_parse import parse_message
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_stream import (
+    Generation,
+    WorkerStreamError,
+    worker_stream,
+)
 
 __all__ = ["ContinuationFailed", "continue_chat", "seed_generation"]
 
