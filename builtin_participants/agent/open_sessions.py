@@ -44,9 +44,9 @@ from typing import Any
 
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Turn, TurnBook
-from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
+from nemo_gym_checkpoint_plugin._gc_pause import gc_paused
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
@@ -177,7 +177,7 @@ class SimpleAgentSessions:
     @hookimpl
     async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
         sessions = self._records()
-        with collector_paused():  # thousands of sessions built at once (bulk.py)
+        with gc_paused():  # thousands of sessions built at once (_gc_pause.py)
             staged = await self._stage(records, sessions)
         # Every record was accepted: only now does any session appear.
         for session_id, (session_record, key, turn) in staged.items():

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._collector import heap_frozen
 from .._errors import InvalidCheckpointState
+from .._gc_pause import heap_frozen
 from .._storage.index import check_participants_index, write_participants_index
 from .._storage.occupied import other_checkpoints
 from .._storage.retention import hold_lease
@@ -174,7 +174,7 @@ class Coordinator(OwnershipMixin):
         Returns replies, failures, the names never reached, and the kinds of the stage it stopped at.
         """
         # No full collection of this process's heap (a training controller's can be large) inside the
-        # fan-out: it would hold up every reply this process reads (_collector.py).
+        # fan-out: it would hold up every reply this process reads (_gc_pause.py).
         with heap_frozen():
             return await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
 
