@@ -131,7 +131,8 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
         from nemo_gym.global_config import get_global_config_dict
 
         global_config = get_global_config_dict()
-    block = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
+    # Gym's config: an OmegaConf container or a plain dict, read by what it answers (``get``, ``keys``).
+    block: Any = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
     if not hasattr(block, "keys") or not {"responses_api_models", "responses_api_agents"} & set(block.keys()):
         return
     if "responses_api_models" in block.keys():

@@ -344,9 +344,9 @@ class JournaledClient(CheckpointServerClient):
         run = _ACTIVE.get()
         if run is None or server_name != run.book.model_server or method.upper() != "POST":
             return await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
-        parent = super()
+        live = super().request
         return await run.model_call(
-            lambda: parent.request(server_name=server_name, url_path=url_path, method=method, **kwargs),
+            lambda: live(server_name=server_name, url_path=url_path, method=method, **kwargs),
             kwargs.get("json"),
         )
 

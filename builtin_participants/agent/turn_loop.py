@@ -60,11 +60,12 @@ class SimpleAgentTurns:
     """Mixin for ``SimpleAgent`` (listed before it): journal each session turn's completed calls."""
 
     _ng_turn_book: TurnBook | None = None
+    server_client: Any  # the agent's own (Gym's ``ServerClient``), set by ``SimpleAgent``
 
     def bind_turn_book(self, book: TurnBook) -> None:
         """Checkpointing is on: journal session turns in ``book`` (client and tool calls go through it)."""
         self._ng_turn_book = book
-        self.server_client = JournaledClient.from_client(self.server_client)  # type: ignore[attr-defined]
+        self.server_client = JournaledClient.from_client(self.server_client)
         module = sys.modules.get(type(self).__module__)
         original = getattr(module, "http_request", None)
         if module is not None and original is not None and not hasattr(original, "__wrapped__"):

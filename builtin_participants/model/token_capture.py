@@ -190,6 +190,8 @@ class TokenCaptures:
         releases held them as JSON objects (``token_entries``, ``ledger_entries``), and still restore.
         """
         rows = record.get("token_rows")
+        token_lines: list[tuple[str, bytes]]
+        ledger_lines: list[tuple[str, bytes]]
         if type(rows) is list and len(record) == 2:
             # This release's record of the local store, the usual one: {"episode_id", "token_rows"}.
             token_lines, ledger_lines = [unpack_line(checkpointed, row) for row in rows], []

@@ -37,10 +37,13 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin._asgi import Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = ["SessionBinder", "SessionState", "UnsupportedSessionValue", "decode", "encode", "install_session_binder"]
 
@@ -87,7 +90,7 @@ def encode(value: Any, where: str = "value") -> Any:
     )
 
 
-def _model_class(name: Any) -> type:
+def _model_class(name: Any) -> type[BaseModel]:
     from pydantic import BaseModel
 
     module_name, _, qualname = str(name).partition(":")

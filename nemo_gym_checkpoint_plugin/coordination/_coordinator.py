@@ -130,7 +130,7 @@ class Coordinator(OwnershipMixin):
                 outcome = exc.failure
             counter[0] += 1
             if self.progress is not None:
-                failed = isinstance(outcome, ParticipantFailure)
+                failure, reply = (outcome, None) if isinstance(outcome, ParticipantFailure) else (None, outcome)
                 self.progress(
                     Progress(
                         operation,
@@ -138,8 +138,8 @@ class Coordinator(OwnershipMixin):
                         counter[0],
                         total,
                         time.monotonic() - started,
-                        failure=outcome if failed else None,
-                        reply=None if failed else outcome,
+                        failure=failure,
+                        reply=reply,
                     )
                 )
             return participant, outcome
@@ -367,8 +367,8 @@ class Coordinator(OwnershipMixin):
 
     async def renew(
         self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None
-    ) -> dict[str, float]:
-        """Extend every participant's lease; returns each one's ``lease_expires_at``."""
+    ) -> dict[str, float | None]:
+        """Extend every participant's lease; returns each one's ``lease_expires_at`` (None: its reply had none)."""
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
             "renew", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline
