@@ -39,10 +39,11 @@ bench: setup
 	$(PY) benchmarks/storage_s3.py
 	$(PY) benchmarks/mid_turn.py
 
-# What CI runs first (.ci/run). mypy joins it once `make typecheck` is clean (issue 25: 93 errors left).
+# What CI runs first (.ci/run): ruff, then mypy (about 25 s from a cold cache here, 3 s warm).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	./scripts/typecheck.sh
 
 # mypy (pyproject's [tool.mypy]) over the package as installed (scripts/typecheck.sh says why it needs links).
 typecheck: setup

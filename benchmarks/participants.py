@@ -84,10 +84,10 @@ class Servers:
         import importlib
 
         from nemo_gym.server_utils import BaseServerConfig, ServerClient
-        from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
-        from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
-        from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
-        from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
+        from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
+        from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook
+        from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCalls
+        from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_bindings import ResourcesSessions
         from omegaconf import OmegaConf
 
         from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
@@ -161,7 +161,7 @@ def _model_answer(index: int) -> dict[str, Any]:
 
 async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None:
     from nemo_gym.base_responses_api_agent import AgentSeedSessionRequest, _AgentSessionRecord
-    from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn
+    from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Turn
 
     for episode in ids:
         session_id = f"agent-session-{episode.rollout_id}"
@@ -186,7 +186,7 @@ async def populate_agent(server: Any, plugin: Any, ids: list[EpisodeId]) -> None
         record.state.activations = 1
         server._session_records[session_id] = record
         if hasattr(plugin, "remember_seed"):
-            plugin.remember_seed(session_id)  # what the seed route's reply path does (agent.py)
+            plugin.remember_seed(session_id)  # what the seed route's reply path does (agent/open_sessions.py)
         if plugin.turns is not None:
             tool_body = json.dumps({"city": f"city-{episode.rollout_id}", "weather": "sunny, 21 C"}).encode()
             plugin.turns.turns[session_id] = Turn(
@@ -223,7 +223,7 @@ def populate_resources(server: Any, plugin: Any, ids: list[EpisodeId]) -> None:
 
 
 def populate_environment(server: Any, book: Any, ids: list[EpisodeId]) -> None:
-    from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode
+    from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode
 
     for episode in ids:
         state = {

@@ -112,10 +112,10 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
       the episode bookkeeping; Gym itself refuses any non-Gym middleware with a ``ValueError``
       once the app is built, which does not say why it is there;
     - on a model or agent server, a token-capturing agent naming a model server that is not a
-      participant (``builtin_participants/capture_config.py``): its capture rows would fall
+      participant (``builtin_participants/model/capture_config.py``): its capture rows would fall
       outside every checkpoint. ``global_config`` is Gym's (default ``get_global_config_dict()``);
     - on a model server, a bad ``checkpoint_generation_cuts`` value or a server the cuts cannot
-      serve (``builtin_participants/cut_settings.py``).
+      serve (``builtin_participants/model/cut_settings.py``).
     """
     if not settings.enabled:
         return
@@ -131,14 +131,18 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
         from nemo_gym.global_config import get_global_config_dict
 
         global_config = get_global_config_dict()
-    block = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
+    # Gym's config: an OmegaConf container or a plain dict, read by what it answers (``get``, ``keys``).
+    block: Any = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
     if not hasattr(block, "keys") or not {"responses_api_models", "responses_api_agents"} & set(block.keys()):
         return
     if "responses_api_models" in block.keys():
-        from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import refuse_bad_cuts
+        from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import refuse_bad_cuts
 
         refuse_bad_cuts(server_config, global_config)
-    from nemo_gym_checkpoint_plugin.builtin_participants.capture_config import PARTICIPANT_KEY, uncheckpointed_capture
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_config import (
+        PARTICIPANT_KEY,
+        uncheckpointed_capture,
+    )
 
     outside = uncheckpointed_capture(global_config, str(name))
     if outside:

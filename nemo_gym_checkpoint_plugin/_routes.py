@@ -159,6 +159,7 @@ _PARSING: dict[type[BaseModel], tuple[type[BaseModel], tuple[ListField, ...]]] =
 
 
 _B = TypeVar("_B", bound=BaseModel)
+_Owned = TypeVar("_Owned", bound=_Body)  # a body that carries the owner lease's fields
 
 
 def _invalid_body(errors: Sequence[Any]) -> Response:
@@ -238,13 +239,13 @@ def make_router(control: ControlPlane, token: str, limits: BodyLimits | None = N
         body = await control.telemetry.scrape(lambda: control.participants.ready(control.checkpoint_id))
         return Response(body, media_type=METRICS_CONTENT_TYPE)
 
-    async def owned(request: Request, model: type[_B], operation: str) -> _B:
+    async def owned(request: Request, model: type[_Owned], operation: str) -> _Owned:
         """The body, once the owner lease let the call through (control/owner.py)."""
         body = await read(request, model)
         control.admit_owner(
             body.owner,
             operation,
-            body.deadline_ts,  # type: ignore[attr-defined]
+            body.deadline_ts,
             take_over=getattr(body, "take_over", False),
         )
         return body

@@ -34,7 +34,7 @@ def seeded_episode(body: bytes) -> tuple[EpisodeId, dict[str, Any]] | None:
 
 def install_seed_hook(app: Any, participants: Any) -> None:
     """Call ``participants.seed_session`` after each successful seed; its headers join the reply."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
+    from nemo_gym_checkpoint_plugin.builtin_participants.shared.reply_headers import ReplyHeaders
 
     async def on_seed(body: bytes, status: int) -> dict[str, str]:
         found = seeded_episode(body) if 200 <= status < 300 else None

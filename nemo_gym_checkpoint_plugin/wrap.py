@@ -30,12 +30,16 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 __all__ = ["derive_checkpointable", "find_server_class", "main", "relative_entrypoint"]
 
 
-def find_server_class(module: ModuleType) -> type:
-    """The most derived ``SimpleServer`` subclass defined in ``module``; ``LookupError`` if not exactly one."""
+def find_server_class(module: ModuleType) -> type[Any]:
+    """The most derived ``SimpleServer`` subclass defined in ``module``; ``LookupError`` if not exactly one.
+
+    ``type[Any]``: a Gym server class, whose attributes (``ray_enabled``, ``run_webserver``) Gym declares
+    without types (nemo-gym ships none)."""
     from nemo_gym.server_utils import SimpleServer
 
     defined = [
@@ -53,7 +57,7 @@ def find_server_class(module: ModuleType) -> type:
     return leaves[0]
 
 
-def derive_checkpointable(server_class: type) -> type:
+def derive_checkpointable(server_class: type[Any]) -> type[Any]:
     """``CheckpointMixin`` (+ built-in step reporting, if any) + ``server_class``, under the same name.
 
     The name is kept because Gym's cookie secret is derived from it. For a class the built-in

@@ -17,7 +17,7 @@ import uvicorn
 from control_support import wait_until
 from gym_inprocess import TOKEN, InProcessServer
 from nemo_gym import server_utils
-from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCalls
 from omegaconf import OmegaConf
 from test_attach_inprocess import _app, _build, _server_class
 

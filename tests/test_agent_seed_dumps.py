@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from gym_inprocess import GymServers
 from nemo_gym.base_responses_api_agent import AgentSeedSessionRequest
-from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
 from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 import pytest
-from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Recorded, Turn, TurnBook, TurnRun
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Recorded, Turn, TurnBook, TurnRun
 
 DIGEST = "a" * 64
 # Bytes no JSON re-encoding gives back: spacing, key order, a float's spelling, an escaped character.

@@ -20,8 +20,8 @@ from gym_fakes import FakeReply
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.server_utils import ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants import builtin_plugins
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
-from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import UncapturedRuns
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.uncaptured_runs import UncapturedRuns
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 

@@ -16,7 +16,7 @@ import pytest
 from agent_turn_support import ROUNDS, ScriptedPeers
 from gym_inprocess import TOKEN, GymServers, InProcessServer
 from nemo_gym import server_utils
-from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness

@@ -18,7 +18,7 @@ from gym_fakes import FakeReply
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.rollout_correlation import current_rollout_id
 from nemo_gym.server_utils import ServerClient
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook
 from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId

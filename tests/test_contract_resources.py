@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 from gym_inprocess import GymServers, InProcessServer
-from nemo_gym_checkpoint_plugin.builtin_participants.resources import RESTART_TASK_KEY, ResourcesSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_bindings import (
+    RESTART_TASK_KEY,
+    ResourcesSessions,
+)
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness

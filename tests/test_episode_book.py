@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from control_support import wait_until
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import validate_state
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.steps import validate_state
 
 from nemo_gym_checkpoint_plugin._control import ControlPlane
 from nemo_gym_checkpoint_plugin._identity import EpisodeId

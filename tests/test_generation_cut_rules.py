@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CutBook
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_parse import parse_message
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import (
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CutBook
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_parse import parse_message
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import (
     NEVER_CUT,
     CutSettings,
     cut_settings,
     never_cut_reason,
     sampling,
 )
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import Generation, cut_digest
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_stream import Generation, cut_digest
 from omegaconf import OmegaConf
 
 from nemo_gym_checkpoint_plugin._attach import refuse_unsupported

@@ -25,7 +25,7 @@ from gym_fakes import FakeReply
 from nemo_gym.config_types import AgentServerRef
 from nemo_gym.server_utils import BaseServerConfig, ServerClient
 from nemo_gym_checkpoint_plugin.builtin_participants import checkpointable_bases
-from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay, relayed_episode_id
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.relay import LegacyAgentRelay, relayed_episode_id
 from omegaconf import OmegaConf
 from pydantic import ConfigDict
 

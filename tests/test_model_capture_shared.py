@@ -287,7 +287,7 @@ async def test_a_retire_of_restored_attempts_deletes_theirs_and_forgets_what_the
 
 def test_rows_are_carried_as_their_lines_and_records_of_earlier_releases_still_restore(tmp_path: Path) -> None:
     import orjson
-    from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures
 
     from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 

@@ -247,7 +247,7 @@ class _BlocksWithoutWaitReady:
 
 async def test_the_model_participant_never_stalls_another_plugins_readiness(tmp_path: Path) -> None:
     from control_support import close_harness, make_harness
-    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCalls
 
     other = _BlocksWithoutWaitReady()
     harness = await make_harness(tmp_path, extra_plugins=(ModelCalls(), other))

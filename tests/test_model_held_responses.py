@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import pytest
 from control_support import wait_until
-from nemo_gym_checkpoint_plugin.builtin_participants.held_responses import HeldResponses, SSEScan
-from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCalls
+from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCalls
+from nemo_gym_checkpoint_plugin.builtin_participants.model.held_responses import HeldResponses, SSEScan
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 

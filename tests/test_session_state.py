@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from nemo_gym_checkpoint_plugin.builtin_participants import declarations
-from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
-from nemo_gym_checkpoint_plugin.builtin_participants.session_state import (
+from nemo_gym_checkpoint_plugin.builtin_participants.resources import checkpoint_modes
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_bindings import ResourcesSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state import (
     SessionState,
     UnsupportedSessionValue,
     decode,
@@ -176,7 +176,7 @@ async def test_a_configured_attribute_is_checkpointed(
     make: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Not in the built-in table: only the config key makes the server export_restore.
-    monkeypatch.setattr(declarations, "BUILTIN_SESSION_STATE", {})
+    monkeypatch.setattr(checkpoint_modes, "BUILTIN_SESSION_STATE", {})
     assert (await _status(make(COUNTER).build()))["checkpoint_mode"] is None
     servers = make(COUNTER, checkpoint_session_state=["session_id_to_counter"])
     first = servers.build()

@@ -44,6 +44,12 @@ def test_layout_and_manifest(tmp_path: Path) -> None:
     assert [orjson.loads(line) for line in lines] == records
 
 
+def test_the_filesystem_writer_refuses_a_url_before_anything_is_written() -> None:
+    # Its directory is a Path: an object-store URL is the object-store writer's (fsspec backend).
+    with pytest.raises(WriteFailed, match="writes filesystem paths"):
+        CheckpointWriter("s3://bucket/run", "model", "policy_model", "step-1")
+
+
 def test_restore_keeps_only_scope_and_validates(tmp_path: Path) -> None:
     write(tmp_path, [record("a"), record("b", 2), record("c", 1)])
     seen = []

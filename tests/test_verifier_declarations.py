@@ -15,7 +15,7 @@ import pytest
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.base_resources_server import BaseResourcesServerConfig
 from nemo_gym.config_types import ResourcesServerTypeConfig
-from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_bindings import ResourcesSessions
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
@@ -121,7 +121,7 @@ async def test_a_plugin_cannot_make_a_restart_replayable(servers: GymServers) ->
 
 
 def test_gym_passes_the_key_through_its_config_but_the_server_config_drops_it() -> None:
-    # Why declarations.py reads the global config dict by the server's name: Gym's type config
+    # Why checkpoint_modes.py reads the global config dict by the server's name: Gym's type config
     # allows extra keys (the YAML is accepted), its server config object ignores them.
     block = {"host": "127.0.0.1", "port": 1, "entrypoint": "app.py", "checkpoint_mode": "stateless"}
     parsed = ResourcesServerTypeConfig.model_validate({"resources_servers": {"x": block}})

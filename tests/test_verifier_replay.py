@@ -1,6 +1,6 @@
 """The built-in declarations: the wheel's stateless verifiers, their ``/verify`` replayed on a recorded request.
 
-Each verifier in ``declarations.BUILTIN_MODES`` is built from its real class in process
+Each verifier in ``checkpoint_modes.BUILTIN_MODES`` is built from its real class in process
 (wrapped as a deployment wraps it) and served over ``httpx.ASGITransport``. The recorded
 request is the wheel's own data: a task of ``data/example.jsonl`` with the model response
 of the first line of ``data/example_rollouts.jsonl`` (the task it was recorded for). It is verified on one server, then
@@ -20,8 +20,8 @@ import httpx
 import pytest
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym.server_utils import ServerClient
-from nemo_gym_checkpoint_plugin.builtin_participants.declarations import BUILTIN_MODES, CheckpointMode
-from nemo_gym_checkpoint_plugin.builtin_participants.resources import ResourcesSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.checkpoint_modes import BUILTIN_MODES, CheckpointMode
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_bindings import ResourcesSessions
 from omegaconf import OmegaConf
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId

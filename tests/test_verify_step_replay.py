@@ -19,7 +19,7 @@ from control_support import wait_until
 from gym_fakes import FakeReply
 from gym_inprocess import GymServers, InProcessServer
 from nemo_gym.rollout_correlation import current_rollout_id
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook
 from pydantic import ConfigDict
 from test_contract_environment import _RESPONSE, FakeGymPeers
 

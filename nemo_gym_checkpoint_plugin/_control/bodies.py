@@ -204,8 +204,9 @@ def _episodes(name: str, items: list[Any], errors: list[dict[str, Any]]) -> Epis
     failed = 0
     for index, item in enumerate(items):
         if type(item) is dict and item.keys() <= _EPISODE_KEYS:
-            rollout_id = item.get("rollout_id")
-            attempt = item.get("attempt", 0)
+            # Any: is_plain_episode checks both (exact str and int) in one call on this hot path.
+            rollout_id: Any = item.get("rollout_id")
+            attempt: Any = item.get("attempt", 0)
             # Exactly what EpisodeId accepts unchanged; anything else goes through EpisodeId below.
             if is_plain_episode(rollout_id, attempt):
                 pairs.append((rollout_id, attempt))

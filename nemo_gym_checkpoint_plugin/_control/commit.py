@@ -32,7 +32,6 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from nemo_gym_checkpoint_plugin._collector import collector_paused
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointError,
     DeadlineExceeded,
@@ -42,6 +41,7 @@ from nemo_gym_checkpoint_plugin._errors import (
     StaleCheckpoint,
     WriteFailed,
 )
+from nemo_gym_checkpoint_plugin._gc_pause import gc_paused
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_dir
@@ -226,7 +226,7 @@ class Committer:
         # Export and encoding make tens of containers per record: paused, the collector neither traverses
         # them again and again nor walks the whole heap (a server holding 8,000 rollouts: ~700 MB) in a
         # full collection while the controller waits; it collects after, when its thresholds say so.
-        with collector_paused():
+        with gc_paused():
             return await self._export_and_write_unpaused(active, args)
 
     async def _export_and_write_unpaused(self, active: Active, args: tuple[Any, ...]) -> dict[str, Any]:
@@ -256,7 +256,7 @@ class Committer:
             if active.writes_stopped:
                 writer.stop()  # a commit already replied deadline_exceeded: this write must not publish
             records = kept.replay()
-            with collector_paused(), self._state.telemetry.stage("write", checkpoint_id):
+            with gc_paused(), self._state.telemetry.stage("write", checkpoint_id):
                 # A retried write encodes every record again.
                 manifest, size = await run_storage(
                     _write_and_size, writer, records, kept.manifest_extras, checkpoint_dir, self.kind, self.instance

@@ -124,7 +124,7 @@ class Active:
     writes_stopped: bool = False
     cleanup_task: asyncio.Task[None] | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    # The frozen heap (_collector.py) from the checkpoint's or restore's beginning until it ends.
+    # The frozen heap (_gc_pause.py) from the checkpoint's or restore's beginning until it ends.
     heap: Any = None
 
     def cancel_tasks(self) -> None:

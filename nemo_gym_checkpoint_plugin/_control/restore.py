@@ -13,7 +13,7 @@ Rules (docs/protocol.md "Retire, forget, restore marks"):
   it and admission reopens only once it finished. A failed read or install reopens
   admission (the marks stay); a failed install also deletes what it may have left.
   Python's cyclic garbage collector is paused from the read until the install ended
-  (``_collector.py``: it took half the CPU of a large restore);
+  (``_gc_pause.py``: it took half the CPU of a large restore);
 - retire marks first (which refuses data requests parked under those attempts at
   once), then (bounded by its deadline) waits for a running install, stops and frees
   the attempts, waits until those parked requests were answered, then replies
@@ -30,13 +30,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_checkpoint_plugin._collector import collector_paused, promote_to_oldest
 from nemo_gym_checkpoint_plugin._errors import (
     CheckpointConflict,
     CheckpointError,
     InvalidCheckpointState,
     InvalidPhase,
 )
+from nemo_gym_checkpoint_plugin._gc_pause import gc_paused, promote_to_oldest
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, construct_episode, episode_from_wire
 from nemo_gym_checkpoint_plugin._storage.executor import run_storage
 from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_dir
@@ -110,7 +110,7 @@ class Restorer:
         pairs: Mapping[tuple[str, int], None],
     ) -> dict[str, Any]:
         try:
-            with collector_paused():
+            with gc_paused():
                 with self._state.telemetry.stage("read", active.checkpoint_id):
                     restored = await run_storage(
                         self._storage.read, checkpoint_dir, self.kind, self.instance, scope=frozenset(keys)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
-from nemo_gym_checkpoint_plugin._collector import hold_heap
 from nemo_gym_checkpoint_plugin._errors import CheckpointConflict, DeadlineExceeded, StaleCheckpoint
+from nemo_gym_checkpoint_plugin._gc_pause import hold_heap
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._telemetry import ServerTelemetry
 
@@ -126,7 +126,7 @@ class PlaneState:
         """Enter ``phase`` with admission closed (under the lock). A raising close hook reverts it all."""
         self.active = active
         self.phase = phase
-        # No full collection of the heap inside the checkpoint or restore (_collector.py); released at idle.
+        # No full collection of the heap inside the checkpoint or restore (_gc_pause.py); released at idle.
         active.heap = hold_heap()
         self.telemetry.admission_closing()
         self.admission.close()

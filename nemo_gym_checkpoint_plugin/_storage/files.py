@@ -106,7 +106,7 @@ def _make_private_below(base: Path, parts: tuple[str, ...]) -> None:
             except OSError as exc:
                 # O_NOFOLLOW | O_DIRECTORY on a link says ELOOP or ENOTDIR: told apart, named by its path.
                 link = stat.S_ISLNK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
-                code = errno.ELOOP if link else exc.errno
+                code = errno.ELOOP if link else (exc.errno or errno.ENOTDIR)  # os.open always sets errno
                 raise OSError(code, os.strerror(code), str(where)) from None
             if created:
                 os.fchmod(child, DIRECTORY_MODE)
@@ -255,7 +255,7 @@ def remove_leftovers(directory: Path, manifest_name: str) -> list[str]:
     Temporary files always; records files only while no manifest is published (with one
     published, they are left to ``verify``'s warning). Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     published = os.path.lexists(directory / manifest_name)
     try:
         names = os.listdir(directory)

@@ -167,7 +167,7 @@ def write_participants_index(
         return _create_object_index(path, index)
     tmp = path.parent / f".participants.{uuid.uuid4().hex}.tmp"
     try:
-        make_private_dirs(path.parent, base=Path(checkpoint_dir))  # gym/ never reached through a symlink
+        make_private_dirs(path.parent, base=path.parent.parent)  # gym/ never reached through a symlink
         with create_private(tmp) as out:
             out.write(orjson.dumps(index) + b"\n")
             out.flush()

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from .._errors import InvalidCheckpointState
 from .location import Location, location
+from .objstore import ObjectPath
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -63,6 +64,12 @@ def records_name(sha256_hex: str) -> str:
     return f"records-{sha256_hex}.jsonl"
 
 
+@overload
+def participant_dir(checkpoint_dir: Path, kind: str, instance: str) -> Path: ...
+@overload
+def participant_dir(checkpoint_dir: ObjectPath, kind: str, instance: str) -> ObjectPath: ...
+@overload
+def participant_dir(checkpoint_dir: str | Path | Location, kind: str, instance: str) -> Location: ...
 def participant_dir(checkpoint_dir: str | Path | Location, kind: str, instance: str) -> Location:
     """``<checkpoint_dir>/gym/<kind>/<instance>``: a ``Path``, or an ``ObjectPath`` when ``checkpoint_dir`` is a URL."""
     return location(checkpoint_dir) / "gym" / check_component("kind", kind) / check_component("instance", instance)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from .._errors import WriteFailed
 from .._markers import hookimpl
 from .layout import DEFAULT_MAX_RECORD_BYTES, participant_dir
 from .objstore import is_url
 from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
-from .writer import CheckpointWriter
+from .writer import CheckpointWriter, RecordsWriter
 
 __all__ = ["LocalStorage", "LocalStoragePlugin"]
 
@@ -33,14 +33,14 @@ class LocalStorage:
     def __init__(self, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.max_record_bytes = max_record_bytes
 
-    def configured(self, settings: Any) -> LocalStorage:
+    def configured(self, settings: Any) -> Self:
         """A copy of this backend (of its own class: a plugin may subclass it) with the
         ``checkpoint.storage`` settings applied (``max_record_bytes``)."""
         backend = copy.copy(self)
         backend.max_record_bytes = settings.max_record_bytes
         return backend
 
-    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
+    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> RecordsWriter:
         _path_only(checkpoint_dir)
         return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import IO, Union
+from typing import IO, Union, overload
 
 from .objstore import ObjectPath, is_url, normalize_url
 
@@ -29,12 +29,18 @@ __all__ = [
 Location = Union[Path, ObjectPath]  # noqa: UP007 - a runtime alias (isinstance checks), not only an annotation
 
 
+@overload
+def location(value: Path) -> Path: ...
+@overload
+def location(value: ObjectPath) -> ObjectPath: ...
+@overload
+def location(value: str | os.PathLike[str] | ObjectPath) -> Location: ...
 def location(value: str | os.PathLike[str] | ObjectPath) -> Location:
     """A ``Path`` for a filesystem path, an ``ObjectPath`` for a URL (``s3://...``)."""
     if isinstance(value, ObjectPath | Path):
         return value
     if is_url(value):
-        return ObjectPath(value)  # type: ignore[arg-type]
+        return ObjectPath(value)
     return Path(value)
 
 

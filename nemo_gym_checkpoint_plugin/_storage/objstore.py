@@ -36,7 +36,7 @@ import io
 import os
 import re
 import threading
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 from .._errors import InvalidCheckpointState, WriteFailed
 
@@ -83,7 +83,7 @@ class StoreUnsafe(WriteFailed):
     """
 
 
-def is_url(value: object) -> bool:
+def is_url(value: object) -> TypeGuard[str]:
     """Whether ``value`` is a string spelling an fsspec URL (``protocol://...``)."""
     return isinstance(value, str) and _URL.match(value) is not None
 
@@ -117,6 +117,7 @@ class ObjectPath:
     """A place in an fsspec filesystem, spelled as a normalized URL; immutable, joins with ``/``."""
 
     __slots__ = ("url",)
+    url: str
 
     def __init__(self, url: str) -> None:
         object.__setattr__(self, "url", normalize_url(url))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from .layout import participant_dir
 from .local import LocalStorage
@@ -18,7 +18,7 @@ from .location import location
 from .objstore import ObjectPath
 from .objstore_writer import ObjectStoreWriter
 from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
-from .writer import CheckpointWriter
+from .writer import CheckpointWriter, RecordsWriter
 
 __all__ = ["FsspecStorage"]
 
@@ -29,12 +29,12 @@ class FsspecStorage(LocalStorage):
     name = "fsspec"
     spool_dir: str | None = None
 
-    def configured(self, settings: Any) -> FsspecStorage:
+    def configured(self, settings: Any) -> Self:
         backend = super().configured(settings)
         backend.spool_dir = getattr(settings, "spool_dir", None)
-        return backend  # type: ignore[return-value]
+        return backend
 
-    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> CheckpointWriter:
+    def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> RecordsWriter:
         where = location(checkpoint_dir)
         if isinstance(where, ObjectPath):
             return ObjectStoreWriter(

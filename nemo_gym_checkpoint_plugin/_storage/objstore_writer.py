@@ -37,13 +37,13 @@ from typing import Any
 from .._errors import InvalidCheckpointState, WriteFailed
 from .._process import pid_alive
 from .files import write_failed
-from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, build_manifest
-from .location import lexists
+from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, build_manifest, participant_dir
+from .location import lexists, location
 from .objstore import ObjectPath, size
 from .objstore import write_failed as object_write_failed
 from .objstore_put import check_exclusive_create, create_exclusive, remove, upload
 from .reader import load_manifest
-from .writer import CheckpointWriter
+from .writer import RecordsWriter
 
 __all__ = ["ObjectStoreWriter", "remove_dead_spools"]
 
@@ -52,7 +52,7 @@ _SPOOL = re.compile(r"^\.ng-checkpoint-spool-(?P<pid>[0-9]+)-[0-9a-f]{32}\.jsonl
 
 def remove_dead_spools(spool_dir: Path) -> list[str]:
     """Remove the spool files of processes that are gone (killed while writing); the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(spool_dir)
     except OSError:
@@ -67,10 +67,12 @@ def remove_dead_spools(spool_dir: Path) -> list[str]:
     return removed
 
 
-class ObjectStoreWriter(CheckpointWriter):
+class ObjectStoreWriter(RecordsWriter):
     """``CheckpointWriter``'s contract on an fsspec URL: records under their digest name, manifest created last."""
 
     _durable = False  # the spool: uploaded, then removed
+    checkpoint_dir: ObjectPath
+    directory: ObjectPath
 
     def __init__(
         self,
@@ -82,14 +84,16 @@ class ObjectStoreWriter(CheckpointWriter):
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         spool_dir: str | Path | None = None,
     ) -> None:
-        super().__init__(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
-        if not isinstance(self.checkpoint_dir, ObjectPath):
+        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
+        where = location(checkpoint_dir)
+        if not isinstance(where, ObjectPath):
             raise InvalidCheckpointState(f"{checkpoint_dir} is not an object-store URL")
+        self.checkpoint_dir = where
+        self.directory = participant_dir(where, kind, instance)
         self.spool_dir = Path(spool_dir) if spool_dir is not None else Path(tempfile.gettempdir())
 
     def write(self, records: Iterable[Mapping[str, Any]], extras: Mapping[str, Any] | None = None) -> dict:
         self._check_stop()
-        assert isinstance(self.checkpoint_dir, ObjectPath) and isinstance(self.directory, ObjectPath)
         check_exclusive_create(self.checkpoint_dir)
         # A manifest of another checkpoint id: refused before anything is written.
         self._existing_manifest()

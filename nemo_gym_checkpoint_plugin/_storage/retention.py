@@ -142,7 +142,7 @@ def _newest(where: Location) -> float:
 
 def _stamp(info: dict[str, Any]) -> float:
     for key in ("LastModified", "mtime", "updated", "created"):
-        value = info.get(key)
+        value: Any = info.get(key)  # a datetime, a number or a string, as the filesystem reports it
         if hasattr(value, "timestamp"):
             return float(value.timestamp())
         if isinstance(value, int | float):

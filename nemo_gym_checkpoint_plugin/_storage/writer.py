@@ -47,11 +47,11 @@ from .layout import (
     build_manifest,
     participant_dir,
 )
-from .location import location
+from .location import Location, location
 from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
 
-__all__ = ["CheckpointWriter", "WriteStopped", "fsync_dir"]
+__all__ = ["CheckpointWriter", "RecordsWriter", "WriteStopped", "fsync_dir"]
 
 _BUFFER = 1 << 20
 
@@ -75,30 +75,29 @@ def _episode_key(record: Any) -> str:
         return "<no valid episode_id>"
 
 
-class CheckpointWriter:
-    """Writes one participant's records and publishes its manifest last. One use per instance."""
+class RecordsWriter:
+    """What both writers share: one participant's records encoded and hashed into a local file, the
+    stop, and the checks of a manifest already published. One use per instance.
+
+    ``checkpoint_dir`` and ``directory`` are a ``Path`` in ``CheckpointWriter`` and an ``ObjectPath``
+    in ``ObjectStoreWriter``; here they only name the place in messages.
+    """
 
     # Whether the records file is flushed to disk as it is written and fsynced (a spool that is
     # uploaded and removed, ``ObjectStoreWriter``'s, is not).
     _durable = True
+    checkpoint_dir: Location
+    directory: Location
 
     def __init__(
-        self,
-        checkpoint_dir: str | Path,
-        kind: str,
-        instance: str,
-        checkpoint_id: str,
-        *,
-        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        self, kind: str, instance: str, checkpoint_id: str, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
             raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
-        self.checkpoint_dir = location(checkpoint_dir)
         self.kind = kind
         self.instance = instance
         self.checkpoint_id = checkpoint_id
         self.max_record_bytes = max_record_bytes
-        self.directory = participant_dir(checkpoint_dir, kind, instance)
         self._lock = threading.Lock()
         self._stopped = False
         self._published: dict[str, Any] | None = None
@@ -120,6 +119,85 @@ class CheckpointWriter:
             raise WriteStopped(
                 f"checkpoint {self.checkpoint_id} was resumed while its write ran; no manifest was published"
             )
+
+    def _same_id(self, manifest: dict) -> dict:
+        if manifest["checkpoint_id"] != self.checkpoint_id:
+            raise InvalidCheckpointState(
+                f"{self.directory} already holds checkpoint {manifest['checkpoint_id']!r}; "
+                f"refusing to commit {self.checkpoint_id!r} there"
+            )
+        return manifest
+
+    def _same_write(self, existing: dict, digest: str) -> dict:
+        """``existing`` (of this id) when it is this very write (same records digest); else refuse."""
+        if existing["records_sha256"] != digest:
+            raise InvalidCheckpointState(
+                f"{self.directory} already holds checkpoint {self.checkpoint_id!r} from another write "
+                f"(its records_sha256 {existing['records_sha256'][:12]}... differs from this export's "
+                f"{digest[:12]}...: a restarted process reusing the id?); refusing to mix them",
+                directory=str(self.directory),
+            )
+        return existing
+
+    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
+        count = 0
+        limit = self.max_record_bytes
+        with create_private(tmp, buffering=_BUFFER) as out:
+            # This thread encodes; the sink hashes, writes and syncs in its own thread.
+            sink = HashingWriter(out, durable=self._durable)
+            try:
+                for record in records:
+                    self._check_stop()
+                    if not isinstance(record, Mapping) or "episode_id" not in record:
+                        raise InvalidCheckpointState(
+                            f"record {count} of {self.kind}/{self.instance} is not an object with an episode_id",
+                            episode=_episode_key(record),
+                        )
+                    try:
+                        line, _exact = encode_record(record)
+                    except NotJSON as exc:
+                        key = _episode_key(record)
+                        raise InvalidCheckpointState(
+                            f"record of episode {key} is not JSON: {exc}", episode=key
+                        ) from None
+                    if len(line) > limit:
+                        key = _episode_key(record)
+                        raise InvalidCheckpointState(
+                            f"record of episode {key} is {len(line)} bytes encoded, more than max_record_bytes "
+                            f"({limit})",
+                            episode=key,
+                        )
+                    sink.write(line)
+                    count += 1
+                self._check_stop()
+                digest = sink.finish()
+            except BaseException:
+                sink.abort()
+                raise
+        return digest, count
+
+
+class CheckpointWriter(RecordsWriter):
+    """Writes one participant's records into a directory and publishes its manifest last (a filesystem path)."""
+
+    checkpoint_dir: Path
+    directory: Path
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    ) -> None:
+        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
+        where = location(checkpoint_dir)
+        if not isinstance(where, Path):  # the local backends refuse a URL first (``_path_only``)
+            raise WriteFailed(f"{checkpoint_dir} is a URL: this writer writes filesystem paths", path=str(where))
+        self.checkpoint_dir = where
+        self.directory = participant_dir(where, kind, instance)
 
     # -- the write -----------------------------------------------------------------------------
 
@@ -182,62 +260,6 @@ class CheckpointWriter:
         if not os.path.lexists(self.directory / MANIFEST_NAME):
             return None
         return self._same_id(load_manifest(self.directory, kind=self.kind, instance=self.instance))
-
-    def _same_id(self, manifest: dict) -> dict:
-        if manifest["checkpoint_id"] != self.checkpoint_id:
-            raise InvalidCheckpointState(
-                f"{self.directory} already holds checkpoint {manifest['checkpoint_id']!r}; "
-                f"refusing to commit {self.checkpoint_id!r} there"
-            )
-        return manifest
-
-    def _same_write(self, existing: dict, digest: str) -> dict:
-        """``existing`` (of this id) when it is this very write (same records digest); else refuse."""
-        if existing["records_sha256"] != digest:
-            raise InvalidCheckpointState(
-                f"{self.directory} already holds checkpoint {self.checkpoint_id!r} from another write "
-                f"(its records_sha256 {existing['records_sha256'][:12]}... differs from this export's "
-                f"{digest[:12]}...: a restarted process reusing the id?); refusing to mix them",
-                directory=str(self.directory),
-            )
-        return existing
-
-    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
-        count = 0
-        limit = self.max_record_bytes
-        with create_private(tmp, buffering=_BUFFER) as out:
-            # This thread encodes; the sink hashes, writes and syncs in its own thread.
-            sink = HashingWriter(out, durable=self._durable)
-            try:
-                for record in records:
-                    self._check_stop()
-                    if not isinstance(record, Mapping) or "episode_id" not in record:
-                        raise InvalidCheckpointState(
-                            f"record {count} of {self.kind}/{self.instance} is not an object with an episode_id",
-                            episode=_episode_key(record),
-                        )
-                    try:
-                        line, _exact = encode_record(record)
-                    except NotJSON as exc:
-                        key = _episode_key(record)
-                        raise InvalidCheckpointState(
-                            f"record of episode {key} is not JSON: {exc}", episode=key
-                        ) from None
-                    if len(line) > limit:
-                        key = _episode_key(record)
-                        raise InvalidCheckpointState(
-                            f"record of episode {key} is {len(line)} bytes encoded, more than max_record_bytes "
-                            f"({limit})",
-                            episode=key,
-                        )
-                    sink.write(line)
-                    count += 1
-                self._check_stop()
-                digest = sink.finish()
-            except BaseException:
-                sink.abort()
-                raise
-        return digest, count
 
     def _fsync_parents(self, top: Path, *, include_self: bool) -> None:
         path = self.directory if include_self else self.directory.parent

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .._errors import InvalidCheckpointState
 from .._identity import capture_key
@@ -132,7 +132,11 @@ def run_collect(args: argparse.Namespace, observe: Callable[[str, dict[str, Any]
     config, collection = _gym_config(overrides, args.resume)
     from omegaconf import OmegaConf
 
-    plain = OmegaConf.to_container(config, resolve=False)
+    container = OmegaConf.to_container(config, resolve=False)
+    if not isinstance(container, dict):  # OmegaConf's signature covers list configs; Gym's is a mapping
+        raise UsageError("the Gym config is not a mapping")
+    # Gym's config keys are server and setting names (str); OmegaConf types a dict's keys more widely.
+    plain = cast(dict[str, Any], container)
     token, _source, _argv = _token(args, plain)
     output = str(Path(collection.output_jsonl_fpath).resolve())
     store = CheckpointStore(root, collection=output)
@@ -368,7 +372,7 @@ async def _collect(
             )
         problems = outcome.problems(missing=not drain.published)
         if drain.draining:
-            last = [c.checkpoint_id for c in checkpointer.checkpoints if c.published] or [plan.source]
+            last: list[str | None] = [c.checkpoint_id for c in checkpointer.checkpoints if c.published] or [plan.source]
             lines, errors = drain.report(outcome.missing_line(), last[-1])
             for line in lines:
                 progress.say(line)

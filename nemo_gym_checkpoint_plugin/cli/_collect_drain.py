@@ -33,7 +33,9 @@ DEFAULT_DRAIN_BUDGET = 30.0
 class Drain:
     """SIGTERM handling for one collection: ``install`` before it runs, ``remove`` and ``wait`` after."""
 
-    def __init__(self, checkpointer: Any, budget: float, say: Callable[[str], None], stop: Callable[[], None]) -> None:
+    def __init__(
+        self, checkpointer: Any, budget: float, say: Callable[[str], None], stop: Callable[[], object]
+    ) -> None:
         self.checkpointer = checkpointer
         self.budget = budget
         self.say = say

@@ -167,44 +167,44 @@ async def _call(
     command, checkpoint_id = args.command, args.checkpoint_id
     coordinator.owner = deployment.owner  # every call names this CLI's owner id (one controller per deployment)
     if command == "prepare":
-        result = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts, take_over=args.take_over)
-        if result.ready:
+        prepared = await coordinator.prepare(checkpoint_id, deadline_ts=deadline_ts, take_over=args.take_over)
+        if prepared.ready:
             text = f"prepared {checkpoint_id}: ready"
         else:
             text = (
-                f"prepare {checkpoint_id} NOT ready: stopped at {words(result.stopped_at or [])}, "
-                f"{result.blocker_count()} blocker(s): {words(result.blockers())}; not reached: "
-                f"{words(result.not_reached)}. Admission stays closed until you resume:\n"
+                f"prepare {checkpoint_id} NOT ready: stopped at {words(prepared.stopped_at or [])}, "
+                f"{prepared.blocker_count()} blocker(s): {words(prepared.blockers())}; not reached: "
+                f"{words(prepared.not_reached)}. Admission stays closed until you resume:\n"
                 f"  {suggest('resume', deployment, checkpoint_id)}"
             )
-        if result.restarts():
-            text += f"\nrestarts (leave them out of the commit scope): {words(result.restarts(), limit=50)}"
-        return (0 if result.ready else NOT_READY), result.to_json(), text
+        if prepared.restarts():
+            text += f"\nrestarts (leave them out of the commit scope): {words(prepared.restarts(), limit=50)}"
+        return (0 if prepared.ready else NOT_READY), prepared.to_json(), text
     if command == "commit":
         left_out: list[str] = []
         if args.all:
             scope, left_out = await _commit_all_scope(args, coordinator)
-        result = await coordinator.commit(
+        committed = await coordinator.commit(
             checkpoint_id, dir_argument(args.dir), scope, stop=args.stop, deadline_ts=deadline_ts
         )
-        counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(result.episode_ids.items()))
+        counts = ", ".join(f"{name} {len(keys)}" for name, keys in sorted(committed.episode_ids.items()))
         text = f"committed {checkpoint_id} to {args.dir}: episodes written: {counts}"
         if left_out:
             text += (
                 f"\nleft out {len(left_out)} restart(s) (they start over after a crash): {words(left_out, limit=50)}"
             )
-        return 0, {**result.to_json(), "restarts_left_out": left_out}, text
+        return 0, {**committed.to_json(), "restarts_left_out": left_out}, text
     if command == "restore":
         # Each key is the replacement attempt a rollout continues as (``r1-a1``): N+1 of the attempt that crashed.
-        result = await coordinator.restore(
+        restored = await coordinator.restore(
             checkpoint_id, dir_argument(args.dir), scope or [], deadline_ts=deadline_ts, take_over=args.take_over
         )
         return (
             0,
-            result.to_json(),
+            restored.to_json(),
             (
-                f"restored {result.source_checkpoint_id} as {checkpoint_id}: "
-                f"{words(result.restored(), limit=20)}; to continue them, resume:\n"
+                f"restored {restored.source_checkpoint_id} as {checkpoint_id}: "
+                f"{words(restored.restored(), limit=20)}; to continue them, resume:\n"
                 f"  {suggest('resume', deployment, checkpoint_id)}\n" + _RESEND
             ),
         )

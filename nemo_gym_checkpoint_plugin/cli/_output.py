@@ -49,7 +49,8 @@ def table(
         highlight=False,
         markup=False,
         emoji=False,
-        color_system=target.color_system,
+        # rich types the property as str and the argument as a Literal of the very names it returns.
+        color_system=target.color_system,  # type: ignore[arg-type]
         force_terminal=target.is_terminal,
     )
     render.print(grid)

@@ -109,7 +109,9 @@ def pause_warnings(statuses: dict[str, dict[str, Any]], interval: float | None, 
     lines = []
     for name, status in sorted(statuses.items()):
         last = status.get("last_checkpoint")
-        paused = last.get("paused_seconds") if isinstance(last, dict) else None
+        if not isinstance(last, dict):
+            continue
+        paused = last.get("paused_seconds")
         if isinstance(paused, int | float) and paused > allowed:
             lines.append(
                 f"{name}: checkpoint {last.get('checkpoint_id')} paused it {paused:.1f}s, more than "
@@ -131,7 +133,7 @@ async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict
             + len({f.server for f in failures if f.server != DEPLOYMENT})
         )
         errors, shown = explain(failures, deployment, servers)
-        document = {
+        document: dict[str, Any] = {
             "participants": [
                 {"name": p.name, "url": p.url, **statuses[p.name]}
                 for p in coordinator.participants
@@ -140,7 +142,7 @@ async def _probe(args: argparse.Namespace, deployment: Deployment) -> tuple[dict
             "non_participants": [{"name": e.name, "url": e.url} for e in coordinator.non_participants],
             "failures": [f.to_json() for f in shown],  # a refused token's follow-on failure left out
         }
-        rows = []
+        rows: list[list[Any]] = []  # the table: a row per server, its columns as printed
         for participant in coordinator.participants:
             status = statuses.get(participant.name)
             if status is not None:

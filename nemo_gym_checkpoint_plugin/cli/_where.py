@@ -119,18 +119,18 @@ def _found_token(args: argparse.Namespace, config: dict[str, Any] | None) -> tup
     config_problem = None
     if config is not None:
         try:
-            token = token_from_config(config)
+            configured = token_from_config(config)
         except SettingsError as exc:
             config_problem = str(exc)
         else:
-            if token:
+            if configured:
                 env = (config.get("checkpoint") or {}).get("control_auth_token_env")
                 where = (
                     f"the variable {env} (the config's checkpoint.control_auth_token_env)"
-                    if env and os.environ.get(env) == token
+                    if env and os.environ.get(env) == configured
                     else "the config's checkpoint block"
                 )
-                return token, where, []
+                return configured, where, []
     token = os.environ.get(TOKEN_ENV, "")
     if token:
         return token, f"the variable {TOKEN_ENV}", []

@@ -238,6 +238,6 @@ async def forget(
     return await coordinator.forget(checkpoint_id, rollout_ids, **kwargs)
 
 
-async def renew(coordinator: Coordinator, checkpoint_id: str, **kwargs: Any) -> dict[str, float]:
+async def renew(coordinator: Coordinator, checkpoint_id: str, **kwargs: Any) -> dict[str, float | None]:
     """``Coordinator.renew``: every participant."""
     return await coordinator.renew(checkpoint_id, **kwargs)

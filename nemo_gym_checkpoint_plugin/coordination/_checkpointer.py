@@ -237,8 +237,8 @@ class CollectionCheckpointer:
         rows = []
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
-            state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
-            rows.append(RowState(rollout_id, attempt, state))
+            row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
+            rows.append(RowState(rollout_id, attempt, row_state))
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
         state = CollectorState(

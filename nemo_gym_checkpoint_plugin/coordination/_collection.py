@@ -263,7 +263,7 @@ class CollectorServerClient(ControllerServerClient):
         if not is_run_call(method, url_path):
             response = await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
             if not response.ok and (refused := await _typed_refusal(response)) is not None:
-                return refused  # type: ignore[return-value]
+                return refused
             return response
         body = decode_explicit_attempt(kwargs.get("json"))
         kwargs["json"] = body
@@ -280,9 +280,9 @@ class CollectorServerClient(ControllerServerClient):
                 await response.read()
             elif episode is not None and (detail := await _running_elsewhere(response)) is not None:
                 elsewhere = True
-                return LivesElsewhere(episode[0], detail)  # type: ignore[return-value]
+                return LivesElsewhere(episode[0], detail)
             elif (refused := await _typed_refusal(response)) is not None:
-                return refused  # type: ignore[return-value]
+                return refused
             return response
         finally:
             if tracker is not None and episode is not None:

@@ -184,11 +184,12 @@ class CheckpointStore:
         it as the user the root lets write): whatever already is there (a link or a directory another user
         planted in a shared root) fails the attempt instead of being written through. An object store has
         no directories: nothing to make there (its writes are exclusive creates of their own)."""
-        path = self.path(checkpoint_id)
-        if isinstance(path, ObjectPath):
-            return path
+        root = self.root
+        if isinstance(root, ObjectPath):
+            return root / checkpoint_id
+        path = root / checkpoint_id
         try:
-            os.mkdir(path, stat.S_IMODE(os.stat(self.root).st_mode) & 0o777)
+            os.mkdir(path, stat.S_IMODE(os.stat(root).st_mode) & 0o777)
         except FileExistsError:
             raise InvalidCheckpointState(
                 f"{path} exists already, and this collector did not make it: refused, never written through"
@@ -199,14 +200,16 @@ class CheckpointStore:
 
     def write_records(self, state: CollectorState) -> tuple[str, int]:
         """Write the records file (streamed, fsynced, renamed to its digest); returns ``(digest, count)``."""
-        directory = self.path(state.checkpoint_id) / COLLECTOR_DIR
-        if isinstance(directory, ObjectPath):
+        root = self.root
+        if isinstance(root, ObjectPath):
             from .._storage.objstore_put import put_records
 
-            return put_records(directory, (encode_line(row.record()) for row in state.rows))
+            objects = root / state.checkpoint_id / COLLECTOR_DIR
+            return put_records(objects, (encode_line(row.record()) for row in state.rows))
+        directory = root / state.checkpoint_id / COLLECTOR_DIR
         tmp = directory / f".records.{uuid.uuid4().hex}.tmp"
         try:
-            make_private_dirs(directory, base=self.root)  # never through a link planted in the root
+            make_private_dirs(directory, base=root)  # never through a link planted in the root
             digest = hashlib.sha256()
             count = 0
             with create_private(tmp) as out:
@@ -228,8 +231,7 @@ class CheckpointStore:
     def publish(self, state: CollectorState, digest: str, count: int) -> Location:
         """Create the collector manifest last (hard link, never replacing one), after fsyncing every parent;
         on an object store, created exclusively."""
-        checkpoint = self.path(state.checkpoint_id)
-        directory = checkpoint / COLLECTOR_DIR
+        root = self.root
         manifest = {
             "schema_version": SCHEMA_VERSION,
             "kind": COLLECTOR_KIND,
@@ -240,8 +242,10 @@ class CheckpointStore:
             "record_count": count,
             "collector": {"deployment": state.deployment, "finished": state.finished, "timings": state.timings},
         }
-        if isinstance(directory, ObjectPath):
-            return _publish_object(directory, manifest)
+        if isinstance(root, ObjectPath):
+            return _publish_object(root / state.checkpoint_id / COLLECTOR_DIR, manifest)
+        checkpoint = root / state.checkpoint_id
+        directory = checkpoint / COLLECTOR_DIR
         tmp = directory / f".manifest.{uuid.uuid4().hex}.tmp"
         try:
             with create_private(tmp) as out:
@@ -249,7 +253,7 @@ class CheckpointStore:
                 out.flush()
                 os.fsync(out.fileno())
             # Everything the manifest vouches for is durable before it appears.
-            for parent in (directory, checkpoint / "gym", checkpoint, self.root):
+            for parent in (directory, checkpoint / "gym", checkpoint, root):
                 if parent.is_dir():
                     _fsync_dir(parent)
             os.link(tmp, directory / MANIFEST_NAME)

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._collector import heap_frozen
 from .._errors import InvalidCheckpointState
+from .._gc_pause import heap_frozen
 from .._storage.index import check_participants_index, write_participants_index
 from .._storage.occupied import other_checkpoints
 from .._storage.retention import hold_lease
@@ -138,7 +138,7 @@ class Coordinator(OwnershipMixin):
                 _call_outcome(current, outcome)
             counter[0] += 1
             if self.progress is not None:
-                failed = isinstance(outcome, ParticipantFailure)
+                failure, reply = (outcome, None) if isinstance(outcome, ParticipantFailure) else (None, outcome)
                 self.progress(
                     Progress(
                         operation,
@@ -146,8 +146,8 @@ class Coordinator(OwnershipMixin):
                         counter[0],
                         total,
                         time.monotonic() - started,
-                        failure=outcome if failed else None,
-                        reply=None if failed else outcome,
+                        failure=failure,
+                        reply=reply,
                     )
                 )
             return participant, outcome
@@ -182,7 +182,7 @@ class Coordinator(OwnershipMixin):
         Returns replies, failures, the names never reached, and the kinds of the stage it stopped at.
         """
         # No full collection of this process's heap (a training controller's can be large) inside the
-        # fan-out: it would hold up every reply this process reads (_collector.py).
+        # fan-out: it would hold up every reply this process reads (_gc_pause.py).
         with heap_frozen(), _operation_span(operation, payload) as current:
             ran = await self._stages_run(operation, payload, deadline_ts, stop, keep_going)
             _operation_outcome(current, ran[0], ran[1], ran[3])
@@ -377,8 +377,8 @@ class Coordinator(OwnershipMixin):
 
     async def renew(
         self, checkpoint_id: str, *, deadline_ts: float | None = None, timeout: float | None = None
-    ) -> dict[str, float]:
-        """Extend every participant's lease; returns each one's ``lease_expires_at``."""
+    ) -> dict[str, float | None]:
+        """Extend every participant's lease; returns each one's ``lease_expires_at`` (None: its reply had none)."""
         deadline = self._deadline(deadline_ts, timeout)
         replies, failures, _, _ = await self._run(
             "renew", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline}, deadline

@@ -11,13 +11,12 @@ without an owner sends none and behaves as before owners existed.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
+from ._discovery import Participant
 from ._errors import CoordinationError, ParticipantFailure
 from ._transport import encode_body
-
-if TYPE_CHECKING:
-    from ._coordinator import Coordinator
 
 __all__ = ["OWNER_CONFLICT", "OWNER_FENCED", "OwnershipMixin", "holders"]
 
@@ -35,11 +34,33 @@ def holders(statuses: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
     return owned
 
 
+class _FanOut(Protocol):
+    """What ownership needs of the coordinator it is mixed into (no import of it: no cycle)."""
+
+    owner: str | None
+    participants: list[Participant]
+    reply_grace: float
+
+    async def _call_stage(
+        self,
+        operation: str,
+        members: Sequence[Participant],
+        body: bytes | None,
+        timeout: float,
+        counter: list[int],
+        total: int,
+    ) -> tuple[dict[str, dict[str, Any]], list[ParticipantFailure]]: ...
+
+    async def _owner_call(
+        self, body: dict[str, Any], timeout: float | None, what: str
+    ) -> dict[str, dict[str, Any]]: ...
+
+
 class OwnershipMixin:
     owner: str | None
 
     async def _owner_call(
-        self: Coordinator, body: dict[str, Any], timeout: float | None, what: str
+        self: _FanOut, body: dict[str, Any], timeout: float | None, what: str
     ) -> dict[str, dict[str, Any]]:
         deadline = time.time() + (60.0 if timeout is None else timeout)
         raw = encode_body({**body, "deadline_ts": deadline})
@@ -53,7 +74,7 @@ class OwnershipMixin:
         return replies
 
     async def claim(
-        self: Coordinator, owner: str, *, take_over: bool = False, timeout: float | None = None
+        self: _FanOut, owner: str, *, take_over: bool = False, timeout: float | None = None
     ) -> dict[str, dict[str, Any]]:
         """Own every participant as ``owner`` (or renew it); ``take_over`` fences a current owner for good.
 
@@ -69,7 +90,7 @@ class OwnershipMixin:
         self.owner = owner
         return replies
 
-    async def release(self: Coordinator, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
+    async def release(self: _FanOut, *, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         """Give up ownership on every participant (those this owner does not own are left as they are)."""
         if self.owner is None:
             return {}

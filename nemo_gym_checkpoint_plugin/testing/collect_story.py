@@ -223,7 +223,7 @@ async def run_collect_story(
         state, _skipped = await asyncio.to_thread(CheckpointStore(ckpt).latest)
         finished = {f"{index}-0" for index in _by_row(output)[0]}
         boundaries: dict[str, Any] = {}
-        if state is not None:
+        if state is not None and state.path is not None:  # latest() names where it read it
             env = read_checkpoint(state.path, "environment", ENVIRONMENT).records
             boundaries = {
                 r["episode_id"]["rollout_id"]: r["boundary"]

@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary is None:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-        where = f"work directory kept: {work}" if keep else f"removed {work}"
-        print(f"[demo] interrupted: every server stopped; {where}", file=sys.stderr, flush=True)
+        left = f"work directory kept: {work}" if keep else f"removed {work}"
+        print(f"[demo] interrupted: every server stopped; {left}", file=sys.stderr, flush=True)
         return 130
     ok = summary["lost"] == 0 and summary["repeated_steps"] == 0 and summary["identical_to_uninterrupted"]
     # A failed run keeps its work directory: the logs say why.

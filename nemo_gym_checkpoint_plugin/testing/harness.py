@@ -157,7 +157,9 @@ class FakeBackend:
             stats = await self.stats()
             return stats if predicate(stats) else None
 
-        return await wait_until_async(check, timeout, what)
+        stats = await wait_until_async(check, timeout, what)
+        assert stats is not None  # wait_until_async returns only a value that is true
+        return stats
 
 
 async def send_rollout(env_url: str, rollout_id: str, *, timeout: float = 120.0, **body: Any) -> dict[str, Any]:

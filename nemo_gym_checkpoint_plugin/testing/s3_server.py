@@ -98,7 +98,7 @@ class LocalS3Server:
                 env={**os.environ, **self.env},
             )
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # a file, not subprocess.DEVNULL
                 out.close()
         try:
             self._wait_ready()

@@ -124,11 +124,11 @@ def _serve(path: str, parent: int) -> _Child | None:
 
     os.write(1, _READY)
     while True:
-        readable, _, _ = select.select([listener, parent_fd], [], [], 1.0)
+        readable, _, _ = select.select([listener.fileno(), parent_fd], [], [], 1.0)
         reap()  # zombies are reaped even when nobody asks
         if parent_fd in readable:
             return None
-        if listener not in readable:
+        if listener.fileno() not in readable:
             continue
         conn, _ = listener.accept()
         with conn:

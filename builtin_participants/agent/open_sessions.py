@@ -21,8 +21,8 @@ observations. So this participant exports, per episode in scope, each *open* ses
 Closed sessions (an episode past its agent step) are not exported: their close receipts
 only serve retries of a close that already happened.
 
-With the wrapper's ``SimpleAgentTurns`` (``simple_agent_turns.py``; mid-turn boundaries) each
-record also carries ``"turn"``: the session's turn so far (``agent_turns.Turn``: the model answers
+With the wrapper's ``SimpleAgentTurns`` (``turn_loop.py``; mid-turn boundaries) each
+record also carries ``"turn"``: the session's turn so far (``turn_journal.Turn``: the model answers
 and tool results completed, in order), so a restored turn continues without resending them; the
 seed reply then declares ``mid-turn`` instead of ``capture``.
 
@@ -33,7 +33,7 @@ the environment tells a capturable agent from one whose episodes must be restart
 
 An agent's own ``/run`` (the legacy route where the agent owns the whole episode) is
 not a session: no participant can capture it, so every agent also gets
-``UncapturedRuns`` (``uncaptured.py``), which lists those episodes as restarts and
+``UncapturedRuns`` (``shared/uncaptured_runs.py``), which lists those episodes as restarts and
 refuses a ``/run`` naming no rollout with ``rollout_id_required``.
 """
 
@@ -43,10 +43,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import Turn, TurnBook
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
-from nemo_gym_checkpoint_plugin.builtin_participants.bulk import collector_paused
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Turn, TurnBook
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
+from nemo_gym_checkpoint_plugin._gc_pause import gc_paused
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
@@ -177,7 +177,7 @@ class SimpleAgentSessions:
     @hookimpl
     async def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
         sessions = self._records()
-        with collector_paused():  # thousands of sessions built at once (bulk.py)
+        with gc_paused():  # thousands of sessions built at once (_gc_pause.py)
             staged = await self._stage(records, sessions)
         # Every record was accepted: only now does any session appear.
         for session_id, (session_record, key, turn) in staged.items():
@@ -307,7 +307,7 @@ class SimpleAgentSessions:
 
 def _turn_book(server: Any) -> TurnBook | None:
     """A bound ``TurnBook`` when ``server`` runs Simple Agent's own turn loop under the mixin, else None."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.simple_agent_turns import captures_mid_turn
+    from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_loop import captures_mid_turn
 
     if not captures_mid_turn(server):
         return None
@@ -322,7 +322,7 @@ def install_agent_declaration(app: Any, *, mid_turn: bool = False, sessions: Sim
     With ``sessions``, each successful seed also has its request dumped there (``remember_seed``), so an
     export finds it done: a checkpoint holds every rollout still, a seed does not.
     """
-    from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
+    from nemo_gym_checkpoint_plugin.builtin_participants.shared.reply_headers import ReplyHeaders
 
     value = AGENT_SESSION_MID_TURN if mid_turn else AGENT_SESSION_CAPTURE
 

@@ -15,7 +15,7 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   for them to end, then returns; a call stopped before its answer started is answered
   ``stale_attempt``. A retried retire waits for calls an earlier one stopped without
   cancelling them again. Later calls of a retired attempt are refused by the gate.
-- With Gym's token capture writing its file store (``model_capture.py``): this server owns the
+- With Gym's token capture writing its file store (``token_capture.py``): this server owns the
   calls whose answer started reaching their caller from it, and the rows it installed; a commit
   exports only owned rows of the episodes in its scope, so neither a held call nor another model
   server's rows are ever exported. A restore installs them under the replacement attempt. A call
@@ -40,10 +40,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.capture_book import CaptureBook
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_book import CUT_FIELD, CutBook
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import cut_settings
-from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import TokenCaptures, token_captures_for
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_book import CaptureBook
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CUT_FIELD, CutBook
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import cut_settings
+from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures, token_captures_for
 
 from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
@@ -283,7 +283,7 @@ class ModelCalls:
         for calls in self._by_rollout.values():
             yield from calls
 
-    # -- token capture (capture_book.py, model_capture.py) -----------------------------------------
+    # -- token capture (capture_book.py, token_capture.py) -----------------------------------------
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport | None:
@@ -386,6 +386,6 @@ def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> It
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:
     """Install the held-responses middleware of ``calls`` on a model server's ``app``."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.held_responses import install_held_responses
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.held_responses import install_held_responses
 
     install_held_responses(app, calls)

@@ -1,7 +1,7 @@
 """What one model server knows of Gym's capture rows: the calls it owns and the attempts it restored.
 
-The model participant (``model.py``) keeps one ``CaptureBook`` when token capture writes Gym's
-file store; ``model_capture.py`` reads and writes the rows. Ownership is what makes the capture
+The model participant (``calls.py``) keeps one ``CaptureBook`` when token capture writes Gym's
+file store; ``token_capture.py`` reads and writes the rows. Ownership is what makes the capture
 invariant hold across the model servers that share one capture directory (docs/protocol.md,
 section 9): a server exports a row only if the call's answer started reaching its caller from
 this process, or if this process installed the row.
@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
-from nemo_gym_checkpoint_plugin.builtin_participants.model_capture import StagingKeys, TokenCaptures
+from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import StagingKeys, TokenCaptures
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_id
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord

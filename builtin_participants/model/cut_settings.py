@@ -151,8 +151,9 @@ class CutSettings:
 
 
 def _model_block(global_config: Any, server_name: str) -> Mapping[str, Any] | None:
-    block = global_config.get(server_name) if hasattr(global_config, "get") else None
-    models = block.get("responses_api_models") if hasattr(block, "get") else None
+    # Gym's config: OmegaConf containers or plain dicts, read by what they answer (``get``, ``values``).
+    block: Any = global_config.get(server_name) if hasattr(global_config, "get") else None
+    models: Any = block.get("responses_api_models") if hasattr(block, "get") else None
     if not hasattr(models, "values"):
         return None
     inner = next(iter(models.values()), None)
@@ -196,7 +197,7 @@ def refuse_bad_cuts(server_config: Any, global_config: Any) -> CutSettings:
         raise SettingsError(
             f"{CUTS_KEY}: true needs a vllm_model server (its worker clients); {type(server_config).__name__} has none"
         )
-    capture = global_config.get("token_id_capture") if hasattr(global_config, "get") else None
+    capture: Any = global_config.get("token_id_capture") if hasattr(global_config, "get") else None
     if hasattr(capture, "get") and capture.get("enabled") and capture.get("external_staging"):
         raise SettingsError(
             f"{CUTS_KEY}: true is not supported with token_id_capture.external_staging (staged calls are not streamed)"

@@ -8,11 +8,19 @@ the rule is applied to the key's two parts directly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
-__all__ = ["RetiredBy", "split_key"]
+__all__ = ["RetiredBy", "split_key", "stopping_until_done"]
+
+
+def stopping_until_done(stopping: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:
+    """Keep ``task`` (cancelled by a retire) in ``stopping`` under ``key`` until it has ended."""
+    stopping[key] = task
+    task.add_done_callback(lambda _done: stopping.pop(key, None))
 
 
 def split_key(key: str) -> tuple[str, int]:

@@ -4,7 +4,7 @@ Gym's ``LegacyAgentEnvironmentServer.run_legacy`` relays a ``/run`` body to an a
 owns the whole episode inside its own ``/run`` coroutine: nothing of it can be captured at
 a step boundary. ``LegacyAgentRelay`` is a mixin the wrapper puts before that class
 (``wrap.derive_checkpointable``); with a book bound (checkpointing enabled) each relay is
-an episode of an ``EpisodeBook`` (``environment.py``) declared a restart, so that
+an episode of an ``EpisodeBook`` (``episode_book.py``) declared a restart, so that
 (docs/protocol.md "Restarts"):
 
 - it is listed in every prepare report's ``restarts`` (never capped), never blocks, is
@@ -21,7 +21,7 @@ The episode is named by the legacy row itself (Gym's ``maybe_rollout_id_from_run
 agent work nobody could retire or restart: it is refused with 400
 ``rollout_id_required`` (docs/protocol.md "Restarts"); a body that is not a JSON object is relayed
 for the agent's validation to answer. The agent's own ``/run`` lists the episode as a
-restart too (``uncaptured.py``).
+restart too (``shared/uncaptured_runs.py``).
 
 A relay that reaches the handler while a checkpoint holds admission closed (it passed the
 gate just before) waits, unrelayed, for admission to reopen: it then holds nothing and is
@@ -38,8 +38,8 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import EpisodeBook, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.uncaptured import names_no_episode, rollout_id_required
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import EpisodeBook, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.uncaptured_runs import names_no_episode, rollout_id_required
 
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError, StaleAttempt
 from nemo_gym_checkpoint_plugin._gate import episode_of_run_body

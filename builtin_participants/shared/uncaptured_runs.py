@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import stopping_until_done
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
 from nemo_gym_checkpoint_plugin._asgi import Message, Send, buffer_body
@@ -79,8 +80,8 @@ class UncapturedRuns:
     @hookimpl
     def attach(self, server: Any, kind: str, instance: str) -> bool:
         if kind == "environment":
-            from nemo_gym_checkpoint_plugin.builtin_participants.legacy_agent import LegacyAgentRelay
-            from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn import SingleAgentTurnSteps
+            from nemo_gym_checkpoint_plugin.builtin_participants.environment.relay import LegacyAgentRelay
+            from nemo_gym_checkpoint_plugin.builtin_participants.environment.steps import SingleAgentTurnSteps
 
             if isinstance(server, SingleAgentTurnSteps | LegacyAgentRelay):
                 return False  # its episodes have a participant of their own
@@ -176,8 +177,7 @@ class UncapturedRuns:
                 continue
             # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
             task.cancel()
-            self._stopping[key] = task
-            task.add_done_callback(lambda _t, key=key: self._stopping.pop(key, None))
+            stopping_until_done(self._stopping, key, task)
         tasks = [task for key, task in self._stopping.items() if task is not current and named(key)]
         if tasks:
             await asyncio.wait(tasks)

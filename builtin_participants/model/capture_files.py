@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import split_key
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import split_key
 
 __all__ = [
     "ATTEMPT_FILES",

@@ -3,7 +3,7 @@
 ``simple_agent``'s turn is one coroutine (``SimpleAgent._create_episode``): a loop of model
 calls and tool calls whose state lives in locals. It is not forked here. Its two kinds of
 outgoing call are intercepted instead, while a session's turn runs (``_ACTIVE``, a context
-variable set by ``SimpleAgentTurns._create_episode``, ``simple_agent_turns.py``):
+variable set by ``SimpleAgentTurns._create_episode``, ``turn_loop.py``):
 
 - model calls go through the server's client, which becomes a ``JournaledClient``;
 - tool calls go through ``nemo_gym.server_utils.request``, which the agent's module imports
@@ -344,9 +344,9 @@ class JournaledClient(CheckpointServerClient):
         run = _ACTIVE.get()
         if run is None or server_name != run.book.model_server or method.upper() != "POST":
             return await super().request(server_name=server_name, url_path=url_path, method=method, **kwargs)
-        parent = super()
+        live = super().request
         return await run.model_call(
-            lambda: parent.request(server_name=server_name, url_path=url_path, method=method, **kwargs),
+            lambda: live(server_name=server_name, url_path=url_path, method=method, **kwargs),
             kwargs.get("json"),
         )
 

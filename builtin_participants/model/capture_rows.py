@@ -8,7 +8,7 @@ call they continue (``parent_call_id``) and which request produced them (a token
 capture key it was first recorded under in its ``rollout_id`` (not the attempt's key), a ledger row
 names it in ``ng_checkpoint_restored_from``.
 
-``superseded`` is the rule for a call sent again after a restore (``model_capture.py``): the
+``superseded`` is the rule for a call sent again after a restore (``token_capture.py``): the
 restored rows with the new call's request that no live row builds on are the answers that never
 reached the agent. The shape checks here are what Gym's readers need of a row to accept it.
 """
@@ -55,7 +55,8 @@ class _Family:
 
     def superseded(self, key: str, call_id: str | None, rows: list[dict[str, Any]]) -> tuple[set[str], bool]:
         """``(model call ids to drop, whether restored rows are left unconfirmed)``."""
-        restored = {row.get("model_call_id"): row for row in rows if self.restored(key, row)}
+        # Keyed by each row's own model_call_id, whatever it holds (a row's shape is checked where it is read).
+        restored: dict[Any, dict[str, Any]] = {row.get("model_call_id"): row for row in rows if self.restored(key, row)}
         if not restored:
             return set(), False
         live = [row for row in rows if not self.restored(key, row)]
@@ -120,8 +121,12 @@ def token_row_id(key: str, row: Any) -> str:
         raise _refuse(key, f"token entry {call_id}: rollout_id {rollout_id!r} is not a capture key")
     if row.get("schema_version", 1) not in _SCHEMA_VERSIONS:
         raise _refuse(key, f"token entry {call_id}: schema_version {row.get('schema_version')!r} is not known here")
-    arrays = [row.get(name) for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")]
-    if not all(isinstance(array, list) for array in arrays) or len(arrays[1]) != len(arrays[2]):
+    prompt, generated, logprobs = (
+        row.get(name) for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+    )
+    if not (isinstance(prompt, list) and isinstance(generated, list) and isinstance(logprobs, list)) or len(
+        generated
+    ) != len(logprobs):
         raise _refuse(key, f"token entry {call_id}: token arrays are missing or of different lengths")
     return call_id
 

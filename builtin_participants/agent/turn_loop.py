@@ -5,7 +5,7 @@
 - ``_require_agent_session`` (``responses`` calls it with the session id of the request)
   also notes that id for the activation about to run;
 - ``_create_episode`` (the turn's loop) runs the original loop with the session's ``Turn``
-  active (``agent_turns.py``), as a task the retire of its attempt can cancel.
+  active (``turn_journal.py``), as a task the retire of its attempt can cancel.
 
 With a ``TurnBook`` bound (checkpointing enabled, ``bind_turn_book``) the server's client
 becomes a ``JournaledClient`` and its module's ``http_request`` is wrapped (both behave as
@@ -25,7 +25,7 @@ import sys
 from contextvars import ContextVar
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.agent_turns import (
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import (
     _ACTIVE,
     JournaledClient,
     Turn,
@@ -60,11 +60,12 @@ class SimpleAgentTurns:
     """Mixin for ``SimpleAgent`` (listed before it): journal each session turn's completed calls."""
 
     _ng_turn_book: TurnBook | None = None
+    server_client: Any  # the agent's own (Gym's ``ServerClient``), set by ``SimpleAgent``
 
     def bind_turn_book(self, book: TurnBook) -> None:
         """Checkpointing is on: journal session turns in ``book`` (client and tool calls go through it)."""
         self._ng_turn_book = book
-        self.server_client = JournaledClient.from_client(self.server_client)  # type: ignore[attr-defined]
+        self.server_client = JournaledClient.from_client(self.server_client)
         module = sys.modules.get(type(self).__module__)
         original = getattr(module, "http_request", None)
         if module is not None and original is not None and not hasattr(original, "__wrapped__"):

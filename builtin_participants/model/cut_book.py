@@ -1,6 +1,6 @@
 """One model server's generation cuts: the calls it streams, the cuts it exports, the restored cuts it continues.
 
-docs/protocol.md, "Generation cuts"; the model participant (``model.py``) keeps one ``CutBook``
+docs/protocol.md, "Generation cuts"; the model participant (``calls.py``) keeps one ``CutBook``
 when its block says ``checkpoint_generation_cuts`` (``cut_settings.py``).
 
 - **Streaming**: the book replaces the server's ``_resolve_client`` (``vllm_model``'s choice of a
@@ -24,29 +24,29 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_continue import ContinuationFailed, continue_chat
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_freeze import WorkerFreeze
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_settings import (
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_continue import ContinuationFailed, continue_chat
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_freeze import WorkerFreeze
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import (
     NEVER_CUT,
     CutSettings,
     never_cut_reason,
     sampling,
     unknown_fields,
 )
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import (
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_stream import (
     Generation,
     Snapshot,
     cut_digest,
     request_sha256,
     stream_chat,
 )
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCall
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCall
 
 __all__ = ["CUT_FIELD", "CutBook", "Snapshot", "request_sha256"]
 

@@ -2,7 +2,7 @@
 
 docs/protocol.md "Episode steps", "Restarts" and "Retire, forget, restore marks", for any
 environment server whose run logic reports its steps to an ``EpisodeBook`` (the
-built-in ``single_agent_turn`` does, see ``single_agent_turn.py``). The contract the
+built-in ``single_agent_turn`` does, see ``steps.py``). The contract the
 run logic follows::
 
     episode = book.begin(request.episode_id)        # restored boundary, if any, on episode.restored
@@ -70,8 +70,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.episode_records import EpisodeRecords
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_records import EpisodeRecords
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning, StaleAttempt

@@ -1,7 +1,7 @@
 """The model server's held responses: a pure ASGI middleware between the admission gate and Gym's routes.
 
 Each data request to a model server runs its route in a task of its own, registered with the
-``ModelCalls`` registry (``model.py``) under the attempt its ``/ng-rollout/<key>/...`` path
+``ModelCalls`` registry (``calls.py``) under the attempt its ``/ng-rollout/<key>/...`` path
 names, so a retire can stop it (the inference worker sees its request dropped when the
 route's outgoing call is cancelled) and wait for it.
 
@@ -19,7 +19,7 @@ first piece of answer data waits for resume. What does not start a response (doc
   long generation keeps its connection alive.
 
 With generation cuts on, the request body is kept as it arrives (its digest names the call a
-cut belongs to) and the call is the route's current model call (``model.current_call``), so the
+cut belongs to) and the call is the route's current model call (``calls.current_call``), so the
 worker client the cuts wrap knows whose generation it streams.
 
 Anything else is answer data, and so is the end of a response (the last body message, even
@@ -40,7 +40,7 @@ from nemo_gym_checkpoint_plugin._errors import StaleAttempt
 from nemo_gym_checkpoint_plugin._gate import attempt_from_path, is_exempt
 
 if TYPE_CHECKING:
-    from nemo_gym_checkpoint_plugin.builtin_participants.model import ModelCall, ModelCalls
+    from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import ModelCall, ModelCalls
 
 __all__ = ["HeldResponses", "SSEScan", "install_held_responses"]
 
@@ -170,7 +170,7 @@ class HeldResponses:
             self._calls.end(call)
 
     async def _run(self, call: ModelCall, scope: Scope, receive: Receive, send: Send) -> None:
-        from nemo_gym_checkpoint_plugin.builtin_participants.model import _CURRENT_CALL
+        from nemo_gym_checkpoint_plugin.builtin_participants.model.calls import _CURRENT_CALL
 
         _CURRENT_CALL.set(call)  # this task's own context: the route's calls to the worker see it
         await self._calls.arrived(call)

@@ -9,13 +9,13 @@ What a resources server must keep for a restored episode to reuse its session:
   participant exports the bindings of the episodes in scope (``{"episode_id",
   "resources_session_id", "task_id"}``) and installs them bound to the replacement
   attempt, which is the attempt whose cleanup closes the session.
-- A server that declares its ``checkpoint_mode`` (``declarations.py``: its config key, or
+- A server that declares its ``checkpoint_mode`` (``checkpoint_modes.py``: its config key, or
   the built-in table of the wheel's stateless verifiers) is taken at its word:
   ``stateless`` -> capturable, and every seed declares ``/verify`` replayable
   (``x-ng-checkpoint-verify: replay``); ``export_restore`` -> capturable, a plugin exports
   the state (and declares replay itself if it may); ``restart_only`` -> every seed a restart.
 - A server with **session state** (``checkpoint_session_state:`` in its config, or the built-in
-  table of ``declarations.py``) is ``export_restore``: its named per-session dicts are exported
+  table of ``checkpoint_modes.py``) is ``export_restore``: its named per-session dicts are exported
   and installed per episode by ``session_state.py`` (a record's ``session_state`` field), with no
   plugin of its own.
 - Undeclared: a server whose ``seed_session`` is Gym's default keeps no per-episode state:
@@ -46,9 +46,12 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy
-from nemo_gym_checkpoint_plugin.builtin_participants.declarations import CheckpointMode, declared
-from nemo_gym_checkpoint_plugin.builtin_participants.session_state import SessionState, UnsupportedSessionValue
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.checkpoint_modes import CheckpointMode, declared
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state import (
+    SessionState,
+    UnsupportedSessionValue,
+)
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
@@ -310,7 +313,7 @@ def _key_episode(key: str) -> EpisodeId:
 
 def install_resources_declarations(app: Any, sessions: ResourcesSessions) -> None:
     """Count tool calls, bind session state, track closes (the ``seed_session`` hook is the wiring's: ``_seeds``)."""
-    from nemo_gym_checkpoint_plugin.builtin_participants.replies import ReplyHeaders
+    from nemo_gym_checkpoint_plugin.builtin_participants.shared.reply_headers import ReplyHeaders
 
     async def on_close(body: bytes, status: int) -> dict[str, str]:
         found = seeded_episode(body) if 200 <= status < 300 else None
@@ -320,7 +323,7 @@ def install_resources_declarations(app: Any, sessions: ResourcesSessions) -> Non
 
     app.add_middleware(_ToolCalls, sessions=sessions)
     if sessions.session_state is not None:
-        from nemo_gym_checkpoint_plugin.builtin_participants.session_state import install_session_binder
+        from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state import install_session_binder
 
         install_session_binder(app, sessions.session_state)
     app.add_middleware(ReplyHeaders, path="/close_session", headers_for=on_close)

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 from gym_inprocess import GymServers
-from nemo_gym_checkpoint_plugin.builtin_participants.agent import SimpleAgentSessions
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
 from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -28,7 +28,7 @@ async def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
 
 
 @pytest.fixture(autouse=True)
-def _collector_back() -> Iterator[None]:
+def _gc_back() -> Iterator[None]:
     yield
     gc.enable()
 
@@ -45,26 +45,24 @@ async def _restored(servers: GymServers, count: int) -> list[RestoredRecord]:
     return out
 
 
-async def test_the_collector_is_off_while_each_session_is_built(
-    servers: GymServers, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_gc_is_off_while_each_session_is_built(servers: GymServers, monkeypatch: pytest.MonkeyPatch) -> None:
     records = await _restored(servers, 5)
     second = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     server_class = type(second.built.server)
     original = server_class._seed_agent_session_state
-    collector_on: list[bool] = []
+    gc_on: list[bool] = []
 
     async def seeding(self: Any, body: Any) -> Any:
-        collector_on.append(gc.isenabled())
+        gc_on.append(gc.isenabled())
         return await original(self, body)
 
     monkeypatch.setattr(server_class, "_seed_agent_session_state", seeding)
     await second.participant.install(checkpoint_id="c1", manifest={}, records=records)
-    assert collector_on == [False] * 5 and gc.isenabled()
+    assert gc_on == [False] * 5 and gc.isenabled()
     assert sorted(second.participant.restored_pending()) == sorted(f"r{i}-a1" for i in range(5))
 
 
-async def test_a_refused_install_gives_the_collector_back_and_a_disabled_one_stays_disabled(
+async def test_a_refused_install_gives_gc_back_and_a_disabled_one_stays_disabled(
     servers: GymServers,
 ) -> None:
     records = await _restored(servers, 3)

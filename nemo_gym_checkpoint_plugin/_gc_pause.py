@@ -1,21 +1,21 @@
 """Python's cyclic garbage collector, paused while a restore reads and installs its records, and while
 a commit exports and writes them.
 
-A restore of 16,000 records of a few KB decodes some 40 containers per record. The collector
+A restore of 16,000 records of a few KB decodes some 40 containers per record. The garbage collector
 starts a collection every 2,000 new containers, traverses the same new records again and again,
 and its full collections walk the whole heap: half the CPU of such a restore in
 ``benchmarks/control_plane.py`` (1.0 of 2.0 s). Paused from the read until the install ended,
-none of that runs inside the restore; before the collector is enabled again, ``promote_to_oldest``
+none of that runs inside the restore; before garbage collection is enabled again, ``promote_to_oldest``
 moves the restored state to its oldest generation (otherwise the first allocation after the pause
 traverses all of it, 0.46 s there). Decoded JSON records hold no cycles.
 
 Pauses nest (several planes in one process, a restore's read and an install that outlives it);
-a collector that was already disabled when the first pause began stays disabled after the last.
+garbage collection that was already disabled when the first pause began stays disabled after the last.
 
 The heap is also **frozen for the whole of a checkpoint or restore** (``hold_heap``: from its
 prepare or restore until its resume or return to idle) and for the controller's fan-out of each
 operation (``heap_frozen``). A server holding thousands of rollouts has millions of objects
-tracked; the collector walks all of them in a full collection (3 to 4 s on this project's 2-core
+tracked; the garbage collector walks all of them in a full collection (3 to 4 s on this project's 2-core
 machine at 2,000 rollouts per server), and one falls due every few seconds while rollouts pile
 up. One landing inside a commit made it 1.7 s instead of 0.7 s (``benchmarks/scale.py``, 4,000
 rollouts: one server's commit used 1.35 s of CPU where its twin used 0.14 s). ``gc.freeze()``
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["HeapHold", "collector_paused", "heap_frozen", "hold_heap", "promote_to_oldest"]
+__all__ = ["HeapHold", "gc_paused", "heap_frozen", "hold_heap", "promote_to_oldest"]
 
 _lock = threading.Lock()
 _depth = 0
@@ -44,7 +44,7 @@ _we_froze = False
 
 
 @contextmanager
-def collector_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     global _depth, _enable_after
     with _lock:
         if _depth == 0:

@@ -54,8 +54,8 @@ from uuid import uuid4
 
 from nemo_gym.base_environment_server import CleanupContext
 from nemo_gym.episode_types import EpisodeFailure
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.single_agent_turn_calls import (
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import Episode, EpisodeBook, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.step_calls import (
     SingleAgentTurnCalls,
     _Sessions,
 )

@@ -1,6 +1,6 @@
 """The environment participant's records and retire: what ``EpisodeBook`` writes, reads back and stops.
 
-``EpisodeBook`` (``environment.py``: the run logic's side, admission and readiness) inherits these
+``EpisodeBook`` (``episode_book.py``: the run logic's side, admission and readiness) inherits these
 hooks; the rules are those of its module docstring ("Boundaries", "Retire", "Restore"). Each hook
 costs O(episodes named + episodes held) once: a server holds thousands of episodes at a checkpoint,
 so nothing here scans the book per episode or builds an ``EpisodeId`` per held key.
@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import RetiredBy, split_key
-from nemo_gym_checkpoint_plugin.builtin_participants.episode import Episode, RestoredEpisode, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key, stopping_until_done
 
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -112,8 +112,7 @@ class EpisodeRecords:
             # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
             task.cancel()
             cancelled.add(task)
-            self._stopping[episode.key] = task
-            task.add_done_callback(lambda _t, key=episode.key: self._stopping.pop(key, None))
+            stopping_until_done(self._stopping, episode.key, task)
         # Every task an earlier or this retire cancelled for these attempts, even one whose episode
         # already left the book and is still cleaning up.
         tasks = [task for key, task in self._stopping.items() if task is not current and named.key(key)]

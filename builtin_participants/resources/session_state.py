@@ -4,7 +4,7 @@ Many Gym resources servers keep their per-session state in dict attributes keyed
 session id (the ``session_id`` of the signed session cookie: ``request.session[SESSION_ID_KEY]``),
 e.g. ``example_session_state_mgmt``'s ``session_id_to_counter`` or a ``GymnasiumServer``'s
 ``session_state``. A server that names such attributes (``checkpoint_session_state`` in its
-config, or the built-in table of ``declarations.py``) gets them checkpointed by the built-in
+config, or the built-in table of ``checkpoint_modes.py``) gets them checkpointed by the built-in
 resources participant, with no plugin of its own:
 
 - **Which episode a session belongs to.** ``SessionBinder``, the innermost middleware of the
@@ -37,10 +37,13 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin._asgi import Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, from_capture_key
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = ["SessionBinder", "SessionState", "UnsupportedSessionValue", "decode", "encode", "install_session_binder"]
 
@@ -87,7 +90,7 @@ def encode(value: Any, where: str = "value") -> Any:
     )
 
 
-def _model_class(name: Any) -> type:
+def _model_class(name: Any) -> type[BaseModel]:
     from pydantic import BaseModel
 
     module_name, _, qualname = str(name).partition(":")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from control_support import Gate, Harness, close_harness, make_harness, wait_until, wire
 
-from nemo_gym_checkpoint_plugin._collector import collector_paused, heap_frozen, hold_heap, promote_to_oldest
+from nemo_gym_checkpoint_plugin._gc_pause import gc_paused, heap_frozen, hold_heap, promote_to_oldest
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ async def h(tmp_path: Path) -> AsyncIterator[Harness]:
 
 
 @pytest.fixture(autouse=True)
-def collector_back_on() -> Iterator[None]:
+def gc_back_on() -> Iterator[None]:
     assert gc.get_freeze_count() == 0, "an earlier test left the heap frozen"
     yield
     gc.enable()
@@ -48,7 +48,7 @@ async def checkpointed(h: Harness) -> None:
     h.participant.episodes.clear()
 
 
-async def test_the_collector_is_paused_during_the_install_and_enabled_after(h: Harness) -> None:
+async def test_gc_is_paused_during_the_install_and_enabled_after(h: Harness) -> None:
     await checkpointed(h)
     h.participant.install_gate = gate = Gate()
     assert gc.isenabled()
@@ -62,7 +62,7 @@ async def test_the_collector_is_paused_during_the_install_and_enabled_after(h: H
     assert gc.isenabled()
 
 
-async def test_a_failed_restore_enables_the_collector_again(h: Harness) -> None:
+async def test_a_failed_restore_enables_gc_again(h: Harness) -> None:
     await checkpointed(h)
     h.participant.install_error = ValueError("refused")
     await h.error(
@@ -83,7 +83,7 @@ async def test_a_failed_restore_enables_the_collector_again(h: Harness) -> None:
     assert gc.isenabled()
 
 
-async def test_a_collector_disabled_before_stays_disabled(h: Harness) -> None:
+async def test_gc_disabled_before_stays_disabled(h: Harness) -> None:
     await checkpointed(h)
     gc.disable()
     await h.call("restore", checkpoint_id="r-1", checkpoint_dir=str(h.directory), episode_ids=[wire("r1")])
@@ -91,14 +91,14 @@ async def test_a_collector_disabled_before_stays_disabled(h: Harness) -> None:
 
 
 def test_pauses_nest() -> None:
-    with collector_paused():
-        with collector_paused():
+    with gc_paused():
+        with gc_paused():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
 
 
-async def test_the_collector_is_paused_while_a_commit_exports_and_writes_and_enabled_after(h: Harness) -> None:
+async def test_gc_is_paused_while_a_commit_exports_and_writes_and_enabled_after(h: Harness) -> None:
     seen: list[bool] = []
 
     def observed(records: list) -> Iterator:

@@ -27,8 +27,12 @@ from typing import Any
 
 import orjson
 from aiohttp import ClientError
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_parse import parse_message
-from nemo_gym_checkpoint_plugin.builtin_participants.cut_stream import Generation, WorkerStreamError, worker_stream
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_parse import parse_message
+from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_stream import (
+    Generation,
+    WorkerStreamError,
+    worker_stream,
+)
 
 __all__ = ["ContinuationFailed", "continue_chat", "seed_generation"]
 
@@ -40,9 +44,11 @@ class ContinuationFailed(RuntimeError):
     """The worker could not continue the cut (the call is generated from scratch instead)."""
 
 
-def seed_generation(generation: Generation, cut: Mapping[str, Any]) -> None:
-    """Start ``generation`` (the re-sent call's) from the restored ``cut``: its prompt and its prefix."""
-    generation.prompt_token_ids = list(cut["prompt_token_ids"])
+def seed_generation(generation: Generation, cut: Mapping[str, Any]) -> list[int]:
+    """Start ``generation`` (the re-sent call's) from the restored ``cut``: its prompt and its prefix.
+
+    Returns the prompt's token ids (what ``generation.prompt_token_ids`` now holds)."""
+    prompt = generation.prompt_token_ids = list(cut["prompt_token_ids"])
     generation.token_ids = list(cut["token_ids"])
     generation.logprobs = list(cut["logprobs"])
     generation.response = dict(cut["response"])
@@ -56,6 +62,7 @@ def seed_generation(generation: Generation, cut: Mapping[str, Any]) -> None:
         generation.reasoning = [cut["reasoning"]] if cut.get("reasoning") else []
         generation.tool_calls = {i: dict(call) for i, call in enumerate(cut.get("tool_calls") or [])}
         generation.finish_reason = cut["finish_reason"]
+    return prompt
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
@@ -102,7 +109,7 @@ async def continue_chat(
     tool_parser: str | None,
 ) -> dict[str, Any]:
     """The whole answer to ``body`` from ``cut``'s prefix and the worker's remainder (see the module docstring)."""
-    seed_generation(generation, cut)
+    prompt = seed_generation(generation, cut)
     if generation.finish_reason is not None:
         return generation.assemble(body)
     limit = _limit(body)
@@ -110,7 +117,7 @@ async def continue_chat(
     request: dict[str, Any] = {
         **{k: v for k, v in cut["sampling"].items() if k not in _OWN},
         "model": body.get("model"),
-        "prompt": generation.prompt_token_ids + generation.token_ids,
+        "prompt": prompt + generation.token_ids,
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,

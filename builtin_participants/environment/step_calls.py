@@ -1,4 +1,4 @@
-"""The wire calls of the ``single_agent_turn`` steps (``single_agent_turn.py``): seed, agent, verify, close.
+"""The wire calls of the ``single_agent_turn`` steps (``steps.py``): seed, agent, verify, close.
 
 ``SingleAgentTurnCalls`` is the base of ``SingleAgentTurnSteps``: each method performs the
 same calls Gym's ``SingleAgentTurnEnvironmentServer.run`` makes, with the episode's
@@ -21,7 +21,7 @@ from nemo_gym.base_responses_api_agent import (
 )
 from nemo_gym.server_utils import get_response_json, raise_for_status
 from nemo_gym.tool_access import DirectHTTPToolAccess
-from nemo_gym_checkpoint_plugin.builtin_participants.environment import Episode, EpisodeBook
+from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_book import Episode, EpisodeBook
 
 from nemo_gym_checkpoint_plugin._wire import (
     AGENT_SESSION_CAPTURE,

@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.attempts import split_key
-from nemo_gym_checkpoint_plugin.builtin_participants.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
-from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_rows import (
     LEDGER,
     RESTORED_FROM,
     TOKENS,
@@ -53,6 +52,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.capture_rows import (
     token_row_id,
     unpack_line,
 )
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import split_key
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
@@ -190,6 +190,8 @@ class TokenCaptures:
         releases held them as JSON objects (``token_entries``, ``ledger_entries``), and still restore.
         """
         rows = record.get("token_rows")
+        token_lines: list[tuple[str, bytes]]
+        ledger_lines: list[tuple[str, bytes]]
         if type(rows) is list and len(record) == 2:
             # This release's record of the local store, the usual one: {"episode_id", "token_rows"}.
             token_lines, ledger_lines = [unpack_line(checkpointed, row) for row in rows], []

@@ -1,4 +1,4 @@
-"""What the environment participant's ``EpisodeBook`` keeps per episode (see ``environment.py``)."""
+"""What the environment participant's ``EpisodeBook`` keeps per episode (see ``episode_book.py``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,7 @@
+"""The resources participant: a verifier's seed declarations, session bindings and session state.
+
+- ``session_bindings.py``: ``ResourcesSessions``, the participant: seed declarations and each
+  session's binding to its episode, carried across a crash;
+- ``checkpoint_modes.py``: how a verifier checkpoints (its ``checkpoint_mode``, or the built-in table);
+- ``session_state.py``: the per-session dict attributes a server names, exported and installed.
+"""
