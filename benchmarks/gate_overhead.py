@@ -1,7 +1,8 @@
 """Requests/s through a small FastAPI app with the admission gate installed and idle, against the same app without it.
 
 Each variant is served by its own real uvicorn process on 127.0.0.1 (both started
-once, alive for the whole run). The gated one has admission open and retired marks
+once, alive for the whole run). The gated one has admission open, the telemetry a
+participant server has (its metrics watch the gate), and retired marks
 for other rollouts, so every request takes the gate's real path (the marks make it
 parse ``/ng-rollout/<key>`` paths and ``/run`` bodies), not only its fast path.
 A bounded aiohttp client sends a fixed number of requests per round at fixed
@@ -37,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._gate import install_gate
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._telemetry.server import ServerTelemetry
 
 RETIRED_OTHER_ROLLOUTS = 200
 
@@ -71,7 +73,18 @@ def build_app(gated: bool) -> FastAPI:
         marks = RetiredMarks()
         for index in range(RETIRED_OTHER_ROLLOUTS):
             marks.mark(f"retired-{index}", 1)
-        install_gate(app, Admission(), marks)
+        admission = Admission()
+        counters = install_gate(app, admission, marks)
+        # As on a participant server: the plane's telemetry watches the gate (parked requests, park times).
+        telemetry = ServerTelemetry(
+            "environment",
+            "bench",
+            active_operation=lambda: None,
+            admission_open=lambda: admission.is_open,
+            lease_expiries=lambda: 0,
+        )
+        telemetry.metrics.watch_gate(counters)
+        app.state.bench_telemetry = telemetry
     return app
 
 
