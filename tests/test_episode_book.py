@@ -390,3 +390,40 @@ async def test_one_retire_of_many_attempts_stops_exactly_those_and_the_earlier_o
     for name in ("r3", "r4", "r5"):
         runs[name].gate.set()
     assert await asyncio.wait_for(asyncio.gather(*(runs[n].task for n in ("r3", "r4", "r5"))), 10) == ["done"] * 3
+
+
+async def test_a_replacement_carrying_another_task_is_refused_naming_the_episode() -> None:
+    # Issue 30: the record keeps a digest of the task its attempt ran; the replacement /run must carry it.
+    from nemo_gym_checkpoint_plugin._errors import TaskMismatch
+
+    book = EpisodeBook(StepMode.WAIT)
+    task = {"task_id": {"taskset": "t", "task_id": "7"}, "task_input": {"q": "2+2"}}
+    first = book.begin(EpisodeId(rollout_id="a", attempt=0), task)
+    book.reach(first, "seeded", {"n": 1})
+    (record,) = book.export("c1", None).records
+    book.end(first)
+    checkpointed = EpisodeId(rollout_id="a", attempt=0)
+    book.install("r1", {}, [RestoredRecord(checkpointed, EpisodeId(rollout_id="a", attempt=1), dict(record))])
+    other = {"task_id": {"taskset": "t", "task_id": "8"}, "task_input": {"q": "3+3"}}
+    replacement = EpisodeId(rollout_id="a", attempt=1)
+    with pytest.raises(TaskMismatch, match="episode a-a1") as refused:
+        book.claim(replacement, other)
+    assert refused.value.to_body()["error"]["code"] == "task_mismatch"
+    assert refused.value.to_body()["error"]["episode_ids"] == ["a-a1"]
+    with pytest.raises(TaskMismatch):
+        book.begin(replacement, other)
+    # Nothing ran: the record is still pending for the /run carrying its task, which continues it.
+    assert book.restored_pending() == ["a-a1"]
+    book.release(book.claim(replacement, dict(reversed(list(task.items())))))  # key order is no other task
+    continued = book.begin(replacement, task)
+    assert continued.boundary == "seeded" and continued.state == {"n": 1}
+    book.end(continued)
+
+
+async def test_a_record_without_a_task_digest_still_restores_whatever_task() -> None:
+    # Records of an earlier version (or Gym's own checkpoints) carry no task_digest.
+    book = EpisodeBook(StepMode.WAIT)
+    book.install("r1", {}, [_restored("a", "seeded", {"n": 1})])
+    continued = book.begin(EpisodeId(rollout_id="a", attempt=1), {"task_id": {"taskset": "t", "task_id": "9"}})
+    assert continued.boundary == "seeded"
+    book.end(continued)

@@ -46,12 +46,16 @@ class EpisodeRecords:
             # A restart declared while this checkpoint was open cannot continue from its sessions.
             boundary = None if episode.pending_restart else episode.boundary
             episode_id = episode.episode_id
-            records.append(_record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode))
+            records.append(
+                _record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode, episode.task_digest)
+            )
             by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
         for key, restored in self._restored.items():
             if scope is None or key in scope:
                 rollout_id, attempt = split_key(key)
-                records.append(_record(rollout_id, attempt, restored.boundary, restored.state, mode))
+                records.append(
+                    _record(rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest)
+                )
                 by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
         return ParticipantExport(
             records=records,
@@ -71,6 +75,10 @@ class EpisodeRecords:
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
             if not isinstance(state, Mapping):
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
+            # Absent in a record of an earlier version (or Gym's own checkpoints): that one still restores.
+            digest = record.get("task_digest")
+            if digest is not None and not isinstance(digest, str):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: task_digest must be a string or null")
             if self._validate_state is not None:
                 try:
                     self._validate_state(boundary, state)
@@ -80,7 +88,7 @@ class EpisodeRecords:
                 raise AttemptRunning(
                     f"episode {key} is already running here; it cannot be restored over", episodes=[key]
                 )
-            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
+            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state, digest)
         # Nothing is kept unless every record was accepted.
         self._restored.update(staged)
 
@@ -120,10 +128,16 @@ class EpisodeRecords:
             await asyncio.wait(tasks)
 
 
-def _record(rollout_id: str, attempt: int, boundary: str | None, state: Mapping[str, Any], mode: str) -> dict[str, Any]:
-    return {
+def _record(
+    rollout_id: str, attempt: int, boundary: str | None, state: Mapping[str, Any], mode: str, digest: str | None
+) -> dict[str, Any]:
+    record = {
         "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
         "boundary": boundary,
         "state": dict(state) if boundary is not None else {},
         "step_mode": mode,
     }
+    if digest is not None:
+        # The task the attempt ran: its replacement after a crash must carry the same (environment.check_task).
+        record["task_digest"] = digest
+    return record
