@@ -234,3 +234,53 @@ async def test_an_ordinary_deadline_is_accepted(tmp_path: Path) -> None:
         assert (await h.call("prepare", checkpoint_id="c1", deadline_ts=deadline(3600)))["phase"] == "prepared"
     finally:
         await close_harness(h)
+
+
+async def test_a_restore_whose_close_of_admission_fails_part_way_reopens_admission(tmp_path: Path) -> None:
+    # Issue 30: tested for prepare only before. The second participant closes admission first (pluggy calls
+    # the last registered first), then the first one's close raises: the one that closed is reopened too.
+    from nemo_gym_checkpoint_plugin._errors import InvalidPhase
+    from nemo_gym_checkpoint_plugin._markers import hookimpl
+
+    class Admission:
+        """A second participant with nothing to export: it only closes and reopens its admission."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def called(self, name: str) -> list[dict[str, str]]:
+            return [{"checkpoint_id": c} for hook, c in self.calls if hook == name]
+
+        @hookimpl
+        def close_admission(self, checkpoint_id: str) -> None:
+            self.calls.append(("close_admission", checkpoint_id))
+
+        @hookimpl
+        def open_admission(self, checkpoint_id: str) -> None:
+            self.calls.append(("open_admission", checkpoint_id))
+
+    closed_first = Admission()
+    h = await make_harness(tmp_path, extra_plugins=(closed_first,))
+    try:
+        h.participant.add("r1")
+        await h.checkpoint("c1", None)
+        await h.call("resume", checkpoint_id="c1")
+        opened_before = len(closed_first.called("open_admission"))
+        h.participant.close_error = InvalidPhase("the environment cannot close its admission")
+        restore = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
+        error = await h.error("restore", "invalid_phase", **restore)
+        assert "cannot close its admission" in error["detail"]
+        assert closed_first.called("close_admission")[-1] == {"checkpoint_id": "restore-1"}  # part way
+        assert h.plane.phase == "idle" and h.plane.checkpoint_id is None and h.plane.admission.is_open
+        assert len(closed_first.called("open_admission")) == opened_before + 1
+        assert len(h.participant.called("open_admission")) == opened_before + 1
+        assert h.participant.called("install") == [] and h.participant.pending == set()
+        # The marks stay: the checkpointed attempt is refused whatever happens next.
+        assert h.plane.marks.is_retired("r1", 0)
+        # The same restore once admission closes: it installs the replacement.
+        h.participant.close_error = None
+        reply = await h.call("restore", **restore)
+        assert reply["phase"] == "restored" and reply["restored"] == ["r1-a1"]
+        assert not h.plane.admission.is_open
+    finally:
+        await close_harness(h)
