@@ -19,7 +19,9 @@ Rules (docs/protocol.md "Errors", "Phases", "Retire, forget, restore marks", "Re
   a complete-looking participant behind). When the manifest went out just as the deadline passed,
   the reply waits (``PUBLISHED_GRACE``) and says ``committed`` instead. The export is kept: a
   retry of the same commit (same scope and ``stop``) writes it again, or, when the export itself
-  was still running, simply lets it write; a checkpoint never exports twice;
+  was still running, simply lets it write; a checkpoint never exports twice. A retry while the
+  stopped write still runs awaits it (never a second write beside it); one that reaches its own
+  deadline meanwhile writes nothing after its reply either;
 - after the write, restored-pending episodes the scope leaves out are deleted
   (``delete_restored``); a resume waits for that cleanup; with ``stop: true`` the
   participants free exported state held outside the process (failures logged).
@@ -140,7 +142,7 @@ class Committer:
                     active.writes_stopped = False
                     task = previous.task
                 else:
-                    task = self._state.spawn(self._write_after(active, previous.task, args), active)
+                    task = self._state.spawn(self._write_after(active, previous.task, args, active.stops), active)
                     active.commit = Replay(args, task)
             elif previous is not None:
                 previous.check_args("commit", checkpoint_id, args)
@@ -167,6 +169,7 @@ class Committer:
             published = False
             if not task.done() and self._state.active is active:
                 active.writes_stopped = True
+                active.stops += 1
                 if active.writer is not None:
                     published = active.writer.stop()
         if task.done() or published:
@@ -181,8 +184,14 @@ class Committer:
             deadline_ts=deadline_ts,
         )
 
-    async def _write_after(self, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...]) -> dict[str, Any]:
-        """A retry after a deadline stopped the write: wait for that write to end, then write again."""
+    async def _write_after(
+        self, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...], stops: int
+    ) -> dict[str, Any]:
+        """A retry after a deadline stopped the write: wait for that write to end, then write again.
+
+        ``stops`` is ``active.stops`` when the retry arrived: a deadline that stopped the writes since
+        (this retry's own) means it replied ``deadline_exceeded``, so it writes nothing after all.
+        """
         await asyncio.wait([stopped])
         async with self._state.lock:
             if stopped.cancelled():
@@ -192,6 +201,10 @@ class Committer:
                 return stopped.result()  # it had published before the stop reached it
             if active.write_error is None:
                 raise error  # it failed for another reason: that is this commit's answer too
+            if active.stops != stops:
+                # This retry reached its own deadline while it waited: no manifest may appear after its
+                # deadline_exceeded reply. The export stays kept for the next retry.
+                raise active.write_error
             active.write_error = None
             active.writes_stopped = False
         return await self._write(active, args)
