@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 import pytest
-from control_support import FailingStorage, close_harness, deadline, make_harness, wire
+from control_support import FailingStorage, close_harness, deadline, make_harness, wait_until, wire
 
 from nemo_gym_checkpoint_plugin._control import MAX_DEADLINE_AHEAD_SECONDS
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -282,5 +282,32 @@ async def test_a_restore_whose_close_of_admission_fails_part_way_reopens_admissi
         reply = await h.call("restore", **restore)
         assert reply["phase"] == "restored" and reply["restored"] == ["r1-a1"]
         assert not h.plane.admission.is_open
+    finally:
+        await close_harness(h)
+
+
+async def test_a_failed_delete_of_unscoped_restored_state_is_done_again_by_the_retried_commit(tmp_path: Path) -> None:
+    # Issue 30: the commit only logs a failed delete_restored (the write is durable, the reply committed);
+    # the controller's retry of the same commit must delete again, and reply the same manifest.
+    h = await make_harness(tmp_path)
+    try:
+        h.participant.add("r1", "r3-a1")
+        h.participant.pending = {"r3-a1"}  # restored, not started: the scope below leaves it out
+        h.participant.delete_error = RuntimeError("the capture directory is not writable")
+        await h.call("prepare", checkpoint_id="c1")
+        body = commit_body(h.directory, ["r1"])
+        committed = await h.call("commit", **body)
+        assert committed["phase"] == "committed" and committed["episode_ids"] == ["r1"]
+        cleanup = h.plane.state.active.cleanup_task
+        assert cleanup is not None
+        await wait_until(cleanup.done, 10, "the failed delete to end")
+        assert h.participant.pending == {"r3-a1"} and len(h.participant.called("delete_restored")) == 1
+        h.participant.delete_error = None
+        assert await h.call("commit", **body) == committed  # the same manifest
+        assert h.participant.called("delete_restored") == [{"episode_ids": ["r3-a1"]}] * 2
+        assert h.participant.pending == set() and "r3-a1" not in h.participant.episodes
+        # Done once it succeeded: a third retry deletes nothing again.
+        assert await h.call("commit", **body) == committed
+        assert len(h.participant.called("delete_restored")) == 2
     finally:
         await close_harness(h)

@@ -126,6 +126,8 @@ class Active:
     # whether its own deadline stopped it meanwhile (then it writes nothing either).
     stops: int = 0
     cleanup_task: asyncio.Task[None] | None = None
+    # The commit scope whose deletion of unscoped restored state failed: a retried commit deletes again.
+    delete_failed: frozenset[str] | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     # The frozen heap (_gc_pause.py) from the checkpoint's or restore's beginning until it ends.
     heap: Any = None
