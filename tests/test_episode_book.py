@@ -37,6 +37,8 @@ class Run:
         self.steps_run: list[str] = []
         self.timeout = timeout
         self.episode: Any = None
+        # Raised by the work step once its gate opens (a step that fails).
+        self.error: BaseException | None = None
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> str:
@@ -52,6 +54,8 @@ class Run:
                     async with self.book.step(episode, "work"):
                         self.steps_run.append("work")
                         await self.gate.wait()
+                        if self.error is not None:
+                            raise self.error
                     self.book.reach(episode, "worked", {"n": 2})
                 await self.book.park(episode)
                 return "done"
@@ -427,3 +431,40 @@ async def test_a_record_without_a_task_digest_still_restores_whatever_task() -> 
     continued = book.begin(EpisodeId(rollout_id="a", attempt=1), {"task_id": {"taskset": "t", "task_id": "9"}})
     assert continued.boundary == "seeded"
     book.end(continued)
+
+
+async def test_a_replay_step_that_raises_while_a_checkpoint_is_open_starts_over_after_a_crash(tmp_path: Any) -> None:
+    # Issue 30: the step in flight does not block (replay mode); it raises after prepare. Its episode ended:
+    # the commit exports nothing of it (neither its last boundary nor the step's half), so after a crash the
+    # restore installs only the other episode and the failed one starts over from its input.
+    book = EpisodeBook(StepMode.REPLAY)
+    plane = _plane(book)
+    failing, other = Run(book, "r"), Run(book, "s")
+    failing.error = RuntimeError("the model call failed")
+    await failing.in_step("work")
+    await other.in_step("work")
+    reply = await plane.prepare("c1", _deadline())
+    assert reply["phase"] == "prepared" and reply["report"]["blockers"] == []
+    failing.episode.state["n"] = "half"  # what the failing step changed before it raised
+    failing.gate.set()
+    with pytest.raises(RuntimeError, match="model call failed"):
+        await failing.task
+    assert book.ready("c1").blockers == [] and book.ready("c1").counts["episodes"] == 1
+    scope = [EpisodeId(rollout_id="r", attempt=0), EpisodeId(rollout_id="s", attempt=0)]
+    committed = await plane.commit("c1", _deadline(), str(tmp_path), scope)
+    assert committed["episode_ids"] == ["s"]  # r is not exported: the controller sends it again
+    await plane.aclose()  # the crash: nothing resumes
+    other.task.cancel()
+
+    restored_book = EpisodeBook(StepMode.REPLAY)
+    restored_plane = _plane(restored_book)
+    restored = await restored_plane.restore("x1", _deadline(), str(tmp_path), scope)
+    assert restored["restored"] == ["s-a1"]
+    await restored_plane.resume("x1", _deadline())
+    again, continued = Run(restored_book, "r", attempt=1), Run(restored_book, "s", attempt=1)
+    again.gate.set()
+    continued.gate.set()
+    assert await asyncio.gather(again.task, continued.task) == ["done", "done"]
+    assert again.steps_run == ["seed", "work"]  # started over from its input
+    assert continued.steps_run == ["work"]  # the replayed step runs again from its boundary
+    await restored_plane.aclose()
