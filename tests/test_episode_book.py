@@ -468,3 +468,35 @@ async def test_a_replay_step_that_raises_while_a_checkpoint_is_open_starts_over_
     assert again.steps_run == ["seed", "work"]  # started over from its input
     assert continued.steps_run == ["work"]  # the replayed step runs again from its boundary
     await restored_plane.aclose()
+
+
+async def test_a_retire_stops_its_episodes_concurrently_a_bounded_number_at_a_time() -> None:
+    # Issue 30: the retire stopped every episode at once, unbounded; now at most retire_concurrency at a time.
+    book = EpisodeBook(StepMode.WAIT)
+    book.retire_concurrency = 3
+    release = asyncio.Event()
+    cleaning: list[str] = []
+    cleaned: list[str] = []
+    started: dict[str, Any] = {}
+
+    async def episode_with_slow_cleanup(rollout_id: str) -> None:
+        episode = started[rollout_id] = book.begin(EpisodeId(rollout_id=rollout_id, attempt=0))
+        try:
+            async with book.step(episode, "work"):
+                await asyncio.Event().wait()
+        finally:
+            cleaning.append(rollout_id)
+            await release.wait()  # the cleanup of a stopped episode (closing its sessions) takes a while
+            cleaned.append(rollout_id)
+            book.end(episode)
+
+    tasks = [asyncio.ensure_future(episode_with_slow_cleanup(f"r{i}")) for i in range(7)]
+    await wait_until(lambda: len(started) == 7 and all(e.step == "work" for e in started.values()), what="in step")
+    retire = asyncio.ensure_future(book.retire([EpisodeId(rollout_id=f"r{i}", attempt=0) for i in range(7)]))
+    await wait_until(lambda: len(cleaning) == 3, what="three episodes stopping")
+    for _ in range(20):
+        await asyncio.sleep(0)  # wait-ok: yields to the loop, no duration stands in for a condition
+    assert len(cleaning) == 3 and not retire.done()  # concurrent, and no more than the bound
+    release.set()
+    await asyncio.wait_for(retire, 10)
+    assert sorted(cleaned) == [f"r{i}" for i in range(7)] and all(t.cancelled() for t in tasks)

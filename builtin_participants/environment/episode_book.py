@@ -42,7 +42,8 @@ Rules kept here:
   restarts cannot change before its commit. A restart is listed in every report, never
   blocks, never parks, is never exported (a pending one is exported with no boundary).
 - **Retire.** ``retire`` drops restored-pending replacements and cancels the running
-  tasks of the attempts named (and earlier ones), waiting for them to end; an episode
+  tasks of the attempts named (and earlier ones), concurrently and at most
+  ``retire_concurrency`` (256) at a time, waiting for them to end; an episode
   being retired blocks a checkpoint and is never exported. A task is cancelled once: a
   retried retire waits for the tasks an earlier one cancelled (their cleanup included,
   even after the episode left the book) and never cancels them again.

@@ -13,7 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key, stopping_until_done
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import (
+    RETIRE_CONCURRENCY,
+    RetiredBy,
+    split_key,
+    stop_bounded,
+    stopping_until_done,
+)
 
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -25,6 +31,9 @@ __all__ = ["EpisodeRecords"]
 
 class EpisodeRecords:
     """Export, install, restored-pending bookkeeping and retire of an ``EpisodeBook`` (its base class)."""
+
+    # How many retired episodes a retire stops at once (``shared.attempts.stop_bounded``).
+    retire_concurrency = RETIRE_CONCURRENCY
 
     if TYPE_CHECKING:
         step_mode: StepMode
@@ -108,19 +117,27 @@ class EpisodeRecords:
             del self._restored[key]
         stopping = [e for e in self._episodes.values() if named(e.episode_id)]
         current = asyncio.current_task()
-        # Every task an earlier retire cancelled (one set: a retire of N episodes never scans them N times).
-        cancelled = set(self._stopping.values())
         for episode in stopping:
             episode.retiring = True
             if self._closed:
                 self._blocking.add(episode.key)
+
+        def stop(episode: Episode) -> bool:
             task = episode.task
-            if task is None or task is current or task.done() or task in cancelled:
-                continue
-            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
+            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup),
+            # also for a task a retire running beside this one cancelled while this one waited its turn.
+            if task is None or task is current or task.done() or self._stopping.get(episode.key) is task:
+                return False
             task.cancel()
-            cancelled.add(task)
             stopping_until_done(self._stopping, episode.key, task)
+            return True
+
+        async def ended(episode: Episode) -> None:
+            assert episode.task is not None
+            await asyncio.wait([episode.task])
+
+        # Concurrently, a bounded number at a time: each cancelled episode runs its cleanup.
+        await stop_bounded(stopping, stop, ended, self.retire_concurrency)
         # Every task an earlier or this retire cancelled for these attempts, even one whose episode
         # already left the book and is still cleaning up.
         tasks = [task for key, task in self._stopping.items() if task is not current and named.key(key)]
