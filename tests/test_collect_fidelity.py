@@ -351,3 +351,24 @@ def test_restored_rows_not_yet_dispatched_are_carried_by_the_next_checkpoint(tmp
     rows = sorted((r.rollout_id, r.attempt, r.state) for r in published.rows)
     # 2-0 (a restart, retired at attempt 0, not sent yet) is carried as it was: the next resume sends it again.
     assert rows == [("0-0", 1, "continued"), ("1-0", 2, "continued"), ("2-0", 0, "restart")]
+
+
+class _NotReadyCoordinator(_CheckpointingCoordinator):
+    async def prepare(self, checkpoint_id: str, **_: Any) -> Any:
+        from nemo_gym_checkpoint_plugin.coordination._results import PrepareResult
+
+        self.calls.append(("prepare", checkpoint_id))
+        report = {"ready": False, "blockers": ["0-0-a1"], "blocker_count": 1, "restarts": []}
+        return PrepareResult(checkpoint_id, reports={"env": report}, phases={"env": "preparing"})
+
+
+def test_a_checkpoint_that_does_not_prepare_publishes_nothing_and_resumes(tmp_path: Any) -> None:
+    # Issue 30: not ready by the deadline: no commit, no collector state, no manifest; the deployment resumed.
+    coordinator, tracker = _NotReadyCoordinator(), RunTracker()
+    (tmp_path / "ckpt").mkdir()
+    checkpointer = _checkpointer(coordinator, tracker, tmp_path)
+    tracker.started("0-0", 1)
+    record = asyncio.run(checkpointer.checkpoint())
+    assert not record.published and record.problem is not None and "not ready" in record.problem
+    assert [name for name, _ in coordinator.calls] == ["prepare", "resume"]
+    assert checkpointer.store.published() == [] and checkpointer.last_published_at is None
