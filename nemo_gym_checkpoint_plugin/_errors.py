@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointParked",
     "RolloutIdRequired",
     "AttemptRunning",
+    "TaskMismatch",
     "AmbiguousEpisode",
     "InvalidRunRequest",
     "OwnerConflict",
@@ -133,6 +134,24 @@ class AttemptRunning(CheckpointError):
         return body
 
 
+class TaskMismatch(CheckpointError):
+    """A restored episode's replacement ``/run`` carries another task than the checkpoint captured (plugin code).
+
+    The record keeps a digest of the task its attempt ran; the replacement attempt's ``/run`` must carry
+    the same task. It does not run, and the restored record stays pending for the right one. The detail
+    names the episode; ``episodes`` (capture keys) ride along in the body as ``episode_ids``.
+    """
+
+    code = "task_mismatch"
+
+    def to_body(self) -> dict[str, Any]:
+        body = error_body(self.code, self.detail)
+        episodes = self.data.get("episodes")
+        if episodes:
+            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
+        return body
+
+
 class AmbiguousEpisode(CheckpointError):
     """A ``/run`` names its attempt twice: an explicit ``"<id>-aN"`` rollout id *and* a non-zero attempt.
 
@@ -215,6 +234,7 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         CheckpointParked,
         RolloutIdRequired,
         AttemptRunning,
+        TaskMismatch,
         AmbiguousEpisode,
         InvalidRunRequest,
         OwnerConflict,

@@ -84,6 +84,7 @@ class Participant:
     open_error: BaseException | None = None
     ready_error: BaseException | None = None
     release_error: BaseException | None = None
+    delete_error: BaseException | None = None
     records_outside_scope: bool = False
     # Wraps the exported records (e.g. a generator that holds the writer thread mid-file).
     records_wrapper: Callable[[list[dict[str, Any]]], Iterable[dict[str, Any]]] | None = None
@@ -158,6 +159,8 @@ class Participant:
         self.calls.append(("delete_restored", {"episode_ids": [e.capture_key for e in episode_ids]}))
         if self.delete_gate is not None:
             await self.delete_gate.hold()
+        if self.delete_error is not None:
+            raise self.delete_error
         for episode in episode_ids:
             self.episodes.pop(episode.capture_key, None)
             self.pending.discard(episode.capture_key)

@@ -296,3 +296,79 @@ def test_the_legacy_row_wrapper_types_gyms_refusal_of_a_row_without_task_identit
         )
     with pytest.raises(ValueError, match="requires a non-negative task_index"):  # checkpointing off: Gym's own
         _legacy_server(book=False)._episode_request_from_row({**row, "_ng_rollout_id": "3-0"})
+
+
+class _CheckpointingCoordinator(_Coordinator):
+    """Also prepares (ready, no restarts) and commits: every server exports each episode of the scope."""
+
+    async def prepare(self, checkpoint_id: str, **_: Any) -> Any:
+        from nemo_gym_checkpoint_plugin.coordination._results import PrepareResult
+
+        self.calls.append(("prepare", checkpoint_id))
+        return PrepareResult(
+            checkpoint_id, reports={"env": {"ready": True, "blockers": [], "restarts": []}}, phases={"env": "prepared"}
+        )
+
+    async def commit(self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[Any], **_: Any) -> Any:
+        from nemo_gym_checkpoint_plugin.coordination._results import CommitResult
+
+        self.calls.append(("commit", list(episode_ids)))
+        keys = [capture_key(e["rollout_id"], e["attempt"]) for e in episode_ids]
+        return CommitResult(checkpoint_id, replies={"env": {"manifest": {}, "episode_ids": keys}})
+
+
+def test_restored_rows_not_yet_dispatched_are_carried_by_the_next_checkpoint(tmp_path: Any) -> None:
+    # Issue 30: after a restore, Gym dispatches rows as its concurrency allows. A checkpoint taken before a
+    # restored row went out committed only the /run calls in flight, so the servers deleted that row's
+    # restored state (outside the scope) and the collector's state lost it: a crash then lost the row.
+    coordinator, tracker = _CheckpointingCoordinator(), RunTracker()
+    (tmp_path / "ckpt").mkdir()
+    checkpointer = _checkpointer(coordinator, tracker, tmp_path)
+    written: list[CollectorState] = []
+    write_records = checkpointer.store.write_records
+
+    def recorded(state: CollectorState) -> tuple[str, int]:
+        written.append(state)  # the collector's state as published (no Gym records here to verify it by)
+        return write_records(state)
+
+    checkpointer.store.write_records = recorded  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        plan = await checkpointer.restore_from(_state(tmp_path), finished={"3-0"})
+        assert plan.attempts == {"0-0": 1, "1-0": 2, "2-0": 1}
+        tracker.started("0-0", 1)  # only this one went out before the checkpoint
+        record = await checkpointer.checkpoint()
+        assert record.published, record.problem
+        tracker.started("1-0", 2)
+        tracker.started("2-0", 1)
+        assert tracker.awaiting == {}  # dispatched: from now on they are in flight like any row
+
+    asyncio.run(scenario())
+    (commit,) = [ids for name, ids in coordinator.calls if name == "commit"]
+    # The restored, undispatched 1-0 is committed at its replacement attempt (its state stays on the servers).
+    assert sorted((e["rollout_id"], e["attempt"]) for e in commit) == [("0-0", 1), ("1-0", 2)]
+    (published,) = written
+    rows = sorted((r.rollout_id, r.attempt, r.state) for r in published.rows)
+    # 2-0 (a restart, retired at attempt 0, not sent yet) is carried as it was: the next resume sends it again.
+    assert rows == [("0-0", 1, "continued"), ("1-0", 2, "continued"), ("2-0", 0, "restart")]
+
+
+class _NotReadyCoordinator(_CheckpointingCoordinator):
+    async def prepare(self, checkpoint_id: str, **_: Any) -> Any:
+        from nemo_gym_checkpoint_plugin.coordination._results import PrepareResult
+
+        self.calls.append(("prepare", checkpoint_id))
+        report = {"ready": False, "blockers": ["0-0-a1"], "blocker_count": 1, "restarts": []}
+        return PrepareResult(checkpoint_id, reports={"env": report}, phases={"env": "preparing"})
+
+
+def test_a_checkpoint_that_does_not_prepare_publishes_nothing_and_resumes(tmp_path: Any) -> None:
+    # Issue 30: not ready by the deadline: no commit, no collector state, no manifest; the deployment resumed.
+    coordinator, tracker = _NotReadyCoordinator(), RunTracker()
+    (tmp_path / "ckpt").mkdir()
+    checkpointer = _checkpointer(coordinator, tracker, tmp_path)
+    tracker.started("0-0", 1)
+    record = asyncio.run(checkpointer.checkpoint())
+    assert not record.published and record.problem is not None and "not ready" in record.problem
+    assert [name for name, _ in coordinator.calls] == ["prepare", "resume"]
+    assert checkpointer.store.published() == [] and checkpointer.last_published_at is None

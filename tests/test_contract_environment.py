@@ -225,3 +225,33 @@ async def test_an_agent_step_delegated_to_a_mid_turn_agent_never_blocks_and_clos
     finally:
         await harness.aclose()
         await servers.aclose()
+
+
+async def test_a_replacement_run_carrying_another_task_is_refused_409_task_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, over Gym's /run: the record keeps the task's digest; another task never continues it."""
+    from nemo_gym_checkpoint_plugin.testing.contracts import call_hook
+    from nemo_gym_checkpoint_plugin.testing.contracts.base import _export, _restored, _round_trip
+
+    servers = GymServers(tmp_path, monkeypatch, ENVIRONMENT)
+    harness = SingleAgentTurnHarness(servers.build(EpisodeBook))
+    restored = SingleAgentTurnHarness(servers.build(EpisodeBook))
+    try:
+        await harness.start(EpisodeId(rollout_id="t", attempt=0))
+        (record,) = _round_trip(await _export(harness, None))
+        assert record["boundary"] == "seeded" and len(record["task_digest"]) == 64
+        await call_hook(restored.participant, "install", checkpoint_id="r-1", manifest={}, records=_restored([record]))
+        other = rollout_body("t", attempt=1, prompt="another task's prompt")
+        reply = await asyncio.wait_for(restored.built.post("/run", other), _BOUND_SECONDS)
+        assert reply.status_code == 409, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "task_mismatch" and error["episode_ids"] == ["t-a1"] and "t-a1" in error["detail"]
+        assert restored.participant.restored_pending() == ["t-a1"] and not restored.peers.in_agent_turn
+        # The /run carrying the checkpointed task continues the restored boundary.
+        await restored.start(EpisodeId(rollout_id="t", attempt=1))
+        assert restored.participant.restored_pending() == []
+    finally:
+        await restored.aclose()
+        await harness.aclose()
+        await servers.aclose()

@@ -93,3 +93,59 @@ async def test_tool_calls_are_counted_per_rollout_and_session_routes_are_not(
         assert status["tool_calls_by_rollout"] == {"tools": 3, "other": 1}
     finally:
         await servers.aclose()
+
+
+async def test_a_retire_stops_the_attempts_requests_in_flight_before_it_replies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 30: a retire dropped the bindings but left /verify and tool calls running, so they could reply
+    # after the retire. Now it cancels them (a refusal 409 stale_attempt) and waits for them; another
+    # rollout's request is untouched.
+    import asyncio
+    import time
+
+    from resources_servers.example_single_tool_call.app import GetWeatherRequest, GetWeatherResponse
+
+    servers = GymServers(tmp_path, monkeypatch, RESOURCES)
+    entered: list[str] = []
+    release = asyncio.Event()
+
+    async def held(self: Any, body: GetWeatherRequest) -> GetWeatherResponse:
+        entered.append(body.city)
+        await release.wait()
+        return GetWeatherResponse(city=body.city, weather_description="late")
+
+    # FastAPI reads the body model from the annotations (strings here: this module's future import).
+    held.__annotations__ = {"self": Any, "body": GetWeatherRequest, "return": GetWeatherResponse}
+    monkeypatch.setattr(servers.server_class, "get_weather", held)
+    monkeypatch.setattr(servers.server_class, "verify", held)
+    built = servers.build(ResourcesSessions)
+    try:
+        harness = ResourcesHarness(built)
+        retired, other = EpisodeId(rollout_id="r", attempt=0), EpisodeId(rollout_id="o", attempt=0)
+        await harness.start(retired)
+        calls = {
+            "r-tool": asyncio.create_task(built.post("/ng-rollout/r/get_weather", {"city": "r-tool"})),
+            "r-verify": asyncio.create_task(built.post("/ng-rollout/r/verify", {"city": "r-verify"})),
+            "o-tool": asyncio.create_task(built.post("/ng-rollout/o/get_weather", {"city": "o-tool"})),
+        }
+        deadline = time.monotonic() + 10
+        while len(entered) < 3:
+            done = {n: c.result().text for n, c in calls.items() if c.done()}
+            assert time.monotonic() < deadline, f"requests in flight: {entered}, answered: {done}"
+            await asyncio.sleep(0.005)  # wait-ok: polling a bounded condition
+        reply = await built.control.retire("ret-1", time.time() + 10, [retired])
+        assert reply == {"retired_count": 1}
+        # Nothing of the retired attempt still runs here once the retire replied.
+        assert calls["r-tool"].done() and calls["r-verify"].done() and not calls["o-tool"].done()
+        for name in ("r-tool", "r-verify"):
+            refused = calls[name].result()
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "stale_attempt", refused.text
+            assert "episode r " in refused.json()["error"]["detail"]
+        assert not harness.available(retired)
+        release.set()
+        answered = await calls["o-tool"]
+        assert answered.status_code == 200 and answered.json()["weather_description"] == "late"
+        assert harness.available(other) is False  # never seeded: only its tool call ran
+    finally:
+        await servers.aclose()

@@ -13,6 +13,8 @@ import orjson
 import pytest
 from control_support import Gate, Harness, close_harness, make_harness, wait_until
 
+from nemo_gym_checkpoint_plugin._storage import LocalStorage
+
 PARTICIPANT_DIR = Path("gym") / "environment" / "env_one"
 
 
@@ -129,3 +131,69 @@ async def test_a_retry_while_the_export_still_runs_lets_that_write_publish(h: Ha
     await wait_until(lambda: not h.plane.state.active.writes_stopped, 10, "the retry to let the write go on")
     gate.release()
     assert (await retry)["phase"] == "committed" and _published(h)
+
+
+class _CountingStorage(LocalStorage):
+    """The local backend, counting the writers opened (one per write the plane starts)."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    def open_writer(self, checkpoint_dir: Any, kind: str, instance: str, checkpoint_id: str) -> Any:
+        self.opened += 1
+        return super().open_writer(checkpoint_dir, kind, instance, checkpoint_id)
+
+
+async def test_retries_past_their_deadline_while_the_stopped_write_runs_start_no_write_and_publish_nothing(
+    tmp_path: Path,
+) -> None:
+    # Issue 30: a retry that awaits the running (stopped) write and reaches its own deadline meanwhile
+    # replies deadline_exceeded: nothing may appear after that reply, and no second write runs beside
+    # the first. The next retry writes the kept export once.
+    storage = _CountingStorage()
+    h = await make_harness(tmp_path, storage=storage)
+    try:
+        h.participant.add("r1", "r2")
+        first_written, release, done = _held_writer(h)
+        await h.call("prepare", checkpoint_id="c1")
+        late = asyncio.create_task(h.post("commit", _body(h, 0.5)))
+        await asyncio.wait_for(first_written.wait(), 10)
+        assert (await late).json()["error"]["code"] == "deadline_exceeded"
+        for _ in range(2):  # two retries, each past its deadline while the stopped write still runs
+            retry = await h.post("commit", _body(h, 0.3))
+            assert retry.status_code == 409 and retry.json()["error"]["code"] == "deadline_exceeded", retry.text
+        assert storage.opened == 1  # they awaited the running write instead of starting another
+        release.set()
+        commit = h.plane.state.active.commit
+        assert commit is not None
+        await wait_until(commit.task.done, 10, "the retries' wait for the stopped write to end")
+        assert not _published(h), "a manifest appeared after every commit replied deadline_exceeded"
+        assert storage.opened == 1
+        h.participant.records_wrapper = None
+        committed = await h.call("commit", **_body(h, 10))
+        assert committed["phase"] == "committed" and committed["episode_ids"] == ["r1", "r2"] and _published(h)
+        assert storage.opened == 2 and len(h.participant.called("export")) == 1
+    finally:
+        await close_harness(h)
+
+
+async def test_an_export_that_outlived_two_late_commits_is_awaited_and_never_repeated(tmp_path: Path) -> None:
+    storage = _CountingStorage()
+    h = await make_harness(tmp_path, storage=storage)
+    try:
+        h.participant.add("r1", "r2")
+        h.participant.export_gate = gate = Gate()
+        await h.call("prepare", checkpoint_id="c1")
+        for _ in range(2):  # the first commit and a retry both reach their deadlines inside the export
+            late = asyncio.create_task(h.post("commit", _body(h, 0.3)))
+            await asyncio.wait_for(gate.entered.wait(), 10)
+            assert (await late).json()["error"]["code"] == "deadline_exceeded"
+        assert storage.opened == 0 and len(h.participant.called("export")) == 1
+        retry = asyncio.create_task(h.call("commit", **_body(h, 10)))
+        await wait_until(lambda: not h.plane.state.active.writes_stopped, 10, "the retry to let the write go on")
+        gate.release()
+        committed = await retry
+        assert committed["phase"] == "committed" and committed["episode_ids"] == ["r1", "r2"] and _published(h)
+        assert len(h.participant.called("export")) == 1 and storage.opened == 1  # awaited, never repeated
+    finally:
+        await close_harness(h)

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 import pytest
-from control_support import FailingStorage, close_harness, deadline, make_harness, wire
+from control_support import FailingStorage, close_harness, deadline, make_harness, wait_until, wire
 
 from nemo_gym_checkpoint_plugin._control import MAX_DEADLINE_AHEAD_SECONDS
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -232,5 +232,82 @@ async def test_an_ordinary_deadline_is_accepted(tmp_path: Path) -> None:
     h = await make_harness(tmp_path)
     try:
         assert (await h.call("prepare", checkpoint_id="c1", deadline_ts=deadline(3600)))["phase"] == "prepared"
+    finally:
+        await close_harness(h)
+
+
+async def test_a_restore_whose_close_of_admission_fails_part_way_reopens_admission(tmp_path: Path) -> None:
+    # Issue 30: tested for prepare only before. The second participant closes admission first (pluggy calls
+    # the last registered first), then the first one's close raises: the one that closed is reopened too.
+    from nemo_gym_checkpoint_plugin._errors import InvalidPhase
+    from nemo_gym_checkpoint_plugin._markers import hookimpl
+
+    class Admission:
+        """A second participant with nothing to export: it only closes and reopens its admission."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def called(self, name: str) -> list[dict[str, str]]:
+            return [{"checkpoint_id": c} for hook, c in self.calls if hook == name]
+
+        @hookimpl
+        def close_admission(self, checkpoint_id: str) -> None:
+            self.calls.append(("close_admission", checkpoint_id))
+
+        @hookimpl
+        def open_admission(self, checkpoint_id: str) -> None:
+            self.calls.append(("open_admission", checkpoint_id))
+
+    closed_first = Admission()
+    h = await make_harness(tmp_path, extra_plugins=(closed_first,))
+    try:
+        h.participant.add("r1")
+        await h.checkpoint("c1", None)
+        await h.call("resume", checkpoint_id="c1")
+        opened_before = len(closed_first.called("open_admission"))
+        h.participant.close_error = InvalidPhase("the environment cannot close its admission")
+        restore = {"checkpoint_id": "restore-1", "checkpoint_dir": str(h.directory), "episode_ids": [wire("r1")]}
+        error = await h.error("restore", "invalid_phase", **restore)
+        assert "cannot close its admission" in error["detail"]
+        assert closed_first.called("close_admission")[-1] == {"checkpoint_id": "restore-1"}  # part way
+        assert h.plane.phase == "idle" and h.plane.checkpoint_id is None and h.plane.admission.is_open
+        assert len(closed_first.called("open_admission")) == opened_before + 1
+        assert len(h.participant.called("open_admission")) == opened_before + 1
+        assert h.participant.called("install") == [] and h.participant.pending == set()
+        # The marks stay: the checkpointed attempt is refused whatever happens next.
+        assert h.plane.marks.is_retired("r1", 0)
+        # The same restore once admission closes: it installs the replacement.
+        h.participant.close_error = None
+        reply = await h.call("restore", **restore)
+        assert reply["phase"] == "restored" and reply["restored"] == ["r1-a1"]
+        assert not h.plane.admission.is_open
+    finally:
+        await close_harness(h)
+
+
+async def test_a_failed_delete_of_unscoped_restored_state_is_done_again_by_the_retried_commit(tmp_path: Path) -> None:
+    # Issue 30: the commit only logs a failed delete_restored (the write is durable, the reply committed);
+    # the controller's retry of the same commit must delete again, and reply the same manifest.
+    h = await make_harness(tmp_path)
+    try:
+        h.participant.add("r1", "r3-a1")
+        h.participant.pending = {"r3-a1"}  # restored, not started: the scope below leaves it out
+        h.participant.delete_error = RuntimeError("the capture directory is not writable")
+        await h.call("prepare", checkpoint_id="c1")
+        body = commit_body(h.directory, ["r1"])
+        committed = await h.call("commit", **body)
+        assert committed["phase"] == "committed" and committed["episode_ids"] == ["r1"]
+        cleanup = h.plane.state.active.cleanup_task
+        assert cleanup is not None
+        await wait_until(cleanup.done, 10, "the failed delete to end")
+        assert h.participant.pending == {"r3-a1"} and len(h.participant.called("delete_restored")) == 1
+        h.participant.delete_error = None
+        assert await h.call("commit", **body) == committed  # the same manifest
+        assert h.participant.called("delete_restored") == [{"episode_ids": ["r3-a1"]}] * 2
+        assert h.participant.pending == set() and "r3-a1" not in h.participant.episodes
+        # Done once it succeeded: a third retry deletes nothing again.
+        assert await h.call("commit", **body) == committed
+        assert len(h.participant.called("delete_restored")) == 2
     finally:
         await close_harness(h)

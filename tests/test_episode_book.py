@@ -37,6 +37,8 @@ class Run:
         self.steps_run: list[str] = []
         self.timeout = timeout
         self.episode: Any = None
+        # Raised by the work step once its gate opens (a step that fails).
+        self.error: BaseException | None = None
         self.task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> str:
@@ -52,6 +54,8 @@ class Run:
                     async with self.book.step(episode, "work"):
                         self.steps_run.append("work")
                         await self.gate.wait()
+                        if self.error is not None:
+                            raise self.error
                     self.book.reach(episode, "worked", {"n": 2})
                 await self.book.park(episode)
                 return "done"
@@ -390,3 +394,109 @@ async def test_one_retire_of_many_attempts_stops_exactly_those_and_the_earlier_o
     for name in ("r3", "r4", "r5"):
         runs[name].gate.set()
     assert await asyncio.wait_for(asyncio.gather(*(runs[n].task for n in ("r3", "r4", "r5"))), 10) == ["done"] * 3
+
+
+async def test_a_replacement_carrying_another_task_is_refused_naming_the_episode() -> None:
+    # Issue 30: the record keeps a digest of the task its attempt ran; the replacement /run must carry it.
+    from nemo_gym_checkpoint_plugin._errors import TaskMismatch
+
+    book = EpisodeBook(StepMode.WAIT)
+    task = {"task_id": {"taskset": "t", "task_id": "7"}, "task_input": {"q": "2+2"}}
+    first = book.begin(EpisodeId(rollout_id="a", attempt=0), task)
+    book.reach(first, "seeded", {"n": 1})
+    (record,) = book.export("c1", None).records
+    book.end(first)
+    checkpointed = EpisodeId(rollout_id="a", attempt=0)
+    book.install("r1", {}, [RestoredRecord(checkpointed, EpisodeId(rollout_id="a", attempt=1), dict(record))])
+    other = {"task_id": {"taskset": "t", "task_id": "8"}, "task_input": {"q": "3+3"}}
+    replacement = EpisodeId(rollout_id="a", attempt=1)
+    with pytest.raises(TaskMismatch, match="episode a-a1") as refused:
+        book.claim(replacement, other)
+    assert refused.value.to_body()["error"]["code"] == "task_mismatch"
+    assert refused.value.to_body()["error"]["episode_ids"] == ["a-a1"]
+    with pytest.raises(TaskMismatch):
+        book.begin(replacement, other)
+    # Nothing ran: the record is still pending for the /run carrying its task, which continues it.
+    assert book.restored_pending() == ["a-a1"]
+    book.release(book.claim(replacement, dict(reversed(list(task.items())))))  # key order is no other task
+    continued = book.begin(replacement, task)
+    assert continued.boundary == "seeded" and continued.state == {"n": 1}
+    book.end(continued)
+
+
+async def test_a_record_without_a_task_digest_still_restores_whatever_task() -> None:
+    # Records of an earlier version (or Gym's own checkpoints) carry no task_digest.
+    book = EpisodeBook(StepMode.WAIT)
+    book.install("r1", {}, [_restored("a", "seeded", {"n": 1})])
+    continued = book.begin(EpisodeId(rollout_id="a", attempt=1), {"task_id": {"taskset": "t", "task_id": "9"}})
+    assert continued.boundary == "seeded"
+    book.end(continued)
+
+
+async def test_a_replay_step_that_raises_while_a_checkpoint_is_open_starts_over_after_a_crash(tmp_path: Any) -> None:
+    # Issue 30: the step in flight does not block (replay mode); it raises after prepare. Its episode ended:
+    # the commit exports nothing of it (neither its last boundary nor the step's half), so after a crash the
+    # restore installs only the other episode and the failed one starts over from its input.
+    book = EpisodeBook(StepMode.REPLAY)
+    plane = _plane(book)
+    failing, other = Run(book, "r"), Run(book, "s")
+    failing.error = RuntimeError("the model call failed")
+    await failing.in_step("work")
+    await other.in_step("work")
+    reply = await plane.prepare("c1", _deadline())
+    assert reply["phase"] == "prepared" and reply["report"]["blockers"] == []
+    failing.episode.state["n"] = "half"  # what the failing step changed before it raised
+    failing.gate.set()
+    with pytest.raises(RuntimeError, match="model call failed"):
+        await failing.task
+    assert book.ready("c1").blockers == [] and book.ready("c1").counts["episodes"] == 1
+    scope = [EpisodeId(rollout_id="r", attempt=0), EpisodeId(rollout_id="s", attempt=0)]
+    committed = await plane.commit("c1", _deadline(), str(tmp_path), scope)
+    assert committed["episode_ids"] == ["s"]  # r is not exported: the controller sends it again
+    await plane.aclose()  # the crash: nothing resumes
+    other.task.cancel()
+
+    restored_book = EpisodeBook(StepMode.REPLAY)
+    restored_plane = _plane(restored_book)
+    restored = await restored_plane.restore("x1", _deadline(), str(tmp_path), scope)
+    assert restored["restored"] == ["s-a1"]
+    await restored_plane.resume("x1", _deadline())
+    again, continued = Run(restored_book, "r", attempt=1), Run(restored_book, "s", attempt=1)
+    again.gate.set()
+    continued.gate.set()
+    assert await asyncio.gather(again.task, continued.task) == ["done", "done"]
+    assert again.steps_run == ["seed", "work"]  # started over from its input
+    assert continued.steps_run == ["work"]  # the replayed step runs again from its boundary
+    await restored_plane.aclose()
+
+
+async def test_a_retire_stops_its_episodes_concurrently_a_bounded_number_at_a_time() -> None:
+    # Issue 30: the retire stopped every episode at once, unbounded; now at most retire_concurrency at a time.
+    book = EpisodeBook(StepMode.WAIT)
+    book.retire_concurrency = 3
+    release = asyncio.Event()
+    cleaning: list[str] = []
+    cleaned: list[str] = []
+    started: dict[str, Any] = {}
+
+    async def episode_with_slow_cleanup(rollout_id: str) -> None:
+        episode = started[rollout_id] = book.begin(EpisodeId(rollout_id=rollout_id, attempt=0))
+        try:
+            async with book.step(episode, "work"):
+                await asyncio.Event().wait()
+        finally:
+            cleaning.append(rollout_id)
+            await release.wait()  # the cleanup of a stopped episode (closing its sessions) takes a while
+            cleaned.append(rollout_id)
+            book.end(episode)
+
+    tasks = [asyncio.ensure_future(episode_with_slow_cleanup(f"r{i}")) for i in range(7)]
+    await wait_until(lambda: len(started) == 7 and all(e.step == "work" for e in started.values()), what="in step")
+    retire = asyncio.ensure_future(book.retire([EpisodeId(rollout_id=f"r{i}", attempt=0) for i in range(7)]))
+    await wait_until(lambda: len(cleaning) == 3, what="three episodes stopping")
+    for _ in range(20):
+        await asyncio.sleep(0)  # wait-ok: yields to the loop, no duration stands in for a condition
+    assert len(cleaning) == 3 and not retire.done()  # concurrent, and no more than the bound
+    release.set()
+    await asyncio.wait_for(retire, 10)
+    assert sorted(cleaned) == [f"r{i}" for i in range(7)] and all(t.cancelled() for t in tasks)

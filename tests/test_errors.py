@@ -19,6 +19,7 @@ PROTOCOL_ERRORS = {
     "checkpoint_parked": 409,
     "rollout_id_required": 400,
     "attempt_running": 409,
+    "task_mismatch": 409,
     "ambiguous_episode_id": 422,
     "invalid_run_request": 422,
     "owner_conflict": 409,

@@ -318,3 +318,24 @@ async def test_health_and_control_routes_are_never_held(calls: ModelCalls) -> No
 def test_sse_scan(chunks: list[bytes], expected: list[bool]) -> None:
     scan = SSEScan()
     assert [scan.has_data(chunk) for chunk in chunks] == expected
+
+
+async def test_a_retire_stops_its_calls_concurrently_a_bounded_number_at_a_time(calls: ModelCalls) -> None:
+    # Issue 30: not one call after another, and not all of thousands at once: at most retire_concurrency.
+    calls.retire_concurrency = 3
+    release = asyncio.Event()
+    routes = [ScriptedRoute([START_JSON, body(b"{}")], on_cancel=release) for _ in range(7)]
+    callers = [Caller(calls, route, f"/ng-rollout/r{i}/v1/responses") for i, route in enumerate(routes)]
+    await wait_until(lambda: len(list(calls._calls())) == 7, what="seven calls running")
+    retire = asyncio.ensure_future(
+        calls.retire(episode_ids=[EpisodeId(rollout_id=f"r{i}", attempt=0) for i in range(7)])
+    )
+    # Three cancelled at once, each in its (slow) cleanup: concurrent, and no more than the bound.
+    await wait_until(lambda: sum(r.cancelled for r in routes) == 3, what="three calls stopping")
+    await settle()
+    assert sum(r.cancelled for r in routes) == 3 and not retire.done()
+    release.set()
+    await asyncio.wait_for(retire, 10)
+    assert all(r.cancelled and r.cleanup_done for r in routes)
+    await asyncio.gather(*(caller.task for caller in callers))
+    assert all(caller.received[0]["status"] == 409 for caller in callers)

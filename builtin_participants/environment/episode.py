@@ -27,6 +27,9 @@ class RestoredEpisode:
     checkpointed: EpisodeId
     boundary: str | None
     state: Mapping[str, Any]
+    # The digest of the task the checkpointed attempt ran (None: a record of an earlier version or of Gym's
+    # own checkpoints, which continues whatever task its replacement carries).
+    task_digest: str | None = None
 
 
 @dataclass(eq=False)
@@ -37,6 +40,8 @@ class Episode:
     key: str
     task: asyncio.Task[Any] | None
     restored: RestoredEpisode | None = None
+    # The digest of the task this attempt runs (``task_digest``), kept in its record; None when unknown.
+    task_digest: str | None = None
     boundary: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
     step: str | None = None

@@ -42,7 +42,8 @@ Rules kept here:
   restarts cannot change before its commit. A restart is listed in every report, never
   blocks, never parks, is never exported (a pending one is exported with no boundary).
 - **Retire.** ``retire`` drops restored-pending replacements and cancels the running
-  tasks of the attempts named (and earlier ones), waiting for them to end; an episode
+  tasks of the attempts named (and earlier ones), concurrently and at most
+  ``retire_concurrency`` (256) at a time, waiting for them to end; an episode
   being retired blocks a checkpoint and is never exported. A task is cancelled once: a
   retried retire waits for the tasks an earlier one cancelled (their cleanup included,
   even after the episode left the book) and never cancels them again.
@@ -58,6 +59,10 @@ Rules kept here:
 - **Restore.** ``install`` validates every record (``validate_state`` from the run logic)
   before keeping any; a restored episode is handed to the ``/run`` of its replacement
   attempt by ``begin`` (``episode.Episode.restored``), and is pending until then.
+- **The task is checked.** A record keeps ``task_digest``, the digest of the task its attempt
+  ran (``begin(..., task=)``/``claim(..., task=)``); a replacement carrying another task is
+  refused with ``TaskMismatch`` (409 ``task_mismatch``) naming the episode, and the record
+  stays pending. A record without one (an earlier version's) continues whatever task.
 
 The record and retire hooks (``export``, ``install``, ``restored_pending``, ``delete_restored``,
 ``retire``) are ``EpisodeRecords`` (``episode_records.py``), a base class of ``EpisodeBook``.
@@ -66,20 +71,22 @@ The record and retire hooks (``export``, ``install``, ``restored_pending``, ``de
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
 from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode_records import EpisodeRecords
 
 from nemo_gym_checkpoint_plugin._admission import RetiredMarks
-from nemo_gym_checkpoint_plugin._errors import AttemptRunning, StaleAttempt
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, StaleAttempt, TaskMismatch
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness
 
-__all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode"]
+__all__ = ["Episode", "EpisodeBook", "RestoredEpisode", "StepMode", "task_digest"]
 
 
 class EpisodeBook(EpisodeRecords):
@@ -136,35 +143,65 @@ class EpisodeBook(EpisodeRecords):
                 attempt=episode_id.attempt,
             )
 
-    def claim(self, episode_id: EpisodeId) -> str:
+    def claim(self, episode_id: EpisodeId, task: Any = None) -> str:
         """Claim the attempt for this request; ``AttemptRunning`` when it is claimed or running here.
 
+        ``task`` (the request's task, a JSON value or pydantic model; None: not known) is checked
+        against a restored record's task digest: ``TaskMismatch`` when it differs (``check_task``).
         Returns the capture key to ``release`` when the request ends (whatever its outcome).
         """
         key = episode_id.capture_key
         if key in self._claimed or key in self._episodes:
             raise _running(episode_id)
+        self.check_task(episode_id, task)
         self._claimed.add(key)
         return key
+
+    def check_task(self, episode_id: EpisodeId, task: Any) -> str | None:
+        """Refuse (``TaskMismatch``) a replacement attempt whose task is not the one its record captured.
+
+        Returns the task's digest (None when ``task`` is None). A restored record without a digest
+        (an earlier version's, or Gym's own checkpoints) continues whatever task its replacement
+        carries; a refused request leaves the restored record pending.
+        """
+        digest = None if task is None else task_digest(task)
+        restored = self._restored.get(episode_id.capture_key)
+        if restored is None or restored.task_digest is None or digest is None or digest == restored.task_digest:
+            return digest
+        key = episode_id.capture_key
+        raise TaskMismatch(
+            f"episode {key} continues checkpointed episode {restored.checkpointed.capture_key}, whose task "
+            f"(digest {restored.task_digest[:12]}...) is not the task this /run carries (digest {digest[:12]}...); "
+            "it does not run",
+            episodes=[key],
+            rollout_id=episode_id.rollout_id,
+            attempt=episode_id.attempt,
+        )
 
     def release(self, key: str) -> None:
         self._claimed.discard(key)
 
-    def begin(self, episode_id: EpisodeId) -> Episode:
+    def begin(self, episode_id: EpisodeId, task: Any = None) -> Episode:
         """Register the running attempt (the current task); hand it its restored boundary, if any.
 
         Raises ``StaleAttempt`` for a retired attempt (``refuse_retired``): the gate refuses those
         before they reach the run logic, but a request that got past the gate (a body it could not
-        attribute) must not run a retired attempt either.
+        attribute) must not run a retired attempt either. ``task`` (the request's task, None: not
+        known) must be the one a restored record captured (``TaskMismatch``); its digest is kept in
+        the episode's records.
         """
         self.refuse_retired(episode_id)
         key = episode_id.capture_key
         if key in self._episodes:
             raise _running(episode_id)
+        digest = self.check_task(episode_id, task)
         episode = Episode(episode_id, key, asyncio.current_task(), restored=self._restored.pop(key, None))
+        episode.task_digest = digest
         if episode.restored is not None:
             episode.boundary = episode.restored.boundary
             episode.state = dict(episode.restored.state)
+            if digest is None:
+                episode.task_digest = episode.restored.task_digest
         self._episodes[key] = episode
         return episode
 
@@ -332,6 +369,13 @@ class EpisodeBook(EpisodeRecords):
             "episodes": len(self._episodes),
             "episode_keys": sorted({*self._episodes, *self._restored}),
         }
+
+
+def task_digest(task: Any) -> str:
+    """The sha256 hex digest of a task: its JSON (a pydantic model's ``mode="json"`` dump), keys sorted."""
+    dump = getattr(task, "model_dump", None)
+    value = dump(mode="json") if callable(dump) else task
+    return hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def _running(episode_id: EpisodeId) -> AttemptRunning:

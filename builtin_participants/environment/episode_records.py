@@ -13,7 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
-from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key, stopping_until_done
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import (
+    RETIRE_CONCURRENCY,
+    RetiredBy,
+    split_key,
+    stop_bounded,
+    stopping_until_done,
+)
 
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -25,6 +31,9 @@ __all__ = ["EpisodeRecords"]
 
 class EpisodeRecords:
     """Export, install, restored-pending bookkeeping and retire of an ``EpisodeBook`` (its base class)."""
+
+    # How many retired episodes a retire stops at once (``shared.attempts.stop_bounded``).
+    retire_concurrency = RETIRE_CONCURRENCY
 
     if TYPE_CHECKING:
         step_mode: StepMode
@@ -46,12 +55,16 @@ class EpisodeRecords:
             # A restart declared while this checkpoint was open cannot continue from its sessions.
             boundary = None if episode.pending_restart else episode.boundary
             episode_id = episode.episode_id
-            records.append(_record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode))
+            records.append(
+                _record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode, episode.task_digest)
+            )
             by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
         for key, restored in self._restored.items():
             if scope is None or key in scope:
                 rollout_id, attempt = split_key(key)
-                records.append(_record(rollout_id, attempt, restored.boundary, restored.state, mode))
+                records.append(
+                    _record(rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest)
+                )
                 by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
         return ParticipantExport(
             records=records,
@@ -71,6 +84,10 @@ class EpisodeRecords:
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
             if not isinstance(state, Mapping):
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
+            # Absent in a record of an earlier version (or Gym's own checkpoints): that one still restores.
+            digest = record.get("task_digest")
+            if digest is not None and not isinstance(digest, str):
+                raise ValueError(f"episode {restored.checkpointed.capture_key}: task_digest must be a string or null")
             if self._validate_state is not None:
                 try:
                     self._validate_state(boundary, state)
@@ -80,7 +97,7 @@ class EpisodeRecords:
                 raise AttemptRunning(
                     f"episode {key} is already running here; it cannot be restored over", episodes=[key]
                 )
-            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state)
+            staged[key] = RestoredEpisode(restored.checkpointed, boundary, state, digest)
         # Nothing is kept unless every record was accepted.
         self._restored.update(staged)
 
@@ -100,19 +117,27 @@ class EpisodeRecords:
             del self._restored[key]
         stopping = [e for e in self._episodes.values() if named(e.episode_id)]
         current = asyncio.current_task()
-        # Every task an earlier retire cancelled (one set: a retire of N episodes never scans them N times).
-        cancelled = set(self._stopping.values())
         for episode in stopping:
             episode.retiring = True
             if self._closed:
                 self._blocking.add(episode.key)
+
+        def stop(episode: Episode) -> bool:
             task = episode.task
-            if task is None or task is current or task.done() or task in cancelled:
-                continue
-            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup).
+            # Cancelled once: a retried retire only waits (a second cancel would interrupt its cleanup),
+            # also for a task a retire running beside this one cancelled while this one waited its turn.
+            if task is None or task is current or task.done() or self._stopping.get(episode.key) is task:
+                return False
             task.cancel()
-            cancelled.add(task)
             stopping_until_done(self._stopping, episode.key, task)
+            return True
+
+        async def ended(episode: Episode) -> None:
+            assert episode.task is not None
+            await asyncio.wait([episode.task])
+
+        # Concurrently, a bounded number at a time: each cancelled episode runs its cleanup.
+        await stop_bounded(stopping, stop, ended, self.retire_concurrency)
         # Every task an earlier or this retire cancelled for these attempts, even one whose episode
         # already left the book and is still cleaning up.
         tasks = [task for key, task in self._stopping.items() if task is not current and named.key(key)]
@@ -120,10 +145,16 @@ class EpisodeRecords:
             await asyncio.wait(tasks)
 
 
-def _record(rollout_id: str, attempt: int, boundary: str | None, state: Mapping[str, Any], mode: str) -> dict[str, Any]:
-    return {
+def _record(
+    rollout_id: str, attempt: int, boundary: str | None, state: Mapping[str, Any], mode: str, digest: str | None
+) -> dict[str, Any]:
+    record = {
         "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
         "boundary": boundary,
         "state": dict(state) if boundary is not None else {},
         "step_mode": mode,
     }
+    if digest is not None:
+        # The task the attempt ran: its replacement after a crash must carry the same (environment.check_task).
+        record["task_digest"] = digest
+    return record

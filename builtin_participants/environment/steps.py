@@ -37,7 +37,8 @@ its session after a crash).
 A retired attempt (the control plane's marks) never begins: ``run_request`` refuses it
 with 409 ``stale_attempt`` before Gym's lifecycle starts, even when its ``/run`` got past
 the admission gate; an attempt already running here is refused there too, with 409
-``attempt_running`` (Gym would record the error as the row's terminal failure).
+``attempt_running`` (Gym would record the error as the row's terminal failure), and a restored
+episode's replacement carrying another task than its checkpoint captured with 409 ``task_mismatch``.
 
 The episode deadline (``default_episode_timeout_seconds``) moves from Gym's
 ``run_request`` into ``run`` (the bound book takes it over and Gym's is set to None), so
@@ -130,7 +131,7 @@ class SingleAgentTurnSteps(SingleAgentTurnCalls):
         # retired attempt that got past the gate is answered 409 stale_attempt, an attempt already
         # running here 409 attempt_running (it lives elsewhere), and neither begins.
         book.refuse_retired(request.episode_id)
-        key = book.claim(request.episode_id)
+        key = book.claim(request.episode_id, request.task)
         try:
             return await super().run_request(request)  # type: ignore[misc]
         finally:
@@ -140,7 +141,7 @@ class SingleAgentTurnSteps(SingleAgentTurnCalls):
         book = self._ng_episode_book
         if book is None:
             return await super().run(request, cleanup)  # type: ignore[misc]
-        episode = book.begin(request.episode_id)
+        episode = book.begin(request.episode_id, request.task)
         try:
             try:
                 async with asyncio.timeout(book.episode_timeout) as deadline:

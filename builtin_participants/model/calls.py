@@ -10,11 +10,11 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   how many calls run and how many responses are held.
 - A held call belongs to no checkpoint: nothing is exported for it (the agent's boundary is
   before it). ``open_admission`` (resume) delivers every held response unchanged.
-- ``retire`` cancels the running calls of the named attempts and earlier ones (the route's
-  call to the inference worker is cancelled, so the worker sees its request dropped), waits
-  for them to end, then returns; a call stopped before its answer started is answered
-  ``stale_attempt``. A retried retire waits for calls an earlier one stopped without
-  cancelling them again. Later calls of a retired attempt are refused by the gate.
+- ``retire`` cancels the running calls of the named attempts and earlier ones, concurrently and at
+  most ``retire_concurrency`` at a time (the route's call to the inference worker is cancelled, so
+  the worker sees its request dropped), waits for them to end, then returns; a call stopped
+  before its answer started is answered ``stale_attempt``. A retried retire waits for calls an
+  earlier one stopped without cancelling them again. Later calls of a retired attempt are refused by the gate.
 - With Gym's token capture writing its file store (``token_capture.py``): this server owns the
   calls whose answer started reaching their caller from it, and the rows it installed; a commit
   exports only owned rows of the episodes in its scope, so neither a held call nor another model
@@ -44,6 +44,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_book import C
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CUT_FIELD, CutBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import cut_settings
 from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures, token_captures_for
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RETIRE_CONCURRENCY, stop_bounded
 
 from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
@@ -118,6 +119,9 @@ def _capture_context_var() -> Any:
 
 class ModelCalls:
     """Participant plugin of a Gym model server (see the module docstring)."""
+
+    # How many retired calls a retire stops at once (``shared.attempts.stop_bounded``).
+    retire_concurrency = RETIRE_CONCURRENCY
 
     def __init__(self, server: Any = None, captures: TokenCaptures | None = None) -> None:
         self.server: Any = None
@@ -262,15 +266,23 @@ class ModelCalls:
             for call in self._by_rollout.get(episode.rollout_id, ()):
                 if call.attempt <= episode.attempt:
                     victims.append(call)
+
+        def stop(call: ModelCall) -> bool:
+            if call.retired:  # a retried retire waits for what an earlier one stopped (below), never again
+                return False
+            call.retired = True
+            self.stopped_total += 1
+            if call.task is not None:
+                call.task.cancel()
+            return True
+
+        async def ended(call: ModelCall) -> None:
+            await call.finished.wait()
+
+        # Concurrently, a bounded number at a time: each cancelled call runs its end (its refusal reply).
+        await stop_bounded(victims, stop, ended, self.retire_concurrency)
         for call in victims:
-            if not call.retired:  # a retried retire waits for what an earlier one stopped
-                call.retired = True
-                self.stopped_total += 1
-                if call.task is not None:
-                    call.task.cancel()
-        for call in victims:
-            # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
-            # finished call's wait returns at once (no task per call: a retire may name thousands).
+            # Those an earlier retire stopped too; a finished call's wait returns at once.
             await call.finished.wait()
         if self.cuts is not None:
             self.cuts.retired(episode_ids)

@@ -28,6 +28,12 @@ What a resources server must keep for a restored episode to reuse its session:
 - A task may declare itself not capturable (e.g. external side effects that cannot be
   re-attached): ``task_data`` ``{"ng_checkpoint": "restart"}`` makes its session a restart.
 
+A **retire** stops the retired attempts' requests in flight here first (``/verify``, tool calls:
+every ``POST /ng-rollout/<key>/...``; each runs in a task of its own, ``_ToolCalls``): it cancels
+each once, a request not yet answering is refused 409 ``stale_attempt``, and the retire waits for
+them to end before it drops the attempts' bindings and state and replies, so nothing of a retired
+attempt replies from here after the retire did. A retried retire waits for them, never cancelling again.
+
 Seeds are counted here (``status``: ``seed_session_calls`` and, for the most recent
 rollouts, ``seed_sessions_by_rollout``), and so are tool calls attributed to a rollout
 (``tool_calls_by_rollout``: every other ``POST /ng-rollout/<key>/<route>``), because a
@@ -41,6 +47,7 @@ a session (``install_resources_declarations``, added in ``serving``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -53,7 +60,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state imp
 )
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
-from nemo_gym_checkpoint_plugin._errors import ExportFailed
+from nemo_gym_checkpoint_plugin._errors import ExportFailed, StaleAttempt
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._seeds import seeded_episode
@@ -86,6 +93,8 @@ class ResourcesSessions:
         self._restarts: set[str] = set()
         self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
         self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
+        # Requests in flight under /ng-rollout/<capture key>/..., by capture key (a retire stops them).
+        self._in_flight: dict[str, set[_Request]] = {}
         self.instance: str | None = None
         if server is not None:
             self._bind(server)
@@ -230,9 +239,33 @@ class ResourcesSessions:
         if self.session_state is not None:
             self.session_state.drop(lambda episode: episode.capture_key in keys)
 
+    def request_began(self, key: str, task: asyncio.Task[Any]) -> _Request:
+        request = _Request(task)
+        self._in_flight.setdefault(key, set()).add(request)
+        return request
+
+    def request_ended(self, key: str, request: _Request) -> None:
+        requests = self._in_flight.get(key)
+        if requests is not None:
+            requests.discard(request)
+            if not requests:
+                del self._in_flight[key]
+
     @hookimpl
-    def retire(self, episode_ids: list[EpisodeId]) -> None:
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
         named = RetiredBy(episode_ids)
+        # First stop the attempts' requests in flight (each cancelled once), so none replies after the retire
+        # and none reads what is dropped below while it runs.
+        stopping: list[asyncio.Task[Any]] = []
+        for key, requests in self._in_flight.items():
+            if named.key(key):
+                for request in requests:
+                    if not request.retired:
+                        request.retired = True
+                        request.task.cancel()
+                    stopping.append(request.task)
+        if stopping:
+            await asyncio.wait(stopping)
         for key in [k for k in self._restarts if named.key(k)]:
             self._restarts.discard(key)
         self._installed_state = {k for k in self._installed_state if not named.key(k)}
@@ -271,8 +304,23 @@ def _count(counts: OrderedDict[str, int], rollout: str) -> None:
 _SESSION_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics"})
 
 
+class _Request:
+    """One request in flight under a rollout prefix: its task, and whether a retire stopped it."""
+
+    __slots__ = ("task", "retired")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.retired = False
+
+
 class _ToolCalls:
-    """Pure ASGI middleware: count each ``POST /ng-rollout/<key>/<tool>`` per rollout (one split, no body read)."""
+    """Pure ASGI middleware of ``POST /ng-rollout/<key>/...``: count tool calls per rollout, track requests.
+
+    Each such request (``/verify``, a tool call) runs in a task of its own, registered by capture
+    key, so a retire can cancel it; one cancelled before its reply started is answered 409
+    ``stale_attempt``. Other requests pass untouched (one split, no body read).
+    """
 
     def __init__(self, app: Any, sessions: ResourcesSessions) -> None:
         self.app = app
@@ -280,15 +328,50 @@ class _ToolCalls:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "") if scope.get("type") == "http" and scope.get("method") == "POST" else ""
-        if path.startswith(ROLLOUT_PATH_PREFIX):
-            key, _, route = path[len(ROLLOUT_PATH_PREFIX) :].partition("/")
-            if route and route not in _SESSION_ROUTES:
-                try:
-                    rollout = _key_episode(key).rollout_id
-                except ValueError:
-                    rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
-                _count(self.sessions.tool_calls_by_rollout, rollout)
-        await self.app(scope, receive, send)
+        if not path.startswith(ROLLOUT_PATH_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        key, _, route = path[len(ROLLOUT_PATH_PREFIX) :].partition("/")
+        if not route:
+            await self.app(scope, receive, send)
+            return
+        if route not in _SESSION_ROUTES:
+            try:
+                rollout = _key_episode(key).rollout_id
+            except ValueError:
+                rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
+            _count(self.sessions.tool_calls_by_rollout, rollout)
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        # Registered before the first suspension: a retire marking this attempt after the gate let it in finds it.
+        task = asyncio.ensure_future(self.app(scope, receive, tracked))
+        request = self.sessions.request_began(key, task)
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not request.retired or (current is not None and current.cancelling()):
+                raise  # the caller went away (or the server stops): nothing to answer
+            if not started:
+                await _refuse(send, key, route)
+            # Else the reply had begun: the connection just ends.
+        finally:
+            self.sessions.request_ended(key, request)
+
+
+async def _refuse(send: Any, key: str, route: str) -> None:
+    import orjson
+
+    error = StaleAttempt(f"episode {key} was retired while its /{route} ran here; it does not reply")
+    body = orjson.dumps(error.to_body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _restart_warning(server: Any) -> str:

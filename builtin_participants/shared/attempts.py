@@ -9,12 +9,36 @@ the rule is applied to the key's two parts directly.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
-__all__ = ["RetiredBy", "split_key", "stopping_until_done"]
+__all__ = ["RETIRE_CONCURRENCY", "RetiredBy", "split_key", "stop_bounded", "stopping_until_done"]
+
+# How many retired attempts a participant stops at once: each cancelled one runs its cleanup (closing
+# sessions over HTTP, answering its caller), and a retire may name thousands.
+RETIRE_CONCURRENCY = 256
+
+
+async def stop_bounded[T](
+    victims: Iterable[T], stop: Callable[[T], bool], ended: Callable[[T], Awaitable[Any]], bound: int
+) -> None:
+    """Stop ``victims`` concurrently, at most ``bound`` at a time, in order; return once all ``stop`` began ended.
+
+    ``stop(victim)`` starts stopping it (a cancel) and says whether it did (False: nothing to stop, or
+    an earlier retire stopped it already); ``ended(victim)`` waits until it ended. No task per victim:
+    the window is a queue, the oldest awaited before the next is stopped.
+    """
+    window: deque[T] = deque()
+    for victim in victims:
+        while len(window) >= bound:
+            await ended(window.popleft())
+        if stop(victim):
+            window.append(victim)
+    while window:
+        await ended(window.popleft())
 
 
 def stopping_until_done(stopping: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:

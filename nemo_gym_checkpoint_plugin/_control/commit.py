@@ -19,10 +19,14 @@ Rules (docs/protocol.md "Errors", "Phases", "Retire, forget, restore marks", "Re
   a complete-looking participant behind). When the manifest went out just as the deadline passed,
   the reply waits (``PUBLISHED_GRACE``) and says ``committed`` instead. The export is kept: a
   retry of the same commit (same scope and ``stop``) writes it again, or, when the export itself
-  was still running, simply lets it write; a checkpoint never exports twice;
+  was still running, simply lets it write; a checkpoint never exports twice. A retry while the
+  stopped write still runs awaits it (never a second write beside it); one that reaches its own
+  deadline meanwhile writes nothing after its reply either;
 - after the write, restored-pending episodes the scope leaves out are deleted
-  (``delete_restored``); a resume waits for that cleanup; with ``stop: true`` the
-  participants free exported state held outside the process (failures logged).
+  (``delete_restored``); a failed deletion is logged (the reply stays ``committed``) and done
+  again by a retry of the same commit, which replies the same manifest; a resume waits for that
+  cleanup; with ``stop: true`` the participants free exported state held outside the process
+  (failures logged).
 """
 
 from __future__ import annotations
@@ -140,11 +144,15 @@ class Committer:
                     active.writes_stopped = False
                     task = previous.task
                 else:
-                    task = self._state.spawn(self._write_after(active, previous.task, args), active)
+                    task = self._state.spawn(self._write_after(active, previous.task, args, active.stops), active)
                     active.commit = Replay(args, task)
             elif previous is not None:
                 previous.check_args("commit", checkpoint_id, args)
                 task = previous.task
+                cleanup = active.cleanup_task
+                if active.delete_failed is not None and (cleanup is None or cleanup.done()):
+                    # The write is durable and its reply the same; the deletion that failed is done again.
+                    active.cleanup_task = self._state.spawn(self._delete_unscoped(active, active.delete_failed))
             else:
                 task = await self._start_commit(active, args)
         try:
@@ -167,6 +175,7 @@ class Committer:
             published = False
             if not task.done() and self._state.active is active:
                 active.writes_stopped = True
+                active.stops += 1
                 if active.writer is not None:
                     published = active.writer.stop()
         if task.done() or published:
@@ -181,8 +190,14 @@ class Committer:
             deadline_ts=deadline_ts,
         )
 
-    async def _write_after(self, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...]) -> dict[str, Any]:
-        """A retry after a deadline stopped the write: wait for that write to end, then write again."""
+    async def _write_after(
+        self, active: Active, stopped: asyncio.Task[Any], args: tuple[Any, ...], stops: int
+    ) -> dict[str, Any]:
+        """A retry after a deadline stopped the write: wait for that write to end, then write again.
+
+        ``stops`` is ``active.stops`` when the retry arrived: a deadline that stopped the writes since
+        (this retry's own) means it replied ``deadline_exceeded``, so it writes nothing after all.
+        """
         await asyncio.wait([stopped])
         async with self._state.lock:
             if stopped.cancelled():
@@ -192,6 +207,10 @@ class Committer:
                 return stopped.result()  # it had published before the stop reached it
             if active.write_error is None:
                 raise error  # it failed for another reason: that is this commit's answer too
+            if active.stops != stops:
+                # This retry reached its own deadline while it waited: no manifest may appear after its
+                # deadline_exceeded reply. The export stays kept for the next retry.
+                raise active.write_error
             active.write_error = None
             active.writes_stopped = False
         return await self._write(active, args)
@@ -284,7 +303,7 @@ class Committer:
         async with self._state.lock:
             if self._state.active is active:
                 self._state.phase = Phase.COMMITTED
-                active.cleanup_task = self._state.spawn(self._after_write(checkpoint_id, scope, stop, written))
+                active.cleanup_task = self._state.spawn(self._after_write(active, scope, stop, written))
         return reply
 
     def _export_failed(self, active: Active, exc: BaseException) -> BaseException:
@@ -307,18 +326,27 @@ class Committer:
         )
         return active.export_error
 
-    async def _after_write(
-        self, checkpoint_id: str, scope: frozenset[str] | None, stop: bool, written: list[str]
-    ) -> None:
+    async def _after_write(self, active: Active, scope: frozenset[str] | None, stop: bool, written: list[str]) -> None:
+        checkpoint_id = active.checkpoint_id
         if scope is not None:
-            try:
-                leftover = sorted((await self._state.participants.restored_pending()) - scope)
-                if leftover:
-                    await self._state.participants.delete_restored([from_capture_key(key) for key in leftover])
-            except Exception:
-                logger.exception("commit of %s: deleting restored episodes outside its scope failed", checkpoint_id)
+            await self._delete_unscoped(active, scope)
         if stop:
             try:
                 await self._state.participants.release_exported(checkpoint_id, list(written))
             except Exception:
                 logger.exception("commit of %s with stop: freeing exported state failed", checkpoint_id)
+
+    async def _delete_unscoped(self, active: Active, scope: frozenset[str]) -> None:
+        """Delete restored-pending episodes ``scope`` leaves out; a failure is logged and kept for a retry."""
+        try:
+            leftover = sorted((await self._state.participants.restored_pending()) - scope)
+            if leftover:
+                await self._state.participants.delete_restored([from_capture_key(key) for key in leftover])
+        except Exception:
+            logger.exception(
+                "commit of %s: deleting restored episodes outside its scope failed; a retried commit deletes again",
+                active.checkpoint_id,
+            )
+            active.delete_failed = scope
+        else:
+            active.delete_failed = None

@@ -122,7 +122,12 @@ class Active:
     writer: Any = None
     # A commit replied deadline_exceeded: writes are stopped (none may publish after that reply) until a retry.
     writes_stopped: bool = False
+    # How many times a commit's deadline stopped the writes: a retry waiting for a stopped write knows
+    # whether its own deadline stopped it meanwhile (then it writes nothing either).
+    stops: int = 0
     cleanup_task: asyncio.Task[None] | None = None
+    # The commit scope whose deletion of unscoped restored state failed: a retried commit deletes again.
+    delete_failed: frozenset[str] | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     # The frozen heap (_gc_pause.py) from the checkpoint's or restore's beginning until it ends.
     heap: Any = None

@@ -12,7 +12,9 @@
 - between checkpoints it forgets, on every participant, the rollouts whose ``/run``
   returned (forget is refused while a checkpoint is open, so it never overlaps one);
 - ``restore_from`` puts a published checkpoint back into fresh servers before the
-  collection starts and says which attempt each row goes out as.
+  collection starts and says which attempt each row goes out as; until Gym dispatches those
+  rows, every checkpoint carries them (a continued one committed at its replacement attempt,
+  one starting over as it was), so a crash before their dispatch loses none.
 
 ``observe(event, data)`` (optional, may be async) is called at each step: ``prepare``,
 ``prepared``, ``committed``, ``records``, ``published``, ``resumed``, ``restored``,
@@ -129,7 +131,7 @@ class CollectionCheckpointer:
             if self._stop.is_set():
                 break
             await self.forget_final()
-            if self.tracker.in_flight:
+            if self.tracker.in_flight or self.tracker.awaiting:
                 await self.checkpoint()
         await self.forget_final()
 
@@ -180,13 +182,24 @@ class CollectionCheckpointer:
         # Failed attempts go before this one writes: what a full disk left of them is space again.
         await asyncio.to_thread(self._prune, [self.store.path(checkpoint_id)])
         in_flight: dict[str, int] = {}
+        carried: list[RowState] = []
 
         def episodes() -> list[dict[str, Any]]:
             in_flight.update(self.tracker.in_flight)
-            return self.tracker.episodes()
+            # Restored rows not dispatched yet: a continued one is committed at its replacement attempt (its
+            # restored state is pending on the servers, and a commit deletes restored state outside its
+            # scope); one starting over is carried as the last checkpoint had it.
+            for rollout_id, (attempt, row_state) in self.tracker.awaiting.items():
+                if rollout_id in in_flight:
+                    continue
+                if row_state == "continued":
+                    in_flight[rollout_id] = attempt
+                else:
+                    carried.append(RowState(rollout_id, attempt, row_state))
+            return [{"rollout_id": r, "attempt": a} for r, a in in_flight.items()]
 
         async def publish(now: CheckpointNow) -> dict[str, Any]:
-            return await self._publish(now, record, in_flight)
+            return await self._publish(now, record, in_flight, carried)
 
         try:
             now = await checkpoint_now(
@@ -226,7 +239,9 @@ class CollectionCheckpointer:
         for path in self.store.prune(self.keep, in_use=in_use):
             logger.info("removed checkpoint %s", path)
 
-    async def _publish(self, now: CheckpointNow, record: CheckpointRecord, in_flight: dict[str, int]) -> dict[str, Any]:
+    async def _publish(
+        self, now: CheckpointNow, record: CheckpointRecord, in_flight: dict[str, int], carried: list[RowState]
+    ) -> dict[str, Any]:
         """``checkpoint_now``'s last step: the collector's state beside the Gym records, its manifest last."""
         assert now.prepared is not None and now.committed is not None and now.commit_started is not None
         checkpoint_id, target = now.checkpoint_id, now.checkpoint_dir
@@ -239,6 +254,7 @@ class CollectionCheckpointer:
             key = capture_key(rollout_id, attempt)
             row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
             rows.append(RowState(rollout_id, attempt, row_state))
+        rows.extend(carried)
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
         state = CollectorState(
@@ -289,6 +305,19 @@ class CollectionCheckpointer:
             await self._restore_continued(state, wanted, plan)
         if starting_over:
             await self.retire_starting_over(starting_over, plan)
+        # Until Gym dispatches them, the next checkpoint carries them (RunTracker.awaiting).
+        continued = set(plan.continued)
+        states = {row.rollout_id: row.state for row in state.rows}
+        for rollout_id, attempt in plan.attempts.items():
+            if rollout_id in continued:
+                self.tracker.awaiting[rollout_id] = (attempt, "continued")
+            else:
+                # Starting over as ``attempt``: retired up to the one before, which the next resume retires again.
+                row_state = states.get(rollout_id, "uncaptured")
+                self.tracker.awaiting[rollout_id] = (
+                    attempt - 1,
+                    "uncaptured" if row_state == "continued" else row_state,
+                )
         return plan
 
     async def retire_starting_over(self, rows: list[RowState], plan: RestorePlan) -> None:

@@ -132,10 +132,16 @@ class RunTracker:
         self.final: list[str] = []
         # Rollouts whose /run was refused attempt_running: that attempt lives elsewhere, unrecorded here.
         self.elsewhere: list[str] = []
+        # Rows a restore put back that Gym has not dispatched yet: rollout id -> (attempt, collector row
+        # state). A continued row's attempt is the replacement the restore installed (pending on the
+        # servers); a row starting over keeps its checkpointed attempt and state. The next checkpoint
+        # carries them (CollectionCheckpointer), so a crash before their dispatch loses none.
+        self.awaiting: dict[str, tuple[int, str]] = {}
         self.on_change: Callable[[], None] | None = None
 
     def started(self, rollout_id: str, attempt: int) -> None:
         self.in_flight[rollout_id] = attempt
+        self.awaiting.pop(rollout_id, None)
         if self.on_change is not None:
             self.on_change()
 
