@@ -134,6 +134,9 @@ class ModelCalls:
         self.served_total = 0
         self.held_total = 0
         self.stopped_total = 0
+        # Model calls answered (2xx) per capture key, for the controller's lost-work ledger (the commit reply's
+        # ``answered_calls``); dropped when the rollout is forgotten or retired, so it holds rollouts in flight.
+        self._answered: dict[str, int] = {}
 
     def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
         self.server = server
@@ -181,6 +184,12 @@ class ModelCalls:
         self.in_flight -= 1
         self.served_total += 1
         call.finished.set()
+
+    def answered(self, call: ModelCall) -> None:
+        """The call's reply begins with a 2xx status: the worker answered it (held or not)."""
+        key = call.key
+        if key is not None:
+            self._answered[key] = self._answered.get(key, 0) + 1
 
     async def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): its row is written by now.
@@ -272,12 +281,29 @@ class ModelCalls:
             # In turn, not gathered: every call was cancelled above and runs its end meanwhile, and a
             # finished call's wait returns at once (no task per call: a retire may name thousands).
             await call.finished.wait()
+        for episode in episode_ids:
+            for attempt in range(episode.attempt + 1):
+                self._answered.pop(capture_key(episode.rollout_id, attempt), None)
         if self.cuts is not None:
             self.cuts.retired(episode_ids)
         if self.book is not None:
             freed = self.book.retired(episode_ids)
             if freed:
                 await self.delete_restored(freed)
+
+    @hookimpl
+    def forgotten(self, rollout_ids: list[str]) -> None:
+        gone = set(rollout_ids)
+        for key in [k for k in self._answered if from_capture_key(k).rollout_id in gone]:
+            del self._answered[key]
+
+    def ledger_extras(self) -> dict[str, Any]:
+        """The commit reply's ``answered_calls`` and ``held_calls`` (per capture key; docs/protocol.md)."""
+        held: dict[str, int] = {}
+        for call in self._calls():
+            if call.held and call.key is not None:
+                held[call.key] = held.get(call.key, 0) + 1
+        return {"answered_calls": dict(self._answered), "held_calls": held}
 
     def _calls(self) -> Iterator[ModelCall]:
         for calls in self._by_rollout.values():
@@ -294,12 +320,11 @@ class ModelCalls:
             # start while the checkpoint is open, so ownership cannot change during the export.
             running = {call.key for call in self._calls() if call.key is not None}
             captured = self.book.export(scope, running)
-        if not cuts:
-            return captured
+        records = captured.records if captured is not None else ()
         return ParticipantExport(
-            records=_with_cuts(captured.records if captured is not None else (), cuts),
+            records=_with_cuts(records, cuts) if cuts else records,
             manifest_extras=captured.manifest_extras if captured is not None else {},
-            reply_extras=captured.reply_extras if captured is not None else {},
+            reply_extras={**(captured.reply_extras if captured is not None else {}), **self.ledger_extras()},
         )
 
     @hookimpl
