@@ -243,10 +243,10 @@ class CollectionCheckpointer:
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
             row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
-            row = RowState(rollout_id, attempt, row_state)
             if reported:
-                row.model_calls, row.held_calls = answered.get(key, 0), held.get(key, 0)
-            rows.append(row)
+                rows.append(RowState(rollout_id, attempt, row_state, answered.get(key, 0), held.get(key, 0)))
+            else:
+                rows.append(RowState(rollout_id, attempt, row_state))
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
         state = CollectorState(
