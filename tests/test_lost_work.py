@@ -26,8 +26,8 @@ IDENTITY = {"participants": ["model/policy"], "output": "/x/out.jsonl"}
 def _rows() -> list[RowState]:
     return [
         RowState("0-0", 0, "continued", model_calls=3, held_calls=1),
-        RowState("1-0", 0, "continued", model_calls=1, held_calls=0),
-        RowState("2-0", 1, "restart", model_calls=4, held_calls=0),
+        RowState("1-0", 0, "continued", model_calls=1, held_calls=0, running_calls=1),
+        RowState("2-0", 1, "restart", model_calls=4, held_calls=0, running_calls=1),
         RowState("3-0", 0, "uncaptured", model_calls=0, held_calls=0),
         RowState("4-0", 0, "continued", model_calls=7, held_calls=2),  # finished before the crash
     ]
@@ -48,6 +48,7 @@ def test_restarted_rows_repeat_every_answered_call_continued_ones_their_held_res
     # 4 + 0 calls of the restarted rows, 1 held response of a continued one; the finished row counts nothing.
     assert ledger.model_calls_repeated == 5
     assert ledger.model_calls_repeated_by == {"restarted": 4, "held": 1}
+    assert ledger.model_calls_cut == 2  # one running call of a continued row, one of a restarted row
     assert ledger.since_checkpoint_s == 12.5
     assert ledger.lengths == {
         "continued": {"count": 2, "min": 1, "median": 2.0, "max": 3},
@@ -71,26 +72,27 @@ def test_without_a_model_participant_the_calls_are_not_reported() -> None:
 
 
 def test_the_commit_replies_of_several_model_servers_add_up_and_bad_counts_are_ignored() -> None:
-    answered, held = ledger_counts(
+    counts = ledger_counts(
         {
-            "model/a": {"answered_calls": {"r1": 2, "r2": 1}, "held_calls": {"r1": 1}},
+            "model/a": {"answered_calls": {"r1": 2, "r2": 1}, "held_calls": {"r1": 1}, "running_calls": {"r2": 1}},
             "model/b": {"answered_calls": {"r1": 3, "r3": -1, "r4": True, "r5": "x"}, "held_calls": {}},
             "environment/e": {"boundaries": {"replied": 2}},
         }
     )
-    assert answered == {"r1": 5, "r2": 1} and held == {"r1": 1}
+    assert counts == {"answered_calls": {"r1": 5, "r2": 1}, "held_calls": {"r1": 1}, "running_calls": {"r2": 1}}
 
 
 def test_the_row_figures_are_written_and_read_back_and_older_rows_read_without_them(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "ckpt")
     checkpoint_id = store.checkpoint_id(1)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    rows = [RowState("0-0", 0, "continued", model_calls=3, held_calls=1), RowState("1-0", 2, "restart")]
+    rows = [RowState("0-0", 0, "continued", 3, 1, 2), RowState("1-0", 2, "restart")]
     state = CollectorState(checkpoint_id, IDENTITY, rows, timings={"published_at": 1000.0})
     store.publish(state, *store.write_records(state))
     read, _ = store.latest()
     assert read is not None and read.timings["published_at"] == 1000.0
-    assert [(r.rollout_id, r.model_calls, r.held_calls) for r in read.rows] == [("0-0", 3, 1), ("1-0", None, None)]
+    figures = [(r.rollout_id, r.model_calls, r.held_calls, r.running_calls) for r in read.rows]
+    assert figures == [("0-0", 3, 1, 2), ("1-0", None, None, None)]
 
 
 def test_a_pause_over_its_share_of_the_interval_is_warned_about() -> None:

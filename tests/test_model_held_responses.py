@@ -337,11 +337,18 @@ async def test_the_commit_reply_counts_answered_and_held_calls_per_episode_until
     calls.close_admission("ck")
     route.all()
     await wait_until(lambda: calls.held == 1, what="the response held")
+    running = Caller(calls, ScriptedRoute([START_JSON, body(b"{}")]), "/ng-rollout/r4/v1/responses")
+    await settle()
     extras = calls.export(checkpoint_id="ck", scope=frozenset()).reply_extras
-    assert extras == {"answered_calls": {"r1": 2, "r2-a1": 1}, "held_calls": {"r1": 1}}
+    assert extras == {"answered_calls": {"r1": 2, "r2-a1": 1}, "held_calls": {"r1": 1}, "running_calls": {"r4": 1}}
     calls.open_admission("ck")
     await held.task
     # Forgotten (its /run returned) or retired: nothing kept about the rollout any more.
     calls.forgotten(rollout_ids=["r1"])
-    await calls.retire(episode_ids=[EpisodeId(rollout_id="r2", attempt=1)])
-    assert calls.export(checkpoint_id="ck2", scope=None).reply_extras == {"answered_calls": {}, "held_calls": {}}
+    await calls.retire(episode_ids=[EpisodeId(rollout_id="r2", attempt=1), EpisodeId(rollout_id="r4", attempt=0)])
+    await running.task
+    assert calls.export(checkpoint_id="ck2", scope=None).reply_extras == {
+        "answered_calls": {},
+        "held_calls": {},
+        "running_calls": {},
+    }

@@ -71,6 +71,7 @@ class ModelCall:
         "attempt",
         "task",
         "held",
+        "answered",
         "started",
         "retired",
         "finished",
@@ -84,6 +85,7 @@ class ModelCall:
         self.attempt = attempt
         self.task: asyncio.Task[Any] | None = None
         self.held = False
+        self.answered = False  # its reply began with a 2xx status: the worker answered it
         self.started = False  # its answer began reaching the caller
         self.retired = False
         self.finished = asyncio.Event()
@@ -187,6 +189,7 @@ class ModelCalls:
 
     def answered(self, call: ModelCall) -> None:
         """The call's reply begins with a 2xx status: the worker answered it (held or not)."""
+        call.answered = True
         key = call.key
         if key is not None:
             self._answered[key] = self._answered.get(key, 0) + 1
@@ -298,12 +301,19 @@ class ModelCalls:
             del self._answered[key]
 
     def ledger_extras(self) -> dict[str, Any]:
-        """The commit reply's ``answered_calls`` and ``held_calls`` (per capture key; docs/protocol.md)."""
+        """The commit reply's ``answered_calls``, ``held_calls`` and ``running_calls`` (per capture key;
+        docs/protocol.md, "Commit reply extras")."""
         held: dict[str, int] = {}
+        running: dict[str, int] = {}
         for call in self._calls():
-            if call.held and call.key is not None:
-                held[call.key] = held.get(call.key, 0) + 1
-        return {"answered_calls": dict(self._answered), "held_calls": held}
+            key = call.key
+            if key is None:
+                continue
+            if call.held:
+                held[key] = held.get(key, 0) + 1
+            elif not call.answered:
+                running[key] = running.get(key, 0) + 1
+        return {"answered_calls": dict(self._answered), "held_calls": held, "running_calls": running}
 
     def _calls(self) -> Iterator[ModelCall]:
         for calls in self._by_rollout.values():

@@ -237,14 +237,16 @@ class CollectionCheckpointer:
         written: set[str] = set()
         for keys in now.committed.episode_ids.values():
             written.update(keys)
-        answered, held = ledger_counts(now.committed.replies)
+        counts = ledger_counts(now.committed.replies)
+        answered, held, running = counts["answered_calls"], counts["held_calls"], counts["running_calls"]
         reported = any("answered_calls" in reply for reply in now.committed.replies.values())
         rows = []
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
             row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
             if reported:
-                rows.append(RowState(rollout_id, attempt, row_state, answered.get(key, 0), held.get(key, 0)))
+                calls = (answered.get(key, 0), held.get(key, 0), running.get(key, 0))
+                rows.append(RowState(rollout_id, attempt, row_state, *calls))
             else:
                 rows.append(RowState(rollout_id, attempt, row_state))
         record.continued = sum(1 for r in rows if r.state == "continued")

@@ -67,16 +67,18 @@ class RowState:
     rollout_id: str
     attempt: int
     state: str
-    # The lost-work ledger's figures (coordination._ledger): model calls answered so far and responses held
-    # at the checkpoint, as the model participants' commit replies said; None when none reported them.
+    # The lost-work ledger's figures (coordination._ledger): model calls answered so far, responses held and
+    # calls still running at the checkpoint, as the model participants' commit replies said; None: none did.
     model_calls: int | None = None
     held_calls: int | None = None
+    running_calls: int | None = None
 
     def record(self) -> dict[str, Any]:
         record: dict[str, Any] = {"episode_id": episode_to_wire(self), "state": self.state}
         if self.model_calls is not None:
             record["model_calls"] = self.model_calls
             record["held_calls"] = self.held_calls or 0
+            record["running_calls"] = self.running_calls or 0
         return record
 
 
@@ -336,6 +338,7 @@ class CheckpointStore:
                     record["state"],
                     model_calls=_count(record.get("model_calls")),
                     held_calls=_count(record.get("held_calls")),
+                    running_calls=_count(record.get("running_calls")),
                 )
             )
         index = check_participants_index(path)

@@ -3,7 +3,8 @@
 After a crash the servers are fresh: the only account of the work done before it is the checkpoint
 (docs/telemetry.md, "The lost-work ledger"). Per row in flight the collector's state holds what the
 model participants reported in their commit replies (``answered_calls``: model calls answered so far,
-``held_calls``: answered, the response held by the checkpoint; docs/protocol.md). From it:
+``held_calls``: answered, the response held by the checkpoint; ``running_calls``: not answered yet;
+docs/protocol.md). From it:
 
 - ``rollouts_lost``: rows of the checkpoint neither finished, continued nor restarted (always 0; a
   figure above 0 is a bug);
@@ -11,6 +12,8 @@ model participants reported in their commit replies (``answered_calls``: model c
 - ``model_calls_repeated``: every call a restarted row had answered, plus every held response of a
   continued row (its answer never reached the agent: the call runs again); ``None`` when no
   participant reported calls (no model participant);
+- ``model_calls_cut``: calls of continued and restarted rows still running at the checkpoint (not
+  answered yet): they are sent again whole, whatever the worker had generated of them;
 - ``since_checkpoint_s``: wall time from the checkpoint's publish to this restore: the work done
   after the checkpoint (not in it, so not counted above) happened within it;
 - ``lengths``: the distribution of model calls answered so far (count, min, median, max) of the
@@ -27,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["LostWork", "ledger_counts", "lost_work"]
+__all__ = ["LEDGER_EXTRAS", "LostWork", "ledger_counts", "lost_work"]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class LostWork:
     rollouts_restarted: int = 0
     model_calls_repeated: int | None = None
     model_calls_repeated_by: dict[str, int] | None = None
+    model_calls_cut: int | None = None
     tool_calls_repeated: int | None = None
     tokens_regenerated: int | None = None
     since_checkpoint_s: float | None = None
@@ -49,18 +53,21 @@ class LostWork:
         return asdict(self)
 
 
-def ledger_counts(replies: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
-    """(answered calls, held calls) per capture key, added up over every participant's commit reply."""
-    answered: dict[str, int] = {}
-    held: dict[str, int] = {}
+LEDGER_EXTRAS = ("answered_calls", "held_calls", "running_calls")
+
+
+def ledger_counts(replies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """``answered_calls``, ``held_calls``, ``running_calls``: per capture key, added up over every commit reply."""
+    counts: dict[str, dict[str, int]] = {name: {} for name in LEDGER_EXTRAS}
     for reply in replies.values():
-        for source, target in ((reply.get("answered_calls"), answered), (reply.get("held_calls"), held)):
+        for name, target in counts.items():
+            source = reply.get(name)
             if not isinstance(source, Mapping):
                 continue
             for key, count in source.items():
                 if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
                     target[key] = target.get(key, 0) + count
-    return answered, held
+    return counts
 
 
 def _distribution(values: list[int]) -> dict[str, float] | None:
@@ -79,7 +86,8 @@ def lost_work(
     published_at: float | None = None,
     restored_at: float | None = None,
 ) -> LostWork:
-    """The ledger of a restore of ``rows`` (``RowState``: ``rollout_id``, ``model_calls``, ``held_calls``).
+    """The ledger of a restore of ``rows`` (``RowState``: ``rollout_id``, ``model_calls``, ``held_calls``,
+    ``running_calls``).
 
     ``continued`` and ``restarted`` are rollout ids as the restore decided them, ``finished`` those
     already in the output (neither lost nor run again).
@@ -100,6 +108,7 @@ def lost_work(
         repeated_held = sum(row.held_calls or 0 for row in reported if row.rollout_id in went_on)
         ledger.model_calls_repeated = repeated_restarted + repeated_held
         ledger.model_calls_repeated_by = {"restarted": repeated_restarted, "held": repeated_held}
+        ledger.model_calls_cut = sum(row.running_calls or 0 for row in reported if row.rollout_id in went_on | over)
     ledger.lengths = {
         "continued": _distribution([r.model_calls for r in reported if r.rollout_id in went_on]),
         "restarted": _distribution([r.model_calls for r in reported if r.rollout_id in over]),
