@@ -4,7 +4,8 @@ A real deployment (the testing kit's, every server a participant, the fake backe
 ``ng-checkpoint collect`` processes. Every row's second model call (step 1, after its tool call) is
 held at the backend; once all of them are, the collector's first checkpoint goes on and is published
 (every fourth row a restart), and the collector and every server are SIGKILLed while the checkpoint
-still holds the deployment paused. Fresh servers start and ``--resume`` finishes the collection.
+still holds the deployment paused. Fresh servers start and ``--resume`` finishes the collection,
+checkpointing while the restarted rows are held again, each pause warned about (``--max-pause-share``).
 
 The backend counts calls per conversation and step in each of its two lives: a completed call
 counted in both is one the crash made run again, a call that arrived in both one sent again. The
@@ -80,7 +81,28 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
     deployment.kill()
     deployment.start(timeout=240)
 
-    second = Collector(deployment, tmp_path, "second", ckpt=ckpt, output=output, resume=True)
+    # The restarted rows' second calls held in the new life: the resumed collection checkpoints meanwhile,
+    # each pause far over its --max-pause-share of the interval (0.01 of 0.3s).
+    for i in RESTARTS:
+        fake(deployment, "hold", {"match": f"(rollout row{i})", "count": 1, "step": 1})
+    second = Collector(
+        deployment,
+        tmp_path,
+        "second",
+        ckpt=ckpt,
+        output=output,
+        resume=True,
+        every=0.3,
+        extra=("--max-pause-share", "0.01"),
+    )
+    try:
+        wait_until(
+            lambda: second.proc.poll() is not None or any(e["published"] for e in second.events_named("resumed")),
+            240,
+            "a checkpoint of the resumed collection",
+        )
+    finally:
+        fake(deployment, "release", {})
     assert second.wait(300) == 0, second.text()[-3000:]
     after = fake(deployment, "stats")
     summary = second.summary()
@@ -107,3 +129,6 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
     assert "lost work: 0 rows lost" in second.text()
     (event,) = second.events_named("lost_work")
     assert event["ledger"] == ledger
+    # The pause warning: said as it happens and listed in the summary.
+    assert summary["pause_warnings"] and "more than 0.01 of the 0.3s interval" in summary["pause_warnings"][0]
+    assert f"warning: {summary['pause_warnings'][0]}" in second.text()
