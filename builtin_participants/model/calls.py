@@ -136,9 +136,9 @@ class ModelCalls:
         self.served_total = 0
         self.held_total = 0
         self.stopped_total = 0
-        # Model calls answered (2xx) per capture key, for the controller's lost-work ledger (the commit reply's
-        # ``answered_calls``); dropped when the rollout is forgotten or retired, so it holds rollouts in flight.
-        self._answered: dict[str, int] = {}
+        # Model calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
+        # reply's ``answered_calls``); dropped when the rollout is forgotten or retired: it holds rollouts in flight.
+        self._answered: dict[str, dict[int, int]] = {}
 
     def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
         self.server = server
@@ -190,9 +190,9 @@ class ModelCalls:
     def answered(self, call: ModelCall) -> None:
         """The call's reply begins with a 2xx status: the worker answered it (held or not)."""
         call.answered = True
-        key = call.key
-        if key is not None:
-            self._answered[key] = self._answered.get(key, 0) + 1
+        if call.rollout_id is not None:
+            attempts = self._answered.setdefault(call.rollout_id, {})
+            attempts[call.attempt] = attempts.get(call.attempt, 0) + 1
 
     async def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): its row is written by now.
@@ -285,8 +285,12 @@ class ModelCalls:
             # finished call's wait returns at once (no task per call: a retire may name thousands).
             await call.finished.wait()
         for episode in episode_ids:
-            for attempt in range(episode.attempt + 1):
-                self._answered.pop(capture_key(episode.rollout_id, attempt), None)
+            attempts = self._answered.get(episode.rollout_id)
+            if attempts is not None:
+                for attempt in [a for a in attempts if a <= episode.attempt]:
+                    del attempts[attempt]
+                if not attempts:
+                    del self._answered[episode.rollout_id]
         if self.cuts is not None:
             self.cuts.retired(episode_ids)
         if self.book is not None:
@@ -296,13 +300,12 @@ class ModelCalls:
 
     @hookimpl
     def forgotten(self, rollout_ids: list[str]) -> None:
-        gone = set(rollout_ids)
-        for key in [k for k in self._answered if from_capture_key(k).rollout_id in gone]:
-            del self._answered[key]
+        for rollout_id in rollout_ids:
+            self._answered.pop(rollout_id, None)
 
     def ledger_extras(self) -> dict[str, Any]:
         """The commit reply's ``answered_calls``, ``held_calls`` and ``running_calls`` (per capture key;
-        docs/protocol.md, "Commit reply extras")."""
+        docs/protocol.md, "Routes", the model participant's commit reply)."""
         held: dict[str, int] = {}
         running: dict[str, int] = {}
         for call in self._calls():
@@ -313,7 +316,12 @@ class ModelCalls:
                 held[key] = held.get(key, 0) + 1
             elif not call.answered:
                 running[key] = running.get(key, 0) + 1
-        return {"answered_calls": dict(self._answered), "held_calls": held, "running_calls": running}
+        answered = {
+            capture_key(rollout_id, attempt): count
+            for rollout_id, attempts in self._answered.items()
+            for attempt, count in attempts.items()
+        }
+        return {"answered_calls": answered, "held_calls": held, "running_calls": running}
 
     def _calls(self) -> Iterator[ModelCall]:
         for calls in self._by_rollout.values():

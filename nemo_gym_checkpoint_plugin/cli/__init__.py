@@ -52,7 +52,6 @@ __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
 DEFAULT_WATCH = 2.0
-# ``status --interval``: a checkpoint pausing a server longer than this share of the interval is warned about.
 
 TOKEN_HELP = (
     f"the control token, first match wins: --token-file or --token-env (explicit), else the "

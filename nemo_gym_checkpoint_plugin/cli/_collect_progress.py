@@ -116,7 +116,11 @@ def lost_work_line(ledger: dict[str, Any]) -> str:
     return (
         f"lost work: {ledger['rollouts_lost']} rows lost, {ledger['rollouts_continued']} continued, "
         f"{ledger['rollouts_restarted']} restarted; "
-        + ("model calls not reported" if repeated is None else f"{repeated} model calls run again")
+        + (
+            "model calls not reported"
+            if repeated is None
+            else f"{repeated} model calls run again, {ledger.get('model_calls_cut') or 0} cut while running"
+        )
         + ("" if since is None else f"; {since:.1f}s since checkpoint {ledger['checkpoint_id']}")
         + f"; continued {_length(lengths.get('continued'))}, restarted {_length(lengths.get('restarted'))}"
     )
