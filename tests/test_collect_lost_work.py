@@ -8,8 +8,9 @@ still holds the deployment paused. Fresh servers start and ``--resume`` finishes
 checkpointing while the restarted rows are held again, each pause warned about (``--max-pause-share``).
 
 The backend counts calls per conversation and step in each of its two lives: a completed call
-counted in both is one the crash made run again, a call that arrived in both one sent again. The
-ledger in the resumed collector's ``--json`` says the same without looking at the backend.
+counted in both is one the crash made run again, a call that arrived in both one sent again; the
+resources server counts tool calls per rollout the same way. The ledger in the resumed collector's
+``--json`` says the same without looking at either.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controllers_support import Collector, collect_deployment, fake, rows_of
+from controllers_support import Collector, collect_deployment, fake, request, rows_of
 
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import RESTART_TASK_DATA
-from nemo_gym_checkpoint_plugin.testing.gym_config import rollout_body
+from nemo_gym_checkpoint_plugin.testing.gym_config import RESOURCES, rollout_body
 from nemo_gym_checkpoint_plugin.testing.harness import wait_until
 
 ROWS = 8
@@ -52,6 +53,13 @@ def _twice(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) 
     )
 
 
+def _tool_calls(deployment: Any) -> dict[str, int]:
+    """The resources server's tool calls per rollout (attempts added up), from its status."""
+    status, reply = request(deployment.urls[RESOURCES] + "/ng-control/v1/checkpoint/status")
+    assert status == 200, reply
+    return reply["tool_calls_by_rollout"]
+
+
 def _paused_at(collector: Collector, point: str) -> Any:
     return lambda: (
         collector.proc.poll() is not None or any(e.get("at") == point for e in collector.events_named("paused"))
@@ -75,6 +83,7 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
         (published,) = first.events_named("published")
         assert published["continued"] == ROWS - len(RESTARTS)
         before = fake(deployment, "stats")
+        tools_before = _tool_calls(deployment)
     finally:
         first.kill()
     # The crash: every server SIGKILLed while the checkpoint still held the deployment paused.
@@ -105,6 +114,7 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
         fake(deployment, "release", {})
     assert second.wait(300) == 0, second.text()[-3000:]
     after = fake(deployment, "stats")
+    tools_after = _tool_calls(deployment)
     summary = second.summary()
     ledger = summary["lost_work"]
     assert rows_of(output) == {i: 1 for i in range(ROWS)}
@@ -124,7 +134,10 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
     assert ledger["lengths"]["continued"] == {"count": ROWS - len(RESTARTS), "min": 1, "median": 1, "max": 1}
     assert ledger["lengths"]["restarted"] == {"count": len(RESTARTS), "min": 1, "median": 1, "max": 1}
     assert 0 < ledger["since_checkpoint_s"] < 600
-    assert ledger["tool_calls_repeated"] is None and ledger["tokens_regenerated"] is None
+    # Tool calls the resources server ran in both of its lives: the restarted rows' one each.
+    tools_twice = sum(min(count, tools_after.get(rollout, 0)) for rollout, count in tools_before.items())
+    assert ledger["tool_calls_repeated"] == tools_twice == len(RESTARTS)
+    assert ledger["tokens_regenerated"] is None
     # The ledger is a line of the resumed collector's output too, and its event carries the same figures.
     assert "lost work: 0 rows lost" in second.text()
     (event,) = second.events_named("lost_work")

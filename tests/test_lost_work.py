@@ -54,7 +54,18 @@ def test_restarted_rows_repeat_every_answered_call_continued_ones_their_held_res
         "continued": {"count": 2, "min": 1, "median": 2.0, "max": 3},
         "restarted": {"count": 2, "min": 0, "median": 2.0, "max": 4},
     }
+    # No resources participant reported tool calls for these rows; no participant reports tokens.
     assert ledger.tool_calls_repeated is None and ledger.tokens_regenerated is None
+
+
+def test_a_restarted_row_repeats_every_tool_call_it_had_answered() -> None:
+    rows = [
+        RowState("0-0", 0, "continued", tool_calls=2),
+        RowState("1-0", 0, "restart", tool_calls=3),
+        RowState("2-0", 0, "uncaptured", tool_calls=0),
+    ]
+    ledger = lost_work("c", rows, continued=["0-0"], restarted=["1-0", "2-0"])
+    assert ledger.tool_calls_repeated == 3 and ledger.model_calls_repeated is None
 
 
 def test_a_row_the_restore_left_out_is_lost_and_counted() -> None:
@@ -79,20 +90,25 @@ def test_the_commit_replies_of_several_model_servers_add_up_and_bad_counts_are_i
             "environment/e": {"boundaries": {"replied": 2}},
         }
     )
-    assert counts == {"answered_calls": {"r1": 5, "r2": 1}, "held_calls": {"r1": 1}, "running_calls": {"r2": 1}}
+    assert counts == {
+        "answered_calls": {"r1": 5, "r2": 1},
+        "held_calls": {"r1": 1},
+        "running_calls": {"r2": 1},
+        "answered_tool_calls": {},
+    }
 
 
 def test_the_row_figures_are_written_and_read_back_and_older_rows_read_without_them(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "ckpt")
     checkpoint_id = store.checkpoint_id(1)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    rows = [RowState("0-0", 0, "continued", 3, 1, 2), RowState("1-0", 2, "restart")]
+    rows = [RowState("0-0", 0, "continued", 3, 1, 2, 4), RowState("1-0", 2, "restart")]
     state = CollectorState(checkpoint_id, IDENTITY, rows, timings={"published_at": 1000.0})
     store.publish(state, *store.write_records(state))
     read, _ = store.latest()
     assert read is not None and read.timings["published_at"] == 1000.0
-    figures = [(r.rollout_id, r.model_calls, r.held_calls, r.running_calls) for r in read.rows]
-    assert figures == [("0-0", 3, 1, 2), ("1-0", None, None, None)]
+    figures = [(r.rollout_id, r.model_calls, r.held_calls, r.running_calls, r.tool_calls) for r in read.rows]
+    assert figures == [("0-0", 3, 1, 2, 4), ("1-0", None, None, None, None)]
 
 
 def test_a_pause_over_its_share_of_the_interval_is_warned_about() -> None:

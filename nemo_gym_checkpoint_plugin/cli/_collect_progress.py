@@ -121,6 +121,11 @@ def lost_work_line(ledger: dict[str, Any]) -> str:
             if repeated is None
             else f"{repeated} model calls run again, {ledger.get('model_calls_cut') or 0} cut while running"
         )
+        + (
+            ""
+            if ledger.get("tool_calls_repeated") is None
+            else f"; {ledger['tool_calls_repeated']} tool calls run again"
+        )
         + ("" if since is None else f"; {since:.1f}s since checkpoint {ledger['checkpoint_id']}")
         + f"; continued {_length(lengths.get('continued'))}, restarted {_length(lengths.get('restarted'))}"
     )

@@ -239,16 +239,24 @@ class CollectionCheckpointer:
             written.update(keys)
         counts = ledger_counts(now.committed.replies)
         answered, held, running = counts["answered_calls"], counts["held_calls"], counts["running_calls"]
+        tools = counts["answered_tool_calls"]
         reported = any("answered_calls" in reply for reply in now.committed.replies.values())
+        tools_reported = any("answered_tool_calls" in reply for reply in now.committed.replies.values())
         rows = []
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
             row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
-            if reported:
-                calls = (answered.get(key, 0), held.get(key, 0), running.get(key, 0))
-                rows.append(RowState(rollout_id, attempt, row_state, *calls))
-            else:
-                rows.append(RowState(rollout_id, attempt, row_state))
+            rows.append(
+                RowState(
+                    rollout_id,
+                    attempt,
+                    row_state,
+                    model_calls=answered.get(key, 0) if reported else None,
+                    held_calls=held.get(key, 0) if reported else None,
+                    running_calls=running.get(key, 0) if reported else None,
+                    tool_calls=tools.get(key, 0) if tools_reported else None,
+                )
+            )
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
         state = CollectorState(

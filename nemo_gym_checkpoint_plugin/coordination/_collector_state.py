@@ -68,10 +68,12 @@ class RowState:
     attempt: int
     state: str
     # The lost-work ledger's figures (coordination._ledger): model calls answered so far, responses held and
-    # calls still running at the checkpoint, as the model participants' commit replies said; None: none did.
+    # calls still running at the checkpoint, as the model participants' commit replies said, and tool calls
+    # answered, as the resources participants' said; None: none did.
     model_calls: int | None = None
     held_calls: int | None = None
     running_calls: int | None = None
+    tool_calls: int | None = None
 
     def record(self) -> dict[str, Any]:
         record: dict[str, Any] = {"episode_id": episode_to_wire(self), "state": self.state}
@@ -79,6 +81,8 @@ class RowState:
             record["model_calls"] = self.model_calls
             record["held_calls"] = self.held_calls or 0
             record["running_calls"] = self.running_calls or 0
+        if self.tool_calls is not None:
+            record["tool_calls"] = self.tool_calls
         return record
 
 
@@ -339,6 +343,7 @@ class CheckpointStore:
                     model_calls=_count(record.get("model_calls")),
                     held_calls=_count(record.get("held_calls")),
                     running_calls=_count(record.get("running_calls")),
+                    tool_calls=_count(record.get("tool_calls")),
                 )
             )
         index = check_participants_index(path)

@@ -14,13 +14,15 @@ docs/protocol.md). From it:
   participant reported calls (no model participant);
 - ``model_calls_cut``: calls of continued and restarted rows still running at the checkpoint (not
   answered yet): they are sent again whole, whatever the worker had generated of them;
+- ``tool_calls_repeated``: every tool call a restarted row had answered (``answered_tool_calls`` of the
+  resources participants); ``None`` when none reported them;
 - ``since_checkpoint_s``: wall time from the checkpoint's publish to this restore: the work done
   after the checkpoint (not in it, so not counted above) happened within it;
 - ``lengths``: the distribution of model calls answered so far (count, min, median, max) of the
   continued and of the restarted rows (restarts hitting the longest rows is the bias to watch).
 
-``tool_calls_repeated`` and ``tokens_regenerated`` are ``None``: no built-in participant reports them
-per episode yet.
+``tokens_regenerated`` is ``None``: no built-in participant reports tokens per episode (Gym's
+``/v1/responses`` drops the backend's usage).
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ class LostWork:
         return asdict(self)
 
 
-LEDGER_EXTRAS = ("answered_calls", "held_calls", "running_calls")
+LEDGER_EXTRAS = ("answered_calls", "held_calls", "running_calls", "answered_tool_calls")
 
 
 def ledger_counts(replies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """``answered_calls``, ``held_calls``, ``running_calls``: per capture key, added up over every commit reply."""
+    """Each of ``LEDGER_EXTRAS``: per capture key, added up over every participant's commit reply."""
     counts: dict[str, dict[str, int]] = {name: {} for name in LEDGER_EXTRAS}
     for reply in replies.values():
         for name, target in counts.items():
@@ -87,7 +89,7 @@ def lost_work(
     restored_at: float | None = None,
 ) -> LostWork:
     """The ledger of a restore of ``rows`` (``RowState``: ``rollout_id``, ``model_calls``, ``held_calls``,
-    ``running_calls``).
+    ``running_calls``, ``tool_calls``).
 
     ``continued`` and ``restarted`` are rollout ids as the restore decided them, ``finished`` those
     already in the output (neither lost nor run again).
@@ -109,6 +111,9 @@ def lost_work(
         ledger.model_calls_repeated = repeated_restarted + repeated_held
         ledger.model_calls_repeated_by = {"restarted": repeated_restarted, "held": repeated_held}
         ledger.model_calls_cut = sum(row.running_calls or 0 for row in reported if row.rollout_id in went_on | over)
+    tooled = [row for row in by_id.values() if getattr(row, "tool_calls", None) is not None]
+    if tooled:
+        ledger.tool_calls_repeated = sum(row.tool_calls for row in tooled if row.rollout_id in over)
     ledger.lengths = {
         "continued": _distribution([r.model_calls for r in reported if r.rollout_id in went_on]),
         "restarted": _distribution([r.model_calls for r in reported if r.rollout_id in over]),
