@@ -21,8 +21,8 @@ docs/protocol.md). From it:
 - ``lengths``: the distribution of model calls answered so far (count, min, median, max) of the
   continued and of the restarted rows (restarts hitting the longest rows is the bias to watch).
 
-``tokens_regenerated`` is ``None``: no built-in participant reports tokens per episode (Gym's
-``/v1/responses`` drops the backend's usage).
+``tokens_regenerated`` is ``None``: no built-in participant reports tokens per episode yet (the model
+participant does not read the responses' usage).
 """
 
 from __future__ import annotations
