@@ -209,6 +209,15 @@ def retire(episode_ids: list[EpisodeId]) -> None:
 
 
 @hookspec
+def forgotten(rollout_ids: list[str]) -> None:
+    """The controller forgot these rollouts (their ``/run`` returned): drop what is kept about them for reports.
+
+    Called by ``forget`` after their retired marks were removed, in phase ``idle`` or
+    ``restored``. Must not wait. Raising fails the forget (the marks are already gone).
+    """
+
+
+@hookspec
 def seed_session(episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
     """A resources server seeded the session of ``episode_id``; declare how it checkpoints.
 

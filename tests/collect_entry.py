@@ -3,7 +3,8 @@
 ``python tests/collect_entry.py EVENTS PAUSE_AT -- <collect arguments>``: every checkpointer event
 is appended to EVENTS as a JSON line; at the ``PAUSE_AT``-th occurrence of an event
 (``published:2``; ``-`` never) the line is written and the collector blocks until it is killed (or
-until the test creates ``EVENTS.continue``: it then goes on); a
+until the test creates ``EVENTS.continue``: it then goes on); several points, comma separated
+(``prepare:1,published:1``), each wait for their own ``EVENTS.continue`` (removed as it goes on); a
 ``published`` event counts only when the checkpoint holds rows in flight (``continued``).
 At ``restored`` the environment's boundary of every restored row is logged from the checkpoint,
 so a test can tell which steps a continued row had completed before the crash; at ``resumed``
@@ -29,7 +30,8 @@ from nemo_gym_checkpoint_plugin.cli._where import UsageError
 def main() -> int:
     events_path, pause_at, separator, *argv = sys.argv[1:]
     assert separator == "--"
-    event_name, _, nth = pause_at.partition(":")
+    # One pause point or several, comma separated (``prepare:1,published:1``): each waits for its own go.
+    pauses = {(name, int(nth or 1)) for name, _, nth in (point.partition(":") for point in pause_at.split(","))}
     seen: Counter[str] = Counter()
 
     def log(entry: dict[str, Any]) -> None:
@@ -54,12 +56,15 @@ def main() -> int:
                 for path in sorted(Path(root).glob("collect-*"))
             ]
         log(entry)
-        if event == event_name and seen[event] == int(nth or 1):
-            log({"event": "paused", "at": pause_at})
+        if (event, seen[event]) in pauses:
+            at = f"{event}:{seen[event]}"
+            log({"event": "paused", "at": at})
             go = Path(f"{events_path}.continue")
             while not go.exists():  # until the test SIGKILLs this process, or lets it go on
                 await asyncio.sleep(0.05)  # wait-ok: the test bounds its own wait for what follows
-            log({"event": "continued", "at": pause_at})
+            if len(pauses) > 1:
+                go.unlink()  # the next pause point waits for the test's next go
+            log({"event": "continued", "at": at})
 
     args = build_parser().parse_args(["collect", *argv])
     root = args.checkpoint_dir

@@ -186,6 +186,10 @@ class Participant:
             self.episodes.pop(episode.capture_key, None)
 
     @hookimpl
+    def forgotten(self, rollout_ids: list[str]) -> None:
+        self.calls.append(("forgotten", {"rollout_ids": list(rollout_ids)}))
+
+    @hookimpl
     def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
         self.calls.append(("seed_session", {"episode_id": episode_id.capture_key, "session": dict(session)}))
         return self.seed

@@ -149,3 +149,27 @@ async def test_a_retire_stops_the_attempts_requests_in_flight_before_it_replies(
         assert harness.available(other) is False  # never seeded: only its tool call ran
     finally:
         await servers.aclose()
+
+
+async def test_the_commit_reply_counts_answered_tool_calls_per_episode_until_forgotten_or_retired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    servers = GymServers(tmp_path, monkeypatch, RESOURCES)
+    built = servers.build(ResourcesSessions)
+    try:
+        for key in ("tools", "tools", "tools-a1", "other"):
+            reply = await built.post(f"/ng-rollout/{key}/get_weather", {"city": "San Francisco"})
+            assert reply.status_code == 200, reply.text
+        refused = await built.post("/ng-rollout/bad/get_weather", {"no_city": 1})  # not answered: Gym's 422
+        assert refused.status_code == 422
+        await built.post("/ng-rollout/tools/verify", {})  # a session route, never a tool call
+        exported = built.participant.export(checkpoint_id="ck", scope=frozenset())
+        assert list(exported.records) == []  # the scope is empty; the counts name every episode all the same
+        assert exported.reply_extras == {"answered_tool_calls": {"tools": 2, "tools-a1": 1, "other": 1}}
+        built.participant.forgotten(rollout_ids=["other"])
+        await built.participant.retire(episode_ids=[EpisodeId(rollout_id="tools", attempt=0)])
+        assert built.participant.export(checkpoint_id="ck2", scope=None).reply_extras == {
+            "answered_tool_calls": {"tools-a1": 1}
+        }
+    finally:
+        await servers.aclose()

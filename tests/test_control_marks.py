@@ -249,3 +249,15 @@ async def test_install_error_that_is_typed_keeps_its_code(tmp_path: Path) -> Non
         assert harness.plane.admission.is_open
     finally:
         await close_harness(harness)
+
+
+async def test_hook_forgotten_hears_each_forget_after_its_marks_are_gone(h: Harness) -> None:
+    await h.call("retire", checkpoint_id="r", episode_ids=[wire("r1")])
+    assert await h.call("forget", checkpoint_id="f1", rollout_ids=["r1", "r2"]) == {"forgotten_count": 2}
+    assert h.participant.called("forgotten") == [{"rollout_ids": ["r1", "r2"]}]
+    assert not h.plane.marks.is_retired("r1", 0)
+    # A refused forget (a checkpoint open) tells no plugin anything.
+    h.participant.add("r3")
+    await h.call("prepare", checkpoint_id="c1", deadline_ts=time.time() + 10)
+    await h.error("forget", "invalid_phase", checkpoint_id="c1", rollout_ids=["r3"])
+    assert len(h.participant.called("forgotten")) == 1

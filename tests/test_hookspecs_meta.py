@@ -61,6 +61,7 @@ def test_the_spec_modules_hold_the_hooks_of_the_design() -> None:
         "open_admission",
         "restored_pending",
         "release_exported",
+        "forgotten",
         "status_fields",
         "attach",
         "serving",

@@ -339,3 +339,37 @@ async def test_a_retire_stops_its_calls_concurrently_a_bounded_number_at_a_time(
     assert all(r.cancelled and r.cleanup_done for r in routes)
     await asyncio.gather(*(caller.task for caller in callers))
     assert all(caller.received[0]["status"] == 409 for caller in callers)
+
+
+async def test_the_commit_reply_counts_answered_and_held_calls_per_episode_until_forgotten(calls: ModelCalls) -> None:
+    # Two answered calls of r1 (one of them held by the checkpoint), one of r2-a1, a refused one of r3.
+    for path in ("/ng-rollout/r1/v1/responses", "/ng-rollout/r2-a1/v1/responses"):
+        route = ScriptedRoute([START_JSON, body(b"{}")])
+        caller = Caller(calls, route, path)
+        route.all()
+        await caller.task
+    refused = ScriptedRoute([{**START_JSON, "status": 500}, body(b"{}")])
+    caller = Caller(calls, refused, "/ng-rollout/r3/v1/responses")
+    refused.all()
+    await caller.task
+    route = ScriptedRoute([START_JSON, body(b"{}")])
+    held = Caller(calls, route)
+    await settle()
+    calls.close_admission("ck")
+    route.all()
+    await wait_until(lambda: calls.held == 1, what="the response held")
+    running = Caller(calls, ScriptedRoute([START_JSON, body(b"{}")]), "/ng-rollout/r4/v1/responses")
+    await settle()
+    extras = calls.export(checkpoint_id="ck", scope=frozenset()).reply_extras
+    assert extras == {"answered_calls": {"r1": 2, "r2-a1": 1}, "held_calls": {"r1": 1}, "running_calls": {"r4": 1}}
+    calls.open_admission("ck")
+    await held.task
+    # Forgotten (its /run returned) or retired: nothing kept about the rollout any more.
+    calls.forgotten(rollout_ids=["r1"])
+    await calls.retire(episode_ids=[EpisodeId(rollout_id="r2", attempt=1), EpisodeId(rollout_id="r4", attempt=0)])
+    await running.task
+    assert calls.export(checkpoint_id="ck2", scope=None).reply_extras == {
+        "answered_calls": {},
+        "held_calls": {},
+        "running_calls": {},
+    }

@@ -72,6 +72,7 @@ class ModelCall:
         "attempt",
         "task",
         "held",
+        "answered",
         "started",
         "retired",
         "finished",
@@ -85,6 +86,7 @@ class ModelCall:
         self.attempt = attempt
         self.task: asyncio.Task[Any] | None = None
         self.held = False
+        self.answered = False  # its reply began with a 2xx status: the worker answered it
         self.started = False  # its answer began reaching the caller
         self.retired = False
         self.finished = asyncio.Event()
@@ -138,6 +140,9 @@ class ModelCalls:
         self.served_total = 0
         self.held_total = 0
         self.stopped_total = 0
+        # Model calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
+        # reply's ``answered_calls``); dropped when the rollout is forgotten or retired: it holds rollouts in flight.
+        self._answered: dict[str, dict[int, int]] = {}
 
     def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
         self.server = server
@@ -185,6 +190,13 @@ class ModelCalls:
         self.in_flight -= 1
         self.served_total += 1
         call.finished.set()
+
+    def answered(self, call: ModelCall) -> None:
+        """The call's reply begins with a 2xx status: the worker answered it (held or not)."""
+        call.answered = True
+        if call.rollout_id is not None:
+            attempts = self._answered.setdefault(call.rollout_id, {})
+            attempts[call.attempt] = attempts.get(call.attempt, 0) + 1
 
     async def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): its row is written by now.
@@ -284,12 +296,44 @@ class ModelCalls:
         for call in victims:
             # Those an earlier retire stopped too; a finished call's wait returns at once.
             await call.finished.wait()
+        for episode in episode_ids:
+            attempts = self._answered.get(episode.rollout_id)
+            if attempts is not None:
+                for attempt in [a for a in attempts if a <= episode.attempt]:
+                    del attempts[attempt]
+                if not attempts:
+                    del self._answered[episode.rollout_id]
         if self.cuts is not None:
             self.cuts.retired(episode_ids)
         if self.book is not None:
             freed = self.book.retired(episode_ids)
             if freed:
                 await self.delete_restored(freed)
+
+    @hookimpl
+    def forgotten(self, rollout_ids: list[str]) -> None:
+        for rollout_id in rollout_ids:
+            self._answered.pop(rollout_id, None)
+
+    def ledger_extras(self) -> dict[str, Any]:
+        """The commit reply's ``answered_calls``, ``held_calls`` and ``running_calls`` (per capture key;
+        docs/protocol.md, "Routes", the model participant's commit reply)."""
+        held: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for call in self._calls():
+            key = call.key
+            if key is None:
+                continue
+            if call.held:
+                held[key] = held.get(key, 0) + 1
+            elif not call.answered:
+                running[key] = running.get(key, 0) + 1
+        answered = {
+            capture_key(rollout_id, attempt): count
+            for rollout_id, attempts in self._answered.items()
+            for attempt, count in attempts.items()
+        }
+        return {"answered_calls": answered, "held_calls": held, "running_calls": running}
 
     def _calls(self) -> Iterator[ModelCall]:
         for calls in self._by_rollout.values():
@@ -306,12 +350,11 @@ class ModelCalls:
             # start while the checkpoint is open, so ownership cannot change during the export.
             running = {call.key for call in self._calls() if call.key is not None}
             captured = self.book.export(scope, running)
-        if not cuts:
-            return captured
+        records = captured.records if captured is not None else ()
         return ParticipantExport(
-            records=_with_cuts(captured.records if captured is not None else (), cuts),
+            records=_with_cuts(records, cuts) if cuts else records,
             manifest_extras=captured.manifest_extras if captured is not None else {},
-            reply_extras=captured.reply_extras if captured is not None else {},
+            reply_extras={**(captured.reply_extras if captured is not None else {}), **self.ledger_extras()},
         )
 
     @hookimpl

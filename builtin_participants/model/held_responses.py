@@ -106,6 +106,8 @@ class _Delivery:
             return
         kind = message["type"]
         if kind == "http.response.start":
+            if 200 <= int(message.get("status", 0)) < 300:
+                self._calls.answered(self._call)
             await self._calls.starting(self._call)
             self._kept.append(message)
             if _is_event_stream(message):

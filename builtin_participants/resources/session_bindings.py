@@ -61,10 +61,10 @@ from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state imp
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed, StaleAttempt
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._seeds import seeded_episode
-from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord, SeedDeclaration
 from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class ResourcesSessions:
         self.seed_calls = 0
         self.seeds_by_rollout: OrderedDict[str, int] = OrderedDict()
         self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
+        # Tool calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
+        # reply's ``answered_tool_calls``); dropped when the rollout is forgotten or retired.
+        self._answered_tools: dict[str, dict[int, int]] = {}
         self._restarts: set[str] = set()
         self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
         self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
@@ -160,8 +163,28 @@ class ResourcesSessions:
     def ready(self, checkpoint_id: str | None) -> Readiness:
         return Readiness(restarts=list(self._restarts))
 
+    def tool_answered(self, episode: EpisodeId) -> None:
+        """A tool call of ``episode`` replied 2xx (from the middleware)."""
+        attempts = self._answered_tools.setdefault(episode.rollout_id, {})
+        attempts[episode.attempt] = attempts.get(episode.attempt, 0) + 1
+
     @hookimpl
-    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+    def forgotten(self, rollout_ids: list[str]) -> None:
+        for rollout_id in rollout_ids:
+            self._answered_tools.pop(rollout_id, None)
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
+        # Every episode's answered tool calls, restarts included (docs/protocol.md, the resources participant's
+        # commit reply): the records below hold only the scope's.
+        answered = {
+            capture_key(rollout_id, attempt): count
+            for rollout_id, attempts in self._answered_tools.items()
+            for attempt, count in attempts.items()
+        }
+        return ParticipantExport(records=self._records(scope), reply_extras={"answered_tool_calls": answered})
+
+    def _records(self, scope: frozenset[str] | None) -> list[dict[str, Any]]:
         records: dict[str, dict[str, Any]] = {}
         for session_id, binding in (self._table or {}).items():
             episode_id, task_id = binding
@@ -266,6 +289,13 @@ class ResourcesSessions:
                     stopping.append(request.task)
         if stopping:
             await asyncio.wait(stopping)
+        for episode in episode_ids:
+            attempts = self._answered_tools.get(episode.rollout_id)
+            if attempts is not None:
+                for attempt in [a for a in attempts if a <= episode.attempt]:
+                    del attempts[attempt]
+                if not attempts:
+                    del self._answered_tools[episode.rollout_id]
         for key in [k for k in self._restarts if named.key(k)]:
             self._restarts.discard(key)
         self._installed_state = {k for k in self._installed_state if not named.key(k)}
@@ -315,11 +345,12 @@ class _Request:
 
 
 class _ToolCalls:
-    """Pure ASGI middleware of ``POST /ng-rollout/<key>/...``: count tool calls per rollout, track requests.
+    """Pure ASGI middleware of ``POST /ng-rollout/<key>/...``: count tool calls, track requests.
 
-    Each such request (``/verify``, a tool call) runs in a task of its own, registered by capture
-    key, so a retire can cancel it; one cancelled before its reply started is answered 409
-    ``stale_attempt``. Other requests pass untouched (one split, no body read).
+    Each tool call is counted per rollout, and each one answered 2xx per episode (the ledger's
+    ``answered_tool_calls``). Each such request (``/verify``, a tool call) runs in a task of its
+    own, registered by capture key, so a retire can cancel it; one cancelled before its reply
+    started is answered 409 ``stale_attempt``. Other requests pass untouched (one split, no body read).
     """
 
     def __init__(self, app: Any, sessions: ResourcesSessions) -> None:
@@ -335,18 +366,21 @@ class _ToolCalls:
         if not route:
             await self.app(scope, receive, send)
             return
+        reply = send
         if route not in _SESSION_ROUTES:
             try:
-                rollout = _key_episode(key).rollout_id
+                episode: EpisodeId | None = _key_episode(key)
             except ValueError:
-                rollout = key  # the gate lets an unparsable key through; Gym's routing answers it
-            _count(self.sessions.tool_calls_by_rollout, rollout)
+                episode = None  # the gate lets an unparsable key through; Gym's routing answers it
+            _count(self.sessions.tool_calls_by_rollout, key if episode is None else episode.rollout_id)
+            if episode is not None:
+                reply = _answered(send, self.sessions, episode)
         started = False
 
         async def tracked(message: Any) -> None:
             nonlocal started
             started = True
-            await send(message)
+            await reply(message)
 
         # Registered before the first suspension: a retire marking this attempt after the gate let it in finds it.
         task = asyncio.ensure_future(self.app(scope, receive, tracked))
@@ -372,6 +406,15 @@ async def _refuse(send: Any, key: str, route: str) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def _answered(send: Any, sessions: ResourcesSessions, episode: EpisodeId) -> Any:
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.start" and 200 <= int(message.get("status", 0)) < 300:
+            sessions.tool_answered(episode)
+        await send(message)
+
+    return sending
 
 
 def _restart_warning(server: Any) -> str:

@@ -230,6 +230,9 @@ class Participants:
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
         await _all(self._hook.retire(episode_ids=episode_ids))
 
+    async def forgotten(self, rollout_ids: list[str]) -> None:
+        await _all(self._hook.forgotten(rollout_ids=rollout_ids))
+
     async def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> dict[str, str]:
         """The reply headers every plugin's declaration adds up to (empty: nothing to declare)."""
         declarations = [

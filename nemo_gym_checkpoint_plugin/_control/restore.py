@@ -207,6 +207,7 @@ class Restorer:
             self._check_marks_allowed("forget", checkpoint_id)
             for rollout_id in rollout_ids:
                 self._state.marks.forget(rollout_id)
+            await self._state.participants.forgotten(rollout_ids)
             if self._state.phase is Phase.RESTORED:
                 self._state.lease.extend(deadline_ts)
         return {"forgotten_count": len(rollout_ids)}

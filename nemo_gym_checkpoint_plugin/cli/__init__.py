@@ -42,7 +42,8 @@ from ._collect import add_collect_parser, run_collect
 from ._gc import add_gc_parser, run_gc
 from ._live import run_live
 from ._offline import inspect_checkpoint, verify_checkpoint
-from ._options import add_probe_options
+from ._options import DEFAULT_PAUSE_SHARE, add_probe_options
+from ._options import share as _share
 from ._output import print_error, print_json, table
 from ._scope import CheckpointUnreadable, dir_argument
 from ._where import CONFIG_ENV, TOKEN_ENV, UsageError
@@ -51,8 +52,6 @@ __all__ = ["build_parser", "main"]
 
 USAGE_ERROR = 2
 DEFAULT_WATCH = 2.0
-# ``status --interval``: a checkpoint pausing a server longer than this share of the interval is warned about.
-DEFAULT_PAUSE_SHARE = 0.1
 
 TOKEN_HELP = (
     f"the control token, first match wins: --token-file or --token-env (explicit), else the "
@@ -71,16 +70,6 @@ def _positive(value: str) -> float:
         raise argparse.ArgumentTypeError(f"{value} is not a number of seconds") from None
     if not number > 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
-    return number
-
-
-def _share(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value} is not a number") from None
-    if not 0 < number <= 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a share of the interval (more than 0, at most 1)")
     return number
 
 

@@ -49,7 +49,7 @@ from ._collect_args import add_collect_parser
 from ._collect_drain import Drain
 from ._collect_marks import leftover_marks, marks_refusal, token_arguments
 from ._collect_owner import OwnerKeeper, give_back, resume_left_open, take_deployment
-from ._collect_progress import CollectProgress, collect_summary, summary_table
+from ._collect_progress import CollectProgress, collect_summary, lost_work_line, pause_warning, summary_table
 from ._collect_root import untrusted
 from ._collect_tally import finished_rollouts, tally
 from ._output import print_json
@@ -269,10 +269,15 @@ async def _collect(
             progress.say(f"checkpoint {checkpoint_id} does not verify ({why}); falling back to the one before")
         helper = CheckpointingCollectionHelper()
         tracker = helper.tracker
+        pause_warnings: list[str] = []
 
         async def observed(event: str, data: dict[str, Any]) -> None:
             if event == "resumed":
                 progress.checkpoint_line(data["record"])
+                warning = pause_warning(data["record"], args.checkpoint_every, args.max_pause_share)
+                if warning is not None:
+                    pause_warnings.append(warning)
+                    progress.say(f"warning: {warning}")
             if observe is not None:
                 outcome = observe(event, data)
                 if asyncio.iscoroutine(outcome):
@@ -302,6 +307,8 @@ async def _collect(
                 plan.attempts,
                 restored=[capture_key(rollout_id, plan.attempts[rollout_id]) for rollout_id in plan.continued],
             )
+            if plan.lost_work is not None:
+                progress.say(lost_work_line(plan.lost_work.to_json()))
             progress.say(
                 f"restored {len(plan.continued)} rows from {state.checkpoint_id} in {plan.restore_s:.2f}s; "
                 f"{len(plan.restarted)} start over"
@@ -364,6 +371,7 @@ async def _collect(
         # twice, a row whose attempt lived elsewhere all show here (_collect_tally.py).
         outcome = tally(collection)
         summary = collect_summary(root, helper, checkpointer, plan, outcome, time.monotonic() - started, drain)
+        summary["pause_warnings"] = pause_warnings
         print(summary_table(summary), file=sys.stderr)
         if outcome.terminal:
             progress.say(

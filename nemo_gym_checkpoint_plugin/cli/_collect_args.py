@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ._collect_drain import DEFAULT_DRAIN_BUDGET
-from ._options import add_probe_options
+from ._options import DEFAULT_PAUSE_SHARE, add_probe_options, share
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_KEEP", "add_collect_parser"]
 
@@ -83,6 +83,14 @@ def add_collect_parser(
         help=f"on SIGTERM (a preemption notice), seconds to prepare, commit and publish one last checkpoint "
         f"before stopping (default {DEFAULT_DRAIN_BUDGET:g}); exit 0 with the --resume line when it is "
         "published, 1 when the budget ends or a second SIGTERM comes first (nothing of it published)",
+    )
+    parser.add_argument(
+        "--max-pause-share",
+        type=share,
+        default=DEFAULT_PAUSE_SHARE,
+        metavar="FRACTION",
+        help="warn when a checkpoint kept the deployment paused longer than this share of --checkpoint-every "
+        f"(default {DEFAULT_PAUSE_SHARE:g}; status --max-pause-share's rule)",
     )
     parser.add_argument(
         "--checkpoint-timeout",

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ._output import console, table
 
-__all__ = ["CollectProgress", "collect_summary", "summary_table"]
+__all__ = ["CollectProgress", "collect_summary", "lost_work_line", "pause_warning", "summary_table"]
 
 
 class CollectProgress:
@@ -91,6 +91,46 @@ class CollectProgress:
         self.update()
 
 
+def pause_warning(record: Any, every: float, share: float) -> str | None:
+    """A checkpoint that kept the deployment paused longer than ``share`` of ``every`` (status's rule), or None."""
+    allowed = share * every
+    if record.paused_s <= allowed:
+        return None
+    return (
+        f"checkpoint {record.checkpoint_id} kept the deployment paused {record.paused_s:.2f}s, more than "
+        f"{share:g} of the {every:g}s interval ({allowed:.2f}s)"
+    )
+
+
+def _length(lengths: dict[str, Any] | None) -> str:
+    if not lengths:
+        return "none"
+    return f"{lengths['count']} (model calls min {lengths['min']}, median {lengths['median']:g}, max {lengths['max']})"
+
+
+def lost_work_line(ledger: dict[str, Any]) -> str:
+    """The ledger of a restore in one line (``collect``'s resume and its summary)."""
+    repeated = ledger["model_calls_repeated"]
+    since = ledger["since_checkpoint_s"]
+    lengths = ledger.get("lengths") or {}
+    return (
+        f"lost work: {ledger['rollouts_lost']} rows lost, {ledger['rollouts_continued']} continued, "
+        f"{ledger['rollouts_restarted']} restarted; "
+        + (
+            "model calls not reported"
+            if repeated is None
+            else f"{repeated} model calls run again, {ledger.get('model_calls_cut') or 0} cut while running"
+        )
+        + (
+            ""
+            if ledger.get("tool_calls_repeated") is None
+            else f"; {ledger['tool_calls_repeated']} tool calls run again"
+        )
+        + ("" if since is None else f"; {since:.1f}s since checkpoint {ledger['checkpoint_id']}")
+        + f"; continued {_length(lengths.get('continued'))}, restarted {_length(lengths.get('restarted'))}"
+    )
+
+
 def _drained(drain: dict[str, Any] | None) -> str | None:
     if drain is None:
         return None
@@ -121,6 +161,8 @@ def summary_table(summary: dict[str, Any]) -> str:
             "restore",
             f"{summary['restore_s']:.2f}s from {summary['restored_from']}" if summary["restored_from"] else None,
         ],
+        ["lost work", lost_work_line(summary["lost_work"]) if summary.get("lost_work") else None],
+        ["pause warnings", len(summary.get("pause_warnings") or ()) or None],
         ["fallbacks", "; ".join(f"{cid}: {why}" for cid, why in summary["fallbacks"]) or None],
         ["rollouts forgotten", summary["forgotten"]],
         ["stopped on SIGTERM", _drained(summary.get("drain"))],
@@ -157,4 +199,5 @@ def collect_summary(
         "elapsed_s": round(elapsed, 3),
         "checkpoint_dir": str(root),
         "drain": drain.to_json(),
+        "lost_work": plan.lost_work.to_json() if plan.lost_work is not None else None,
     }

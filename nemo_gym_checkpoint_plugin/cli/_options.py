@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["add_probe_options"]
+__all__ = ["DEFAULT_PAUSE_SHARE", "add_probe_options", "share"]
+
+# The share of the checkpoint interval a checkpoint may pause the deployment before status and collect warn.
+DEFAULT_PAUSE_SHARE = 0.1
+
+
+def share(value: str) -> float:
+    """``--max-pause-share``'s type: more than 0, at most 1."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value} is not a number") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a share of the interval (more than 0, at most 1)")
+    return number
 
 
 def add_probe_options(group: Any, positive: Callable[[str], float]) -> None:

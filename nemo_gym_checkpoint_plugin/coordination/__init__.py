@@ -50,6 +50,7 @@ from ._discovery import (
     token_from_config,
 )
 from ._errors import UNRESOLVED_ADDRESS, CoordinationError, ParticipantFailure
+from ._ledger import LostWork, ledger_counts, lost_work
 from ._order import KINDS, DefaultCoordinationOrder, default_order, stages_for
 from ._results import CommitResult, PrepareResult, RestoreResult, capture_key, wire_episode_id
 from ._transport import ControlTransport, Endpoint, encode_body
@@ -81,6 +82,7 @@ __all__ = [
     "DefaultCoordinationOrder",
     "Coordinator",
     "Endpoint",
+    "LostWork",
     "Participant",
     "ParticipantFailure",
     "PrepareResult",
@@ -94,7 +96,9 @@ __all__ = [
     "encode_body",
     "forget",
     "is_run_call",
+    "ledger_counts",
     "load_config",
+    "lost_work",
     "prepare",
     "renew",
     "restore",

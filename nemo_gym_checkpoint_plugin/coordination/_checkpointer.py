@@ -18,7 +18,7 @@
 
 ``observe(event, data)`` (optional, may be async) is called at each step: ``prepare``,
 ``prepared``, ``committed``, ``records``, ``published``, ``resumed``, ``restored``,
-``restore_failed``, ``retired``, ``forgot``, ``skipped``; progress displays and tests hook there.
+``restore_failed``, ``retired``, ``lost_work``, ``forgot``, ``skipped``; progress displays and tests hook there.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ._collection import RunTracker
 from ._collector_state import CheckpointStore, CollectorState, RowState
 from ._coordinator import Coordinator
 from ._errors import CoordinationError
+from ._ledger import LostWork, ledger_counts, lost_work
 
 __all__ = ["CheckpointRecord", "CollectionCheckpointer", "RestorePlan"]
 
@@ -74,6 +75,8 @@ class RestorePlan:
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
     # Restarts and uncaptured rows retired everywhere at their checkpointed attempt, sent as the next one.
     retired: list[str] = field(default_factory=list)
+    # What the crash cost (coordination._ledger), once the restore decided every row.
+    lost_work: LostWork | None = None
 
 
 class CollectionCheckpointer:
@@ -249,11 +252,26 @@ class CollectionCheckpointer:
         written: set[str] = set()
         for keys in now.committed.episode_ids.values():
             written.update(keys)
+        counts = ledger_counts(now.committed.replies)
+        answered, held, running = counts["answered_calls"], counts["held_calls"], counts["running_calls"]
+        tools = counts["answered_tool_calls"]
+        reported = any("answered_calls" in reply for reply in now.committed.replies.values())
+        tools_reported = any("answered_tool_calls" in reply for reply in now.committed.replies.values())
         rows = []
         for rollout_id, attempt in in_flight.items():
             key = capture_key(rollout_id, attempt)
             row_state = "restart" if key in restarts else "continued" if key in written else "uncaptured"
-            rows.append(RowState(rollout_id, attempt, row_state))
+            rows.append(
+                RowState(
+                    rollout_id,
+                    attempt,
+                    row_state,
+                    model_calls=answered.get(key, 0) if reported else None,
+                    held_calls=held.get(key, 0) if reported else None,
+                    running_calls=running.get(key, 0) if reported else None,
+                    tool_calls=tools.get(key, 0) if tools_reported else None,
+                )
+            )
         rows.extend(carried)
         record.continued = sum(1 for r in rows if r.state == "continued")
         record.restarts = sum(1 for r in rows if r.state == "restart")
@@ -269,6 +287,8 @@ class CollectionCheckpointer:
             timings={
                 "prepare_s": round(now.prepare_s, 6),
                 "commit_s": round(time.monotonic() - now.commit_started, 6),
+                # Wall clock: the ledger's time since the last published checkpoint, read by another process.
+                "published_at": round(time.time(), 3),
             },
         )
         digest, count = await asyncio.to_thread(self.store.write_records, state)
@@ -318,6 +338,16 @@ class CollectionCheckpointer:
                     attempt - 1,
                     "uncaptured" if row_state == "continued" else row_state,
                 )
+        plan.lost_work = lost_work(
+            state.checkpoint_id,
+            state.rows,
+            plan.continued,
+            plan.restarted,
+            done,
+            published_at=state.timings.get("published_at"),
+            restored_at=time.time(),
+        )
+        await self._emit("lost_work", checkpoint=state.checkpoint_id, ledger=plan.lost_work.to_json())
         return plan
 
     async def retire_starting_over(self, rows: list[RowState], plan: RestorePlan) -> None:

@@ -67,9 +67,23 @@ class RowState:
     rollout_id: str
     attempt: int
     state: str
+    # The lost-work ledger's figures (coordination._ledger): model calls answered so far, responses held and
+    # calls still running at the checkpoint, as the model participants' commit replies said, and tool calls
+    # answered, as the resources participants' said; None: none did.
+    model_calls: int | None = None
+    held_calls: int | None = None
+    running_calls: int | None = None
+    tool_calls: int | None = None
 
     def record(self) -> dict[str, Any]:
-        return {"episode_id": episode_to_wire(self), "state": self.state}
+        record: dict[str, Any] = {"episode_id": episode_to_wire(self), "state": self.state}
+        if self.model_calls is not None:
+            record["model_calls"] = self.model_calls
+            record["held_calls"] = self.held_calls or 0
+            record["running_calls"] = self.running_calls or 0
+        if self.tool_calls is not None:
+            record["tool_calls"] = self.tool_calls
+        return record
 
 
 @dataclass
@@ -321,7 +335,17 @@ class CheckpointStore:
             if record.get("state") not in ROW_STATES:
                 raise InvalidCheckpointState(f"{directory}: record {number} ({key}) has state {record.get('state')!r}")
             episode = record["episode_id"]
-            rows.append(RowState(episode["rollout_id"], episode["attempt"], record["state"]))
+            rows.append(
+                RowState(
+                    episode["rollout_id"],
+                    episode["attempt"],
+                    record["state"],
+                    model_calls=_count(record.get("model_calls")),
+                    held_calls=_count(record.get("held_calls")),
+                    running_calls=_count(record.get("running_calls")),
+                    tool_calls=_count(record.get("tool_calls")),
+                )
+            )
         index = check_participants_index(path)
         if index is None:
             raise InvalidCheckpointState(f"{path}: no gym/participants.json: the deployment's commit never finished")
@@ -404,3 +428,8 @@ def identity_mismatch(recorded: Mapping[str, Any], current: Mapping[str, Any]) -
             f"its participants were {recorded.get('participants')}, this deployment has {current.get('participants')}"
         )
     return "; ".join(problems) or None
+
+
+def _count(value: Any) -> int | None:
+    """A ledger count of a row record (None: absent, or not a count: the ledger then leaves it out)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
