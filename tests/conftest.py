@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import uuid
@@ -23,6 +24,34 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The testing kit's fixtures (gym_deployment, gym_deployment_factory), as a participant's own tests load them.
 pytest_plugins = ["nemo_gym_checkpoint_plugin.testing.pytest_plugin"]
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> Iterator[None]:
+    """Every logger's handlers and level as before the test.
+
+    Tests that parse a Gym config in process run Hydra's job logging (a root handler on the stream
+    pytest captured for that test, and a file handler), and in-process uvicorn adds handlers of its
+    own; left in place, a later test's log line meets a closed stream ("--- Logging error ---" on
+    its stderr), so a test's outcome would depend on which ran before it.
+    """
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    saved = {id(lg): (lg, lg.handlers[:], lg.level) for lg in loggers}
+    yield
+    for lg in [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]:
+        before = saved.get(id(lg))
+        handlers, level = (before[1], before[2]) if before is not None else ([], logging.NOTSET)
+        for handler in lg.handlers:
+            if handler not in handlers:
+                handler.close()
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
 
 
 @pytest.fixture(scope="session")
