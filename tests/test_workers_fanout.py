@@ -8,23 +8,29 @@ routes would and checks what each worker's participant and gate state saw.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from control_support import Gate, deadline, wait_until
+from control_support import Gate, deadline, wait_until, wire
 from workers_support import TIMEOUT, Cluster
 
-from nemo_gym_checkpoint_plugin._errors import AttemptRunning, ExportFailed, InvalidPhase
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, ExportFailed, InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import episode_id, from_capture_key
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import RestoredRecord
 
 
 @pytest.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     made = Cluster(3)
-    await made.start(101, 102, 103)
-    yield made
-    await made.aclose()
+    try:
+        await made.start(101, 102, 103)
+        yield made
+    finally:
+        await made.aclose()
 
 
 def _ids(*keys: str) -> list:
@@ -197,3 +203,52 @@ async def test_a_worker_that_never_answers_blocks_readiness_naming_it(cluster: C
     assert report.blockers == ()
     assert [b.split(":")[0] for b in report.worker_blockers] == ["worker 103 did not answer ready"]
     hold.set()
+
+
+class Verifier:
+    """A third-party plugin on every worker: one record per episode it saw, tagged with its name by the worker."""
+
+    def __init__(self, keys: tuple[str, ...] = ()) -> None:
+        self.keys = keys
+        self.installed: list[RestoredRecord] = []
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+        return [{"episode_id": wire(key), "verdict": "pass"} for key in self.keys]
+
+    @hookimpl
+    def install(self, checkpoint_id: str, manifest: Any, records: list[RestoredRecord]) -> None:
+        self.installed.extend(records)
+
+
+async def test_third_party_records_keep_their_owner_across_the_coordinator(tmp_path: Path) -> None:
+    source = Cluster(2)
+    target = Cluster(2)
+    lacking = Cluster(2)
+    try:
+        await source.start()
+        await source.worker(101, named={"verifier": Verifier(("e1",))})
+        await source.worker(102, named={"verifier": Verifier()})
+        await _checkpoint(source, tmp_path, "e1")
+        records = [json.loads(line) for f in tmp_path.rglob("records-*.jsonl") for line in f.read_text().splitlines()]
+        assert sorted(r.get("plugin", "own") for r in records) == ["own", "verifier"]
+
+        verifiers = {pid: Verifier() for pid in (201, 202)}
+        await target.start()
+        for pid, verifier in verifiers.items():
+            await target.worker(pid, named={"verifier": verifier})
+        await target.plane.restore("rs", deadline(), str(tmp_path), _ids("e1"))
+        assert await target.workers[202].claim(episode_id("e1", 1)) is True
+        # Each plugin of the claiming worker gets its own record only.
+        assert [r.record["verdict"] for r in verifiers[202].installed] == ["pass"]
+        assert "verdict" not in target.participants[202].episodes["e1-a1"]
+        assert verifiers[201].installed == []
+
+        await lacking.start()
+        await lacking.worker(301, named={"verifier": Verifier()})
+        await lacking.worker(302)
+        with pytest.raises(InvalidCheckpointState, match="worker 302"):
+            await lacking.plane.restore("rs", deadline(), str(tmp_path), _ids("e1"))
+    finally:
+        for cluster in (source, target, lacking):
+            await cluster.aclose()

@@ -41,9 +41,11 @@ class Cluster:
         for pid in pids:
             await self.worker(pid)
 
-    async def worker(self, pid: int) -> Worker:
+    async def worker(self, pid: int, named: dict[str, Any] | None = None) -> Worker:
+        """Start worker ``pid`` with its own ``Participant`` and the third-party plugins ``named``."""
         participant = Participant()
-        worker = Worker(make_plugin_manager([participant], load_entry_points=False), pid=pid, call_timeout=TIMEOUT)
+        pm = make_plugin_manager([participant], load_entry_points=False, named_plugins=named)
+        worker = Worker(pm, pid=pid, call_timeout=TIMEOUT)
         await worker.start(self.path)
         self.workers[pid] = worker
         self.participants[pid] = participant

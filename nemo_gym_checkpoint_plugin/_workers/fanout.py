@@ -12,7 +12,9 @@ makes the workers follow:
 - ``export`` is the union of every worker's records and the unclaimed restored ones;
   ``export_failed`` when a worker was lost during the checkpoint or its export failed;
 - ``install`` holds the restored records here until a worker claims one, and relays the
-  restore's marks to every worker;
+  restore's marks to every worker. This plugin is a relay (``facade.RELAY_ATTRIBUTE``): the
+  records of a worker's third-party plugins keep the owner the worker's facade tagged, a restore
+  hands all of them here, and every worker must install each record's plugin (checked first);
 - ``retire`` sends the marks to every worker first, then has every worker stop and free the
   attempts, and returns when all did (a worker that is gone has stopped); ``forgotten`` is relayed.
 
@@ -26,10 +28,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_checkpoint_plugin._errors import CheckpointError, ExportFailed
+from nemo_gym_checkpoint_plugin._control.facade import OWNER_FIELD, RelayedExport
+from nemo_gym_checkpoint_plugin._errors import CheckpointError, ExportFailed, InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord, merge_readiness
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, merge_readiness
 
 from . import messages as m
 from .link import LinkClosed
@@ -88,6 +91,9 @@ def _detail(failure: Exception) -> str:
 
 class WorkersParticipant:
     """The participant hooks of a server with several workers (see the module docstring)."""
+
+    # facade.RELAY_ATTRIBUTE: the workers' facades tag third-party records and split them on install.
+    relays_worker_plugins = True
 
     def __init__(self, coordinator: Coordinator) -> None:
         self._c = coordinator
@@ -186,7 +192,7 @@ class WorkersParticipant:
             )
 
     @hookimpl
-    async def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
+    async def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> RelayedExport:
         self._lost(checkpoint_id)
         body = {"checkpoint_id": checkpoint_id, "scope": None if scope is None else sorted(scope)}
         answers = await self._all(m.EXPORT, body, work=True)
@@ -210,7 +216,7 @@ class WorkersParticipant:
             extras = merge_extras([reply["reply_extras"] for reply in replies])
         except ValueError as exc:
             raise ExportFailed(f"the export of {checkpoint_id}: {exc}") from None
-        return ParticipantExport(records=records, manifest_extras=manifest, reply_extras=extras)
+        return RelayedExport(records=records, manifest_extras=manifest, reply_extras=extras)
 
     @hookimpl
     async def release_exported(self, checkpoint_id: str, episode_keys: list[str]) -> None:
@@ -238,6 +244,17 @@ class WorkersParticipant:
     async def install(
         self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
     ) -> None:
+        owners = sorted({str(r.record[OWNER_FIELD]) for r in records if r.record.get(OWNER_FIELD) is not None})
+        if owners:
+            # Before anything is held: every worker must have each record's plugin, whichever claims it.
+            answers = await self._everywhere(m.CHECK_OWNERS, {"owners": owners})
+            for name, missing in sorted(answers.replies.items()):
+                if missing:
+                    raise InvalidCheckpointState(
+                        f"restore {checkpoint_id}: records belong to plugin(s) {', '.join(missing)}, "
+                        f"which {name} does not install",
+                        plugin=missing[0],
+                    )
         # Every worker refuses the checkpointed attempts before any replacement can arrive at one.
         checkpointed = [[episode.rollout_id, episode.attempt - 1] for episode in scope]
         await self._everywhere(m.MARK, {"episodes": checkpointed})

@@ -14,6 +14,7 @@ from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_id
 from nemo_gym_checkpoint_plugin._types import PrepareReport, Readiness, RestoredRecord
 
 __all__ = [
+    "CHECK_OWNERS",
     "CLAIM",
     "CLOSE_ADMISSION",
     "DELETE_RESTORED",
@@ -50,6 +51,7 @@ DELETE_RESTORED = "delete_restored"
 MARK = "mark"
 RETIRE = "retire"
 FORGET = "forget"
+CHECK_OWNERS = "check_owners"
 # Worker -> coordinator (besides ``register``, roster.py).
 CLAIM = "claim"
 UNCLAIM = "unclaim"

@@ -12,7 +12,8 @@ a checkpoint), before it answers any of the coordinator's calls:
   returned), ``export`` (the records, materialized off the loop, and the extras);
 - ``mark`` (the marks only: they reach every worker before any stops work), ``retire`` (mark,
   stop and free, then wait until requests parked under those attempts were answered), ``forget``;
-- ``restored_pending``, ``delete_restored``, ``release_exported``.
+- ``restored_pending``, ``delete_restored``, ``release_exported``; ``check_owners`` (which of
+  the named record owners no local plugin installs).
 
 A hook that raises a protocol refusal makes the coordinator's call raise the same refusal
 (``link.py``); anything else is a ``LinkRemoteError`` there. ``claim`` asks the coordinator for
@@ -212,6 +213,8 @@ class Worker:
                 self.marks.forget(rollout_id)
             await self.participants.forgotten(rollout_ids)
             return len(rollout_ids)
+        if op == m.CHECK_OWNERS:
+            return self.participants.missing_owners(str(owner) for owner in args["owners"])
         if op == m.RESTORED_PENDING:
             return sorted(await self.participants.restored_pending())
         if op == m.DELETE_RESTORED:
