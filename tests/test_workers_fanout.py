@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from workers_support import TIMEOUT, Cluster
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning, ExportFailed, InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import episode_id, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._storage.codec import decode_line
 from nemo_gym_checkpoint_plugin._types import RestoredRecord
 
 
@@ -252,3 +254,48 @@ async def test_third_party_records_keep_their_owner_across_the_coordinator(tmp_p
     finally:
         for cluster in (source, target, lacking):
             await cluster.aclose()
+
+
+async def test_records_cross_the_link_unchanged(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.participants[103].episodes["r1"] = {"episode_id": wire("r1"), "nan": math.nan, "big": 2**70, "neg": -0.0}
+    assert (await cluster.plane.prepare("c1", deadline()))["phase"] == "prepared"
+    await cluster.plane.commit("c1", deadline(), str(tmp_path), None)
+    (records_file,) = tmp_path.rglob("records-*.jsonl")
+    (record,) = [decode_line(line) for line in records_file.read_bytes().splitlines()]
+    assert math.isnan(record["nan"]) and record["big"] == 2**70
+    assert math.copysign(1.0, record["neg"]) == -1.0
+
+
+async def test_a_failed_local_install_gives_the_record_back(tmp_path: Path) -> None:
+    source = Cluster(2)
+    target = Cluster(2)
+    try:
+        await source.start(101, 102)
+        await _checkpoint(source, tmp_path, "e1", "e2")
+        await target.start(201, 202)
+        await target.plane.restore("rs", deadline(), str(tmp_path), _ids("e1", "e2"))
+        target.participants[201].install_error = InvalidCheckpointState("worker 201 refuses it")
+        with pytest.raises(InvalidCheckpointState, match="refuses"):
+            await target.workers[201].claim(episode_id("e1", 1))
+        assert await target.workers[202].claim(episode_id("e1", 1)) is True
+        # A commit whose scope leaves the unclaimed e2-a1 out deletes it from the coordinator.
+        await target.plane.resume("rs", deadline())
+        assert (await target.plane.prepare("c2", deadline()))["phase"] == "prepared"
+        await target.plane.commit("c2", deadline(), str(tmp_path / "again"), _ids("e1-a1"))
+        await wait_until(lambda: target.coordinator.restored.pending() == set(), TIMEOUT, "e2-a1 deleted")
+        assert await target.workers[201].claim(episode_id("e2", 1)) is False
+    finally:
+        await source.aclose()
+        await target.aclose()
+
+
+async def test_a_workers_plain_failure_fails_the_retire_naming_it(cluster: Cluster) -> None:
+
+    async def broken(episode_ids: list[Any]) -> None:
+        raise RuntimeError("cannot stop it")
+
+    cluster.workers[102].participants.retire = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"worker 102: .*cannot stop it"):
+        await cluster.plane.retire("x", deadline(), _ids("r1"))
+    for worker in cluster.workers.values():
+        assert worker.marks.is_retired("r1", 0)  # the marks stay
