@@ -2,7 +2,7 @@
 
 ``Coordinator(expected)`` listens (``serve``) on a Unix socket in the runtime directory; each
 worker connects and registers (``worker.py``). The main process's ``ControlPlane`` holds
-``coordinator.participant`` (``fanout.py``) as its one participant plugin, which fans every hook
+``Coordinator.participant`` (``fanout.py``) as its one participant plugin, which fans every hook
 out over the roster; ``bind`` hands the coordinator the plane's admission and marks, so that
 
 - a worker registering gets the plane's marks and, while a checkpoint or restore is active,

@@ -12,7 +12,7 @@ makes the workers follow:
 - ``export`` is the union of every worker's records and the unclaimed restored ones;
   ``export_failed`` when a worker was lost during the checkpoint or its export failed;
 - ``install`` holds the restored records here until a worker claims one, and relays the
-  restore's marks to every worker. This plugin is a relay (``facade.RELAY_ATTRIBUTE``): the
+  restore's marks to every worker. This plugin is a relay (``_control.facade.RELAY_ATTRIBUTE``): the
   records of a worker's third-party plugins keep the owner the worker's facade tagged, a restore
   hands all of them here, and every worker must install each record's plugin (checked first);
 - ``retire`` sends the marks to every worker first, then has every worker stop and free the

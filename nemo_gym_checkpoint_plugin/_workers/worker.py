@@ -19,7 +19,7 @@ A hook that raises a protocol refusal makes the coordinator's call raise the sam
 (``link.py``); anything else is a ``LinkRemoteError`` there. ``claim`` asks the coordinator for
 the restored record of a replacement attempt this worker received and installs it locally (one
 owner: a record another worker claimed is refused ``attempt_running``). The first data request
-the gate sees (``admission.served``) is reported to the coordinator, which then refuses restores.
+the gate sees (``Admission.served``) is reported to the coordinator, which then refuses restores.
 
 Not wired into uvicorn yet (docs/protocol.md, section 9a).
 """
