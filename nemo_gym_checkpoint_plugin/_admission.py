@@ -37,6 +37,9 @@ class Admission:
         # Set by the gate at the first data request: a server that served episodes refuses a restore
         # (docs/protocol.md "Phases": what it holds may belong to live episodes).
         self.served = False
+        # Why a restore is refused even if nothing was served here (a server with several workers one of
+        # which left: what it held may still be referred to); None: no such reason.
+        self.restore_refusal: str | None = None
 
     @property
     def is_open(self) -> bool:
@@ -113,6 +116,10 @@ class RetiredMarks:
         participant holding thousands of marks keeps a small reply (``retired_rollouts`` counts all).
         """
         return {rollout_id: self._marks[rollout_id] for rollout_id in heapq.nsmallest(limit, self._marks)}
+
+    def snapshot(self) -> dict[str, int]:
+        """Every mark (rollout id -> highest retired attempt): what a worker registering late starts with."""
+        return dict(self._marks)
 
     def forget(self, rollout_id: str) -> bool:
         """Remove the mark; returns whether there was one."""

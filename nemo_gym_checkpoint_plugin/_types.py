@@ -76,12 +76,16 @@ class Readiness:
     """One plugin's answer to ``ready``: what blocks a checkpoint right now, and what cannot be captured.
 
     ``blockers`` and ``restarts`` are capture keys; ``counts`` are free-form tallies
-    (``{"in_flight": 3}``) summed across plugins.
+    (``{"in_flight": 3}``) summed across plugins. ``worker_blockers`` block like ``blockers`` but
+    are not episodes: what keeps a server with several workers from being ready (``worker 4242
+    disconnected during step-3``, ``worker not registered (3 of 4), #1``); reported apart
+    (``worker_blockers`` on the wire) so ``blockers`` stays a list of capture keys.
     """
 
     blockers: Collection[str] = ()
     restarts: Collection[str] = ()
     counts: Mapping[str, int] = field(default_factory=dict)
+    worker_blockers: Collection[str] = ()
 
 
 @dataclass(frozen=True)
@@ -91,35 +95,42 @@ class PrepareReport:
     blockers: tuple[str, ...]
     restarts: tuple[str, ...]
     counts: Mapping[str, int]
+    worker_blockers: tuple[str, ...] = ()
 
     @property
     def ready(self) -> bool:
         # Restarts never block: they run through the checkpoint and are never exported.
-        return not self.blockers
+        return not self.blockers and not self.worker_blockers
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "ready": self.ready,
             "blockers": list(self.blockers[:MAX_REPORTED_BLOCKERS]),
             "blocker_count": len(self.blockers),
             "counts": dict(self.counts),
             "restarts": list(self.restarts),
         }
+        if self.worker_blockers:
+            # Only a server with several workers has them: every other report keeps its exact shape.
+            wire["worker_blockers"] = list(self.worker_blockers[:MAX_REPORTED_BLOCKERS])
+        return wire
 
 
 def merge_readiness(answers: Iterable[Readiness | None]) -> PrepareReport:
     """Union of blockers and restarts (sorted, so reports are stable), sum of counts."""
     blockers: set[str] = set()
     restarts: set[str] = set()
+    workers: set[str] = set()
     counts: dict[str, int] = {}
     for answer in answers:
         if answer is None:
             continue
         blockers.update(answer.blockers)
         restarts.update(answer.restarts)
+        workers.update(answer.worker_blockers)
         for name, value in answer.counts.items():
             counts[name] = counts.get(name, 0) + value
-    return PrepareReport(tuple(sorted(blockers)), tuple(sorted(restarts)), counts)
+    return PrepareReport(tuple(sorted(blockers)), tuple(sorted(restarts)), counts, tuple(sorted(workers)))
 
 
 @dataclass

@@ -82,13 +82,13 @@ async def test_a_late_registrant_gets_the_current_marks_and_admission(coordinato
 
 async def test_workers_not_registered_block_readiness(coordinator: Coordinator) -> None:
     report = coordinator.roster.readiness("c1")
-    assert list(report.blockers) == [f"worker not registered (0 of 3), #{i}" for i in (1, 2, 3)]
+    assert list(report.worker_blockers) == [f"worker not registered (0 of 3), #{i}" for i in (1, 2, 3)]
     await coordinator.worker(101)
     await coordinator.worker(102)
-    assert list(coordinator.roster.readiness("c1").blockers) == ["worker not registered (2 of 3), #1"]
+    assert list(coordinator.roster.readiness("c1").worker_blockers) == ["worker not registered (2 of 3), #1"]
     await coordinator.worker(103)
     report = coordinator.roster.readiness("c1")
-    assert list(report.blockers) == []
+    assert list(report.worker_blockers) == []
     assert report.counts == {"workers": 3}
 
 
@@ -100,11 +100,11 @@ async def test_a_worker_lost_during_a_checkpoint_blocks_it_for_good(coordinator:
     await coordinator.until(lambda: "worker 102" in coordinator.roster.left)
     assert coordinator.roster.lost_during("c1") == ("worker 102",)
     await coordinator.worker(104)  # its replacement never saw admission close for c1
-    assert list(coordinator.roster.readiness("c1").blockers) == ["worker 102 disconnected during c1"]
+    assert list(coordinator.roster.readiness("c1").worker_blockers) == ["worker 102 disconnected during c1"]
     coordinator.roster.end("c1")
     assert coordinator.roster.lost_during("c1") == ()
     # The next checkpoint is not blocked by it, but the server remembers a worker left (restore refusal).
-    assert list(coordinator.roster.readiness("c2").blockers) == []
+    assert list(coordinator.roster.readiness("c2").worker_blockers) == []
     assert coordinator.roster.left == ("worker 102",)
 
 
@@ -113,9 +113,9 @@ async def test_a_worker_lost_while_idle_blocks_only_until_replaced(coordinator: 
         await coordinator.worker(pid)
     await coordinator.workers[0].aclose()
     await coordinator.until(lambda: coordinator.roster.left == ("worker 101",))
-    assert list(coordinator.roster.readiness("c1").blockers) == ["worker not registered (2 of 3), #1"]
+    assert list(coordinator.roster.readiness("c1").worker_blockers) == ["worker not registered (2 of 3), #1"]
     await coordinator.worker(104)
-    assert list(coordinator.roster.readiness("c1").blockers) == []
+    assert list(coordinator.roster.readiness("c1").worker_blockers) == []
     assert coordinator.roster.lost_during("c1") == ()
 
 

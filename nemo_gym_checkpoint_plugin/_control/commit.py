@@ -231,9 +231,10 @@ class Committer:
         now = await self._state.participants.ready(checkpoint_id)
         if not now.ready:
             # Final (docs/protocol.md "Errors"): a later retry would export a later cut than the other participants'.
+            named = [*now.worker_blockers, *now.blockers]
             active.export_error = ExportFailed(
-                f"readiness of {checkpoint_id} regressed since prepare: {len(now.blockers)} blocker(s) "
-                f"({', '.join(now.blockers[:10])}); the checkpoint is over: resume it and prepare a new id",
+                f"readiness of {checkpoint_id} regressed since prepare: {len(named)} blocker(s) "
+                f"({', '.join(named[:10])}); the checkpoint is over: resume it and prepare a new id",
                 blockers=list(now.blockers[:100]),
             )
             raise active.export_error

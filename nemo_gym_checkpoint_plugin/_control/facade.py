@@ -28,12 +28,30 @@ from nemo_gym_checkpoint_plugin._wire import RESTART_HEADER, VERIFY_HEADER
 
 from .._types import ParticipantExport, PrepareReport, Readiness, RestoredRecord, SeedDeclaration, merge_readiness
 
-__all__ = ["OWNER_FIELD", "Participants", "maybe_awaitable", "merge_exports", "third_party_names"]
+__all__ = [
+    "OWNER_FIELD",
+    "RELAY_ATTRIBUTE",
+    "Participants",
+    "RelayedExport",
+    "maybe_awaitable",
+    "merge_exports",
+    "third_party_names",
+]
 
 logger = logging.getLogger(__name__)
 
 # The record field naming a third-party plugin that exported it (absent: the participant's own plugins).
 OWNER_FIELD = "plugin"
+
+# A plugin object with this attribute true relays other processes' plugins (the coordinator of a server
+# with several workers, ``_workers/fanout.py``): its records keep the owners the workers tagged, and a
+# restore hands it every record (the workers' own facades split them by owner when they install).
+RELAY_ATTRIBUTE = "relays_worker_plugins"
+
+
+class RelayedExport(ParticipantExport):
+    """A relay's export: records already owned (tagged by the facade of the process that made them)."""
+
 
 # Without any wait_ready implementation, prepare re-asks ready this often (only while preparing).
 POLL_SECONDS = 0.02
@@ -103,6 +121,8 @@ def _tagged_records(records: Iterable[Any], owner: str) -> Iterator[Any]:
 def _owned(answer: Any, owner: str | None) -> ParticipantExport | None:
     if answer is None:
         return None
+    if owner is None and isinstance(answer, RelayedExport):
+        return answer
     if not isinstance(answer, ParticipantExport):
         answer = ParticipantExport(records=answer)
     records = _own_records(answer.records) if owner is None else _tagged_records(answer.records, owner)
@@ -126,6 +146,8 @@ class Participants:
         self._pm = pm
         self._hook = pm.hook
         self._third_party = third_party_names(pm)
+        # list_name_plugin, not get_plugins: that builds a set, and a plugin need not be hashable.
+        self._relays = any(getattr(plugin, RELAY_ATTRIBUTE, False) is True for _, plugin in pm.list_name_plugin())
 
     def _owners(self, name: str) -> list[tuple[str | None, Any]]:
         """``(owner, call)`` pairs for hook ``name``: the own plugins at once (owner None), then each third party.
@@ -147,8 +169,18 @@ class Participants:
                 callers.append((impl.plugin_name, _direct([impl])))
         return callers
 
+    def missing_owners(self, owners: Iterable[str]) -> list[str]:
+        """Of these record owners (third-party plugin names), those no install hook here takes."""
+        installers = {owner for owner, _ in self._owners("install")}
+        return sorted(set(owners) - installers)
+
     def check_owners(self, records: Iterable[RestoredRecord]) -> None:
-        """Refuse (``InvalidCheckpointState``) records owned by a plugin this server does not have."""
+        """Refuse (``InvalidCheckpointState``) records owned by a plugin this server does not have.
+
+        A relay checks in the processes it relays to (its install hook): nothing is refused here.
+        """
+        if self._relays:
+            return
         installers = {owner for owner, _ in self._owners("install")}
         for restored in records:
             owner = restored.record.get(OWNER_FIELD)
@@ -223,7 +255,9 @@ class Participants:
         self.check_owners(records)
         mine: dict[str | None, list[RestoredRecord]] = {}
         for restored in records:
-            mine.setdefault(restored.record.get(OWNER_FIELD), []).append(restored)
+            # A relay (the participant's own plugin) takes every record, whoever owns it.
+            owner = None if self._relays else restored.record.get(OWNER_FIELD)
+            mine.setdefault(owner, []).append(restored)
         for owner, caller in self._owners("install"):
             await _all(caller(checkpoint_id=checkpoint_id, manifest=manifest, records=mine.get(owner, []), scope=scope))
 

@@ -84,6 +84,9 @@ class Restorer:
                 self._state.lease.extend(deadline_ts)
                 task = active.restore.task
             else:
+                refusal = self._state.admission.restore_refusal
+                if refusal is not None:
+                    raise InvalidPhase(f"restore {checkpoint_id}: {refusal}; nothing was marked or installed")
                 if self._state.admission.served:
                     # One rule for every kind, before anything is marked or installed: what a server that
                     # served episodes holds (sessions, close receipts, capture files) may belong to live ones.

@@ -10,7 +10,11 @@ runtime directory. The pieces, lowest first:
   typed errors (``LinkError``) for a message that cannot be sent, a peer that disconnects
   and a reply that never comes;
 - ``roster``: the coordinator's view of the workers (registration with the current state, losses,
-  the readiness blockers they make, broadcasts).
+  the readiness blockers they make, broadcasts);
+- ``messages``: the op names and body shapes the two sides exchange;
+- ``worker``: one worker's side (its admission and marks, its plugins answering the coordinator);
+- ``coordinator``, ``fanout`` and ``restored``: the main process's side (the socket and
+  registrations, the participant plugin fanning each hook out, the restored records until claimed).
 
 Not wired into a server yet: a server with ``num_workers > 1`` still reports ``unmanaged``
 (``_attach.UnmanagedWorkers``); docs/protocol.md, section 9a, lists what is still to come.

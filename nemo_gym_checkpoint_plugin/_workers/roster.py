@@ -17,7 +17,8 @@ Rules the coordinator builds on (docs/protocol.md, "Several workers"):
   since what the dead worker held (sessions, running episodes) may still be referred to.
 
 Blockers of the roster are not capture keys: they start with ``worker `` and name the worker
-(``worker 4242 disconnected during step-3``) or the shortfall (``worker not registered (3 of 4)``).
+(``worker 4242 disconnected during step-3``) or the shortfall (``worker not registered (3 of 4)``),
+so they are ``Readiness.worker_blockers``, never ``blockers`` (which stay capture keys).
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class Roster:
     @property
     def connected(self) -> tuple[str, ...]:
         return tuple(sorted(self._connected))
+
+    def links(self) -> dict[str, Link]:
+        """The connected workers' links by worker name (a copy)."""
+        return dict(self._connected)
 
     @property
     def left(self) -> tuple[str, ...]:
@@ -126,7 +131,7 @@ class Roster:
             f"worker not registered ({len(self._connected)} of {self.expected}), #{index}"
             for index in range(1, missing + 1)
         )
-        return Readiness(blockers=blockers, counts={"workers": len(self._connected)})
+        return Readiness(worker_blockers=blockers, counts={"workers": len(self._connected)})
 
     async def changed(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until a worker registers or leaves; whether one did."""

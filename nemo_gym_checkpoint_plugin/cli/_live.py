@@ -174,7 +174,9 @@ async def _call(
             text = (
                 f"prepare {checkpoint_id} NOT ready: stopped at {words(prepared.stopped_at or [])}, "
                 f"{prepared.blocker_count()} blocker(s): {words(prepared.blockers())}; not reached: "
-                f"{words(prepared.not_reached)}. Admission stays closed until you resume:\n"
+                f"{words(prepared.not_reached)}"
+                + (f"; workers: {words(prepared.worker_blockers())}" if prepared.worker_blockers() else "")
+                + ". Admission stays closed until you resume:\n"
                 f"  {suggest('resume', deployment, checkpoint_id)}"
             )
         if prepared.restarts():

@@ -52,6 +52,8 @@ def _notes(name: str, status: dict[str, Any]) -> str | None:
         notes.append(f"instance {instance}")
     if report.get("blocker_count"):
         notes.append(_plural(int(report["blocker_count"]), "blocker"))
+    if report.get("worker_blockers"):
+        notes.append(_plural(len(report["worker_blockers"]), "worker blocker"))
     if report.get("restarts"):
         notes.append(_plural(len(report["restarts"]), "restart"))
     if status.get("owner"):

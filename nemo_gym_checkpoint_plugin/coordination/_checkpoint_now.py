@@ -173,7 +173,9 @@ async def _steps(
     result.prepared = prepared
     result.prepare_s = time.monotonic() - started
     if not prepared.ready:
-        result.problem = f"not ready by the deadline ({prepared.blocker_count()} blockers)"
+        workers = prepared.worker_blockers()
+        named = f"; {', '.join(workers[:10])}" if workers else ""
+        result.problem = f"not ready by the deadline ({prepared.blocker_count()} blockers{named})"
         await _emit(observe, "skipped", checkpoint=checkpoint_id, why=result.problem)
         return
     await _emit(observe, "prepared", checkpoint=checkpoint_id)

@@ -70,6 +70,16 @@ class PrepareResult:
             keys.update(report.get("blockers") or ())
         return sorted(keys)
 
+    def worker_blockers(self) -> list[str]:
+        """What kept a server with several workers from being ready that is not an episode (sorted, each once).
+
+        Each names a worker (``worker 4242 disconnected during step-3``); a report has them only then.
+        """
+        named: set[str] = set()
+        for report in self.reports.values():
+            named.update(report.get("worker_blockers") or ())
+        return sorted(named)
+
     def blocker_count(self) -> int:
         """The participants' full blocker counts, added up."""
         return sum(int(report.get("blocker_count") or 0) for report in self.reports.values())
@@ -109,7 +119,7 @@ class PrepareResult:
             "blockers": self.blockers(),
             "blocker_count": self.blocker_count(),
             "restarts": self.restarts(),
-        }
+        } | ({"worker_blockers": workers} if (workers := self.worker_blockers()) else {})
 
 
 @dataclass

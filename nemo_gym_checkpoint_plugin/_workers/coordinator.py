@@ -1,0 +1,124 @@
+"""The coordinator in a server's main process: the workers' socket, their registration, restored records.
+
+``Coordinator(expected)`` listens (``serve``) on a Unix socket in the runtime directory; each
+worker connects and registers (``worker.py``). The main process's ``ControlPlane`` holds
+``Coordinator.participant`` (``fanout.py``) as its one participant plugin, which fans every hook
+out over the roster; ``bind`` hands the coordinator the plane's admission and marks, so that
+
+- a worker registering gets the plane's marks and, while a checkpoint or restore is active,
+  admission closed for it (``snapshot``);
+- a worker that left, or reported its first data request (``served``), makes the plane refuse a
+  restore before it marks anything (``Admission.restore_refusal`` / ``Admission.served``);
+- a worker's ``claim`` of a replacement attempt gets the restored records the coordinator holds
+  (``restored.py``), one owner each.
+
+Not wired into a server yet (docs/protocol.md, section 9a).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
+
+from . import messages as m
+from .link import Link, serve
+from .restored import RestoredRecords
+from .roster import REGISTER_OP, Roster
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """The workers of one server, as its main process coordinates them. Use from one event loop.
+
+    ``call_timeout`` bounds each quick call to a worker (admission, readiness, marks);
+    ``work_timeout`` the calls that do a worker's work (export, retire, deleting restored state),
+    which the plane bounds by the operation's deadline as well; ``poll_seconds`` how long one
+    ``wait_ready`` round waits before readiness is asked again.
+    """
+
+    def __init__(
+        self, expected: int, *, call_timeout: float = 10.0, work_timeout: float = 600.0, poll_seconds: float = 1.0
+    ) -> None:
+        from .fanout import WorkersParticipant
+
+        self.roster = Roster(expected, snapshot=self.snapshot)
+        self.restored = RestoredRecords()
+        self.call_timeout = call_timeout
+        self.work_timeout = work_timeout
+        self.poll_seconds = poll_seconds
+        self.participant = WorkersParticipant(self)
+        # The checkpoint or restore admission is closed for (set by close_admission, cleared by open_admission).
+        self.closed_for: str | None = None
+        self._admission: Admission | None = None
+        self._marks: RetiredMarks | None = None
+        self._served = False
+        self._server: asyncio.Server | None = None
+
+    def bind(self, admission: Admission, marks: RetiredMarks) -> None:
+        """The main process's plane state: its admission (restore refusals) and marks (snapshots)."""
+        self._admission = admission
+        self._marks = marks
+        self._refresh_refusals()
+
+    async def serve(self, path: str) -> None:
+        self._server = await serve(path, lambda _link: None, handler=self._handle)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        await self.roster.aclose()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a registering worker starts with: every retired mark, and the checkpoint admission is closed for."""
+        return {"marks": self._marks.snapshot() if self._marks is not None else {}, "closed_for": self.closed_for}
+
+    def _refresh_refusals(self) -> None:
+        if self._admission is None:
+            return
+        if self._served:
+            self._admission.served = True
+        left = self.roster.left
+        if left:
+            self._admission.restore_refusal = (
+                f"{', '.join(left)} of this server left since it started: what a worker held (sessions, "
+                "running episodes) may still be referred to, so a checkpoint is restored only into a server "
+                "none of whose workers left"
+            )
+
+    async def _handle(self, link: Link, op: str, body: Any) -> Any:
+        if op == REGISTER_OP:
+            reply = self.roster.register(link, body)
+            # After the roster's own callback: ``left`` already names the worker when this runs.
+            link.on_close(lambda _closed: self._refresh_refusals())
+            if isinstance(body, Mapping) and body.get("served") is True:
+                self._served = True
+                self._refresh_refusals()
+            return reply
+        if link.name not in self.roster.connected:
+            raise ValueError(f"{op} from a worker that has not registered")
+        if op == m.SERVED:
+            self._served = True
+            self._refresh_refusals()
+            return None
+        if op in (m.CLAIM, m.UNCLAIM):
+            args = body if isinstance(body, Mapping) else {}
+            (episode,) = m.episodes_from_wire([args.get("episode")])
+            if op == m.UNCLAIM:
+                given_back = [m.restored_from_wire(record) for record in args.get("records", ())]
+                self.restored.unclaim(episode, link.name, given_back)
+                return None
+            claimed = self.restored.claim(episode, link.name)
+            if claimed is None:
+                return None
+            return {
+                "checkpoint_id": self.restored.checkpoint_id,
+                "manifest": dict(self.restored.manifest),
+                "records": [m.restored_to_wire(restored) for restored in claimed],
+            }
+        raise ValueError(f"unknown op {op!r}")

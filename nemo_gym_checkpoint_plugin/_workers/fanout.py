@@ -1,0 +1,280 @@
+"""The participant plugin of a server with several workers: every hook fanned out over the roster.
+
+The main process's ``ControlPlane`` holds this plugin (``Coordinator.participant``) as its one
+participant; the plane keeps phases, fencing, lease, storage and the retired marks, this plugin
+makes the workers follow:
+
+- ``close_admission`` closes admission on every worker and waits for each acknowledgement; a
+  worker's refusal aborts (the plane reopens everywhere), a worker that did not acknowledge blocks;
+- ``ready`` merges every worker's readiness, plus the roster's blockers and the workers that
+  have not confirmed admission closed for this checkpoint, as ``worker_blockers`` (never capture
+  keys); a worker that does not answer blocks, naming it;
+- ``export`` is the union of every worker's records and the unclaimed restored ones;
+  ``export_failed`` when a worker was lost during the checkpoint or its export failed;
+- ``install`` holds the restored records here until a worker claims one, and relays the
+  restore's marks to every worker. This plugin is a relay (``_control.facade.RELAY_ATTRIBUTE``): the
+  records of a worker's third-party plugins keep the owner the worker's facade tagged, a restore
+  hands all of them here, and every worker must install each record's plugin (checked first);
+- ``retire`` sends the marks to every worker first, then has every worker stop and free the
+  attempts, and returns when all did (a worker that is gone has stopped); ``forgotten`` is relayed.
+
+The restore refusal once a worker left is the plane's (``Coordinator.bind``), before any mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from nemo_gym_checkpoint_plugin._control.facade import OWNER_FIELD, RelayedExport
+from nemo_gym_checkpoint_plugin._errors import CheckpointError, ExportFailed, InvalidCheckpointState
+from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._markers import hookimpl
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, merge_readiness
+
+from . import messages as m
+from .link import LinkClosed
+from .roster import WorkerAnswers
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__ = ["WorkersParticipant", "merge_extras"]
+
+logger = logging.getLogger(__name__)
+
+
+def merge_extras(extras: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The workers' export extras as one: equal values once, numbers summed, objects merged; else ``ValueError``."""
+    merged: dict[str, Any] = {}
+    for one in extras:
+        for key, value in one.items():
+            if key not in merged:
+                merged[key] = value
+            elif merged[key] == value and type(merged[key]) is type(value) and not _number(value):
+                continue
+            elif _number(value) and _number(merged[key]):
+                merged[key] = merged[key] + value
+            elif isinstance(value, Mapping) and isinstance(merged[key], Mapping):
+                merged[key] = merge_extras([merged[key], value])
+            else:
+                raise ValueError(f"the workers' exports disagree on the extra {key!r}")
+    return merged
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)
+
+
+def _refusal(answers: WorkerAnswers) -> CheckpointError | None:
+    for name in sorted(answers.failures):
+        failure = answers.failures[name]
+        if isinstance(failure, CheckpointError):
+            return failure
+    return None
+
+
+def _troubles(answers: WorkerAnswers) -> dict[str, Exception]:
+    """Failures other than a worker gone (the roster accounts for those) and other than refusals."""
+    return {
+        name: failure
+        for name, failure in answers.failures.items()
+        if not isinstance(failure, LinkClosed | CheckpointError)
+    }
+
+
+def _detail(failure: Exception) -> str:
+    return str(getattr(failure, "detail", None) or failure)
+
+
+class WorkersParticipant:
+    """The participant hooks of a server with several workers (see the module docstring)."""
+
+    # facade.RELAY_ATTRIBUTE: the workers' facades tag third-party records and split them on install.
+    relays_worker_plugins = True
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._c = coordinator
+        # Workers that failed to acknowledge a step of the active checkpoint: name -> why (a blocker).
+        self._unacknowledged: dict[str, str] = {}
+
+    async def _all(self, op: str, body: Any, *, work: bool = False) -> WorkerAnswers:
+        timeout = self._c.work_timeout if work else self._c.call_timeout
+        return await self._c.roster.broadcast(op, body, timeout=timeout)
+
+    async def _acknowledged(self, op: str, checkpoint_id: str, body: Any) -> None:
+        answers = await self._all(op, body)
+        refusal = _refusal(answers)
+        if refusal is not None:
+            raise refusal
+        for name, failure in _troubles(answers).items():
+            self._unacknowledged[name] = f"{name} did not acknowledge {op} of {checkpoint_id}: {_detail(failure)}"
+
+    async def _everywhere(self, op: str, body: Any, *, work: bool = False) -> WorkerAnswers:
+        """``op`` on every worker; raise the first refusal, or one error naming the workers that failed."""
+        answers = await self._all(op, body, work=work)
+        refusal = _refusal(answers)
+        if refusal is not None:
+            raise refusal
+        troubles = _troubles(answers)
+        if troubles:
+            named = "; ".join(f"{name}: {_detail(failure)}" for name, failure in sorted(troubles.items()))
+            raise RuntimeError(f"{op} failed on {len(troubles)} worker(s): {named}")
+        return answers
+
+    # -- admission and readiness -----------------------------------------------------------------
+
+    @hookimpl
+    async def close_admission(self, checkpoint_id: str) -> None:
+        self._c.closed_for = checkpoint_id
+        self._c.roster.begin(checkpoint_id)
+        self._unacknowledged.clear()
+        await self._acknowledged(m.CLOSE_ADMISSION, checkpoint_id, {"checkpoint_id": checkpoint_id})
+
+    @hookimpl
+    async def preparing(self, checkpoint_id: str, deadline_ts: float) -> None:
+        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts}
+        await self._acknowledged(m.PREPARING, checkpoint_id, body)
+
+    @hookimpl
+    async def open_admission(self, checkpoint_id: str) -> None:
+        self._c.closed_for = None
+        self._c.roster.end(checkpoint_id)
+        self._unacknowledged.clear()
+        await self._everywhere(m.OPEN_ADMISSION, {"checkpoint_id": checkpoint_id})
+
+    @hookimpl
+    async def ready(self, checkpoint_id: str | None) -> Readiness:
+        answers = await self._all(m.READY, {"checkpoint_id": checkpoint_id})
+        refusal = _refusal(answers)
+        if refusal is not None:
+            raise refusal
+        found: list[Readiness] = [self._c.roster.readiness(checkpoint_id)]
+        named: list[str] = list(self._unacknowledged.values())
+        for name, failure in _troubles(answers).items():
+            named.append(f"{name} did not answer ready: {_detail(failure)}")
+        closing = checkpoint_id is not None and self._c.closed_for == checkpoint_id
+        for name, reply in answers.replies.items():
+            found.append(m.readiness_from_wire(reply))
+            if closing and reply.get("closed_for") != checkpoint_id:
+                named.append(f"{name} has not closed admission for {checkpoint_id}")
+        report = merge_readiness([*found, Readiness(worker_blockers=named)])
+        return Readiness(report.blockers, report.restarts, report.counts, report.worker_blockers)
+
+    @hookimpl
+    async def wait_ready(self, checkpoint_id: str) -> None:
+        """Return when a worker's ``wait_ready`` returned or a worker came or went; at most ``poll_seconds``."""
+        seconds = self._c.poll_seconds
+        body = {"checkpoint_id": checkpoint_id, "seconds": seconds}
+        waits = [
+            asyncio.ensure_future(link.call(m.WAIT_READY, body, timeout=seconds + self._c.call_timeout))
+            for link in self._c.roster.links().values()
+        ]
+        waits.append(asyncio.ensure_future(self._c.roster.changed(seconds)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)  # a failed wait shows in the next ready
+
+    # -- export and what follows a commit --------------------------------------------------------
+
+    def _lost(self, checkpoint_id: str) -> None:
+        lost = self._c.roster.lost_during(checkpoint_id)
+        if lost:
+            raise ExportFailed(
+                f"{', '.join(lost)} disconnected during {checkpoint_id}: what it held is gone, so this "
+                "server cannot export a complete cut; the checkpoint is over: resume it and prepare a new id",
+                workers=list(lost),
+            )
+
+    @hookimpl
+    async def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> RelayedExport:
+        self._lost(checkpoint_id)
+        body = {"checkpoint_id": checkpoint_id, "scope": None if scope is None else sorted(scope)}
+        answers = await self._all(m.EXPORT, body, work=True)
+        self._lost(checkpoint_id)
+        refusal = _refusal(answers)
+        if refusal is not None:
+            raise refusal
+        if answers.failures:
+            named = "; ".join(f"{name}: {_detail(failure)}" for name, failure in sorted(answers.failures.items()))
+            raise ExportFailed(f"the export of {checkpoint_id} failed on a worker ({named}); the checkpoint is over")
+        if len(answers.replies) < self._c.roster.expected:
+            raise ExportFailed(
+                f"only {len(answers.replies)} of {self._c.roster.expected} workers exported {checkpoint_id}; "
+                "the checkpoint is over"
+            )
+        replies = [answers.replies[name] for name in sorted(answers.replies)]
+        records: list[Mapping[str, Any]] = [record for reply in replies for record in reply["records"]]
+        records.extend(self._c.restored.exported(scope))
+        try:
+            manifest = merge_extras([reply["manifest_extras"] for reply in replies])
+            extras = merge_extras([reply["reply_extras"] for reply in replies])
+        except ValueError as exc:
+            raise ExportFailed(f"the export of {checkpoint_id}: {exc}") from None
+        return RelayedExport(records=records, manifest_extras=manifest, reply_extras=extras)
+
+    @hookimpl
+    async def release_exported(self, checkpoint_id: str, episode_keys: list[str]) -> None:
+        body = {"checkpoint_id": checkpoint_id, "episode_keys": list(episode_keys)}
+        await self._everywhere(m.RELEASE_EXPORTED, body, work=True)
+
+    @hookimpl
+    async def restored_pending(self) -> set[str]:
+        keys = self._c.restored.pending()
+        answers = await self._all(m.RESTORED_PENDING, None)
+        for name, failure in answers.failures.items():
+            logger.warning("%s did not say which restored episodes it holds: %s", name, _detail(failure))
+        for reply in answers.replies.values():
+            keys.update(str(key) for key in reply)
+        return keys
+
+    @hookimpl
+    async def delete_restored(self, episode_ids: list[EpisodeId]) -> None:
+        self._c.restored.drop(episode.capture_key for episode in episode_ids)
+        await self._everywhere(m.DELETE_RESTORED, {"episodes": m.episodes_to_wire(episode_ids)}, work=True)
+
+    # -- restore, retire, forget -----------------------------------------------------------------
+
+    @hookimpl
+    async def install(
+        self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord], scope: list[EpisodeId]
+    ) -> None:
+        owners = sorted({str(r.record[OWNER_FIELD]) for r in records if r.record.get(OWNER_FIELD) is not None})
+        if owners:
+            # Before anything is held: every worker must have each record's plugin, whichever claims it.
+            answers = await self._everywhere(m.CHECK_OWNERS, {"owners": owners})
+            for name, missing in sorted(answers.replies.items()):
+                if missing:
+                    raise InvalidCheckpointState(
+                        f"restore {checkpoint_id}: records belong to plugin(s) {', '.join(missing)}, "
+                        f"which {name} does not install",
+                        plugin=missing[0],
+                    )
+        # Every worker refuses the checkpointed attempts before any replacement can arrive at one.
+        checkpointed = [[episode.rollout_id, episode.attempt - 1] for episode in scope]
+        await self._everywhere(m.MARK, {"episodes": checkpointed})
+        self._c.restored.hold(checkpoint_id, manifest, records)
+
+    @hookimpl
+    async def retire(self, episode_ids: list[EpisodeId]) -> None:
+        self._c.restored.drop_retired(episode_ids)
+        body = {"episodes": m.episodes_to_wire(episode_ids)}
+        # Marks first, on every worker: none stops work while another would still admit the attempt.
+        await self._everywhere(m.MARK, body)
+        await self._everywhere(m.RETIRE, body, work=True)
+
+    @hookimpl
+    async def forgotten(self, rollout_ids: list[str]) -> None:
+        await self._everywhere(m.FORGET, {"rollout_ids": list(rollout_ids)})
+
+    @hookimpl
+    def status_fields(self) -> dict[str, Any]:
+        roster = self._c.roster
+        return {
+            "workers": {"expected": roster.expected, "connected": list(roster.connected), "left": list(roster.left)}
+        }
