@@ -89,8 +89,10 @@ def main() -> None:
         for kind in args.kinds.split(","):
             sides = best.setdefault(kind, {"before": {}, "after": {}})
             episodes = 0
-            for _ in range(max(1, args.rounds)):
-                for side, path in (("before", base_path), ("after", None)):
+            for round_ in range(max(1, args.rounds)):
+                order = [("before", base_path), ("after", None)]
+                # Which side runs first alternates: a run that leaves the disk or caches busy hits both alike.
+                for side, path in order if round_ % 2 == 0 else order[::-1]:
                     run = one(kind, path, args.token_capture, args.episodes if args.hooks else None)
                     episodes = run["episodes"]
                     for phase in phases:
