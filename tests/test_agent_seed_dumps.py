@@ -17,6 +17,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import 
 from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._storage.codec import encode_line
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
@@ -55,7 +56,19 @@ async def test_an_export_after_the_seed_dumps_no_seed_request(
     assert dumps == []  # each was dumped on its seed's reply path
     for episode in episodes:
         request = _state(agent, episode).request
-        assert exported[f"agent-{episode.rollout_id}"]["request"] == original(request, mode="json")
+        dumped = exported[f"agent-{episode.rollout_id}"]["request"]
+        # The request's JSON dump, its fields left at their None default left out (they validate back as None).
+        assert request.sandbox_access is None and "sandbox_access" not in dumped
+        assert dumped == {k: v for k, v in original(request, mode="json").items() if k != "sandbox_access"}
+        assert AgentSeedSessionRequest.model_validate(dumped) == request
+
+
+async def test_an_exported_session_without_observations_writes_no_null(agent: SimpleAgentHarness) -> None:
+    """No ``null`` in the record's line: the checkpoint writer walks only lines holding one for NaN."""
+    episode = EpisodeId(rollout_id="r1")
+    await agent.start(episode)
+    (record,) = agent.participant.export(checkpoint_id="c1", scope=None)
+    assert "observations" not in record and b"null" not in encode_line(record)
 
 
 async def test_a_replaced_seed_request_is_dumped_again(agent: SimpleAgentHarness) -> None:

@@ -7,7 +7,9 @@ and are lost on SIGKILL, after which the episode's next ``/v1/responses`` is ref
 accesses, episode), the resources cookies it collected, its activation count and
 observations. So this participant exports, per episode in scope, each *open* session
 (``{"episode_id", "agent_session_id", "request", "resources_cookies", "activations",
-"observations"}``) and installs it as the replacement attempt's session:
+"observations"}``; ``observations`` only when there are any, and the request's fields left at their
+None default are left out: a record line without ``null`` is not walked for NaN by the writer) and
+installs it as the replacement attempt's session:
 
 - the seed request's ``episode_id`` becomes the replacement attempt, so the
   environment's close (which names the replacement) matches;
@@ -47,7 +49,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import T
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
 from nemo_gym_checkpoint_plugin._gc_pause import gc_paused
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
 from nemo_gym_checkpoint_plugin._wire import (
@@ -76,10 +78,27 @@ def is_session_agent(server: Any) -> bool:
 
 def rewrite_rollout_base(url: str, old_key: str, new_key: str) -> str:
     """``url`` with a trailing ``/ng-rollout/<old_key>`` replaced by the new key (else unchanged)."""
+    return _rebased(url, _ROLLOUT_SEGMENT + old_key, _ROLLOUT_SEGMENT + new_key)
+
+
+_NONE_DEFAULTS: dict[type, tuple[str, ...]] = {}
+
+
+def _none_defaults(model: type) -> tuple[str, ...]:
+    """The fields of a pydantic ``model`` that are optional with the default None (leaving one out means None)."""
+    names = _NONE_DEFAULTS.get(model)
+    if names is None:
+        fields = getattr(model, "model_fields", {})
+        names = tuple(n for n, f in fields.items() if not f.is_required() and f.default is None and not f.alias)
+        _NONE_DEFAULTS[model] = names
+    return names
+
+
+def _rebased(url: str, old_suffix: str, new_suffix: str) -> str:
+    """``rewrite_rollout_base`` with both ``/ng-rollout/<key>`` suffixes made (once per record, not per access)."""
     stripped = url.rstrip("/")
-    suffix = _ROLLOUT_SEGMENT + old_key
-    if stripped.endswith(suffix):
-        return stripped[: -len(suffix)] + _ROLLOUT_SEGMENT + new_key
+    if stripped.endswith(old_suffix):
+        return stripped[: -len(old_suffix)] + new_suffix
     return url
 
 
@@ -122,6 +141,12 @@ class SimpleAgentSessions:
         if cached is not None and cached[0] is request:
             return cached[1]
         dump = request.model_dump(mode="json")
+        # A field left at its None default is left out: the record's line then holds no ``null`` and the
+        # writer's NaN walk (codec.py: only lines holding ``null`` are walked) is not run for it; the
+        # install's validation puts the same default back.
+        for name in _none_defaults(type(request)):
+            if name in dump and dump[name] is None:
+                del dump[name]
         self._dumps[session_id] = (request, dump)
         return dump
 
@@ -165,11 +190,15 @@ class SimpleAgentSessions:
                 "request": self._request_dump(session_id, state.request),
                 "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
                 "activations": int(getattr(state, "activations", 0)),
-                "observations": observations.model_dump(mode="json") if observations is not None else None,
             }
+            # No observations and no turn are left out rather than written as null (the install reads a
+            # missing one as None): a line without ``null`` skips the writer's NaN walk (codec.py).
+            if observations is not None:
+                entry["observations"] = observations.model_dump(mode="json")
             if turns is not None:
                 turn = turns.get(session_id)
-                entry["turn"] = turn.to_wire() if turn is not None else None
+                if turn is not None:
+                    entry["turn"] = turn.to_wire()
             records.append(entry)
         self._prune_dumps(sessions)
         return records
@@ -192,10 +221,14 @@ class SimpleAgentSessions:
         from nemo_gym.rollout_observability import AgentObservationBundle
 
         staged: dict[str, Any] = {}
+        seed_state = self.server._seed_agent_session_state
+        validate = AgentSeedSessionRequest.model_validate
         for restored in records:
             record = restored.record
-            old_key, replacement = restored.checkpointed.capture_key, restored.replacement
-            new_key = replacement.capture_key
+            checkpointed, replacement = restored.checkpointed, restored.replacement
+            # Each key made once (Gym's property is a Python call per read): the same rule, capture_key().
+            old_key = capture_key(checkpointed.rollout_id, checkpointed.attempt)
+            new_key = capture_key(replacement.rollout_id, replacement.attempt)
             session_id = record.get("agent_session_id")
             if not isinstance(session_id, str) or not session_id:
                 raise ValueError(f"episode {old_key}: agent_session_id must be a non-empty string")
@@ -204,16 +237,18 @@ class SimpleAgentSessions:
             request = dict(record.get("request") or {})
             # The replacement's EpisodeId itself (validated when it was built; pydantic keeps an instance).
             request["episode_id"] = replacement
+            old_suffix, new_suffix = _ROLLOUT_SEGMENT + old_key, _ROLLOUT_SEGMENT + new_key
             request["tool_accesses"] = [
-                {**access, "base_url": rewrite_rollout_base(str(access["base_url"]), old_key, new_key)}
-                if isinstance(access, Mapping) and "base_url" in access
+                {**access, "base_url": _rebased(str(access["base_url"]), old_suffix, new_suffix)}
+                # Decoded records are plain dicts: the exact type test first (an ABC check costs more).
+                if (type(access) is dict or isinstance(access, Mapping)) and "base_url" in access
                 else access
                 for access in request.get("tool_accesses") or []
             ]
-            seed = AgentSeedSessionRequest.model_validate(request)
-            state = await self.server._seed_agent_session_state(seed)
+            seed = validate(request)
+            state = await seed_state(seed)
             cookies = record.get("resources_cookies") or {}
-            if not isinstance(cookies, Mapping):
+            if type(cookies) is not dict and not isinstance(cookies, Mapping):
                 raise ValueError(f"episode {old_key}: resources_cookies must be a JSON object")
             state.resources_cookies = {str(k): str(v) for k, v in cookies.items()}
             state.activations = int(record.get("activations") or 0)

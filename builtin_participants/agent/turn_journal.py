@@ -79,18 +79,23 @@ class Turn:
 
     def to_wire(self) -> dict[str, Any]:
         # A copy of the list: entries are never mutated once appended, so a later call changes no export.
-        return {
+        wire = {
             "activation": self.activation,
             "request_sha256": self.request_sha256,
             "cookies_before": dict(self.cookies_before),
-            "observations_before": self.observations_before,
             "calls": list(self.calls),
         }
+        # None is left out, not written as null (from_wire reads a missing one as None): a line without
+        # ``null`` skips the checkpoint writer's NaN walk.
+        if self.observations_before is not None:
+            wire["observations_before"] = self.observations_before
+        return wire
 
     @classmethod
     def from_wire(cls, raw: Any) -> Turn:
         """A restored turn; ``ValueError`` naming what is wrong."""
-        if not isinstance(raw, Mapping):
+        # Decoded records are plain dicts: the exact type tests first (an ABC check costs more).
+        if type(raw) is not dict and not isinstance(raw, Mapping):
             raise ValueError("turn must be a JSON object or null")
         activation, digest = raw.get("activation"), raw.get("request_sha256")
         cookies, calls = raw.get("cookies_before"), raw.get("calls")
@@ -98,7 +103,7 @@ class Turn:
             raise ValueError("turn.activation must be an integer >= 1")
         if not isinstance(digest, str) or len(digest) != 64:
             raise ValueError("turn.request_sha256 must be a sha256 hex digest")
-        if not isinstance(cookies, Mapping):
+        if type(cookies) is not dict and not isinstance(cookies, Mapping):
             raise ValueError("turn.cookies_before must be a JSON object")
         if not isinstance(calls, list):
             raise ValueError("turn.calls must be a list")

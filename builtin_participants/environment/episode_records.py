@@ -82,7 +82,7 @@ class EpisodeRecords:
             state = record.get("state")
             if boundary is not None and not isinstance(boundary, str):
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: boundary must be a string or null")
-            if not isinstance(state, Mapping):
+            if type(state) is not dict and not isinstance(state, Mapping):  # decoded: a dict as a rule
                 raise ValueError(f"episode {restored.checkpointed.capture_key}: state must be a JSON object")
             # Absent in a record of an earlier version (or Gym's own checkpoints): that one still restores.
             digest = record.get("task_digest")

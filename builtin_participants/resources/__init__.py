@@ -3,5 +3,6 @@
 - ``session_bindings.py``: ``ResourcesSessions``, the participant: seed declarations and each
   session's binding to its episode, carried across a crash;
 - ``checkpoint_modes.py``: how a verifier checkpoints (its ``checkpoint_mode``, or the built-in table);
-- ``session_state.py``: the per-session dict attributes a server names, exported and installed.
+- ``session_state.py``: the per-session dict attributes a server names, exported and installed;
+- ``task_ids.py``: Gym's ``TaskId`` to and from its JSON form by plain checks (pydantic's own where they differ).
 """

@@ -58,6 +58,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state imp
     SessionState,
     UnsupportedSessionValue,
 )
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.task_ids import task_id_from_wire, task_id_to_wire
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed, StaleAttempt
@@ -194,7 +195,7 @@ class ResourcesSessions:
             records[key] = {
                 "episode_id": episode_to_wire(episode_id),
                 "resources_session_id": session_id,
-                "task_id": task_id.model_dump(mode="json"),
+                "task_id": task_id_to_wire(task_id),
             }
         if self.session_state is not None:
             for key, session_ids in self.session_state.sessions_of(scope).items():
@@ -210,8 +211,6 @@ class ResourcesSessions:
 
     @hookimpl
     def install(self, checkpoint_id: str, manifest: Mapping[str, Any], records: list[RestoredRecord]) -> None:
-        from nemo_gym.episode_types import TaskId
-
         staged: dict[str, Any] = {}
         staged_state: list[tuple[EpisodeId, Any]] = []
         for restored in records:
@@ -232,7 +231,7 @@ class ResourcesSessions:
                 raise ValueError(f"episode {key}: resources_session_id is missing")
             if session_id in self._table or session_id in staged:
                 raise ValueError(f"episode {key}: session {session_id} already exists")
-            staged[session_id] = (restored.replacement, TaskId.model_validate(record.get("task_id")))
+            staged[session_id] = (restored.replacement, task_id_from_wire(record.get("task_id")))
         if staged_state:
             staged_ids = [session_id for _episode, sessions in staged_state for session_id, _values in sessions]
             if len(set(staged_ids)) != len(staged_ids):

@@ -73,7 +73,9 @@ def _scoped(records: Iterable[Mapping[str, Any]], scope: frozenset[str] | None, 
     """Pass records inside ``scope`` to the writer, noting their capture keys (runs in the writer's thread)."""
     for record in records:
         try:
-            key = capture_key_of(record["episode_id"]) if isinstance(record, Mapping) else None
+            # A plain dict as a rule: the exact type test first (an ABC check costs more, per record).
+            is_object = type(record) is dict or isinstance(record, Mapping)
+            key = capture_key_of(record["episode_id"]) if is_object else None
         except (KeyError, ValueError) as exc:
             raise ExportFailed(f"an exported record has no valid episode_id: {exc}") from None
         if key is None:

@@ -148,7 +148,8 @@ class RecordsWriter:
             try:
                 for record in records:
                     self._check_stop()
-                    if not isinstance(record, Mapping) or "episode_id" not in record:
+                    # A plain dict as a rule: the exact type test first (an ABC check costs more, per record).
+                    if type(record) is not dict and not isinstance(record, Mapping) or "episode_id" not in record:
                         raise InvalidCheckpointState(
                             f"record {count} of {self.kind}/{self.instance} is not an object with an episode_id",
                             episode=_episode_key(record),
