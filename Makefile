@@ -7,12 +7,17 @@ PORT_BASE ?= 18000
 setup:
 	@./scripts/setup.sh
 
+# Two pytest-xdist workers, each taking a whole test file at a time (a module's shared deployment starts once);
+# TEST_WORKERS=0 runs everything in this one process, in file order. The slowest 30 are listed at the end.
+TEST_WORKERS ?= 2
+PARALLEL := -n $(TEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest $(PARALLEL) --durations=30
 
 # The in-process tests only (no real server processes, marked `slow`): the quick lane while working.
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" $(PARALLEL)
 
 # The property tests with fresh examples each run (CI draws the same ones every time: tests/conftest.py).
 PROPERTY_TESTS := tests/test_attempts.py tests/test_control_stateful.py tests/test_fuzz_routes.py \
