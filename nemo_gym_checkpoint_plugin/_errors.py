@@ -115,7 +115,18 @@ class RolloutIdRequired(CheckpointError):
     status = 400
 
 
-class AttemptRunning(CheckpointError):
+class _NamesEpisodes(CheckpointError):
+    """A refusal whose body names the attempts it concerns: ``episodes`` (capture keys) as ``episode_ids``."""
+
+    def to_body(self) -> dict[str, Any]:
+        body = error_body(self.code, self.detail)
+        episodes = self.data.get("episodes")
+        if episodes:
+            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
+        return body
+
+
+class AttemptRunning(_NamesEpisodes):
     """The episode attempt is already running on this server (plugin code, docs/protocol.md "Errors").
 
     Raised for a second ``/run`` of an attempt while the first runs, and for a restore whose
@@ -126,15 +137,8 @@ class AttemptRunning(CheckpointError):
 
     code = "attempt_running"
 
-    def to_body(self) -> dict[str, Any]:
-        body = error_body(self.code, self.detail)
-        episodes = self.data.get("episodes")
-        if episodes:
-            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
-        return body
 
-
-class TaskMismatch(CheckpointError):
+class TaskMismatch(_NamesEpisodes):
     """A restored episode's replacement ``/run`` carries another task than the checkpoint captured (plugin code).
 
     The record keeps a digest of the task its attempt ran; the replacement attempt's ``/run`` must carry
@@ -143,13 +147,6 @@ class TaskMismatch(CheckpointError):
     """
 
     code = "task_mismatch"
-
-    def to_body(self) -> dict[str, Any]:
-        body = error_body(self.code, self.detail)
-        episodes = self.data.get("episodes")
-        if episodes:
-            body["error"]["episode_ids"] = sorted(str(key) for key in episodes)
-        return body
 
 
 class AmbiguousEpisode(CheckpointError):
