@@ -101,10 +101,12 @@ class _Delivery:
         self.sent_any = False  # anything went out (the status line is then fixed)
 
     async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body" and self._call.usage is not None:
+            self._calls.answer_data(self._call, message.get("body", b""))
         if self.started:
             await self._send(message)
             return
-        kind = message["type"]
         if kind == "http.response.start":
             if 200 <= int(message.get("status", 0)) < 300:
                 self._calls.answered(self._call)
