@@ -26,6 +26,9 @@ Anything else is answer data, and so is the end of a response (the last body mes
 empty): the caller would see a complete reply. Once a response started, every later message
 passes untouched: an event stream that already started finishes whatever admission does.
 A held response is delivered unchanged (the very same messages, in order) after resume.
+
+Every body chunk of an answered (2xx) call is scanned, before it goes out or is held, for the
+output tokens its usage reports (``output_tokens.py``; the commit reply's ``answered_output_tokens``).
 """
 
 from __future__ import annotations
