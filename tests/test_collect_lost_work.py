@@ -9,7 +9,8 @@ checkpointing while the restarted rows are held again, each pause warned about (
 
 The backend counts calls per conversation and step in each of its two lives: a completed call
 counted in both is one the crash made run again, a call that arrived in both one sent again; the
-resources server counts tool calls per rollout the same way. The ledger in the resumed collector's
+resources server counts tool calls per rollout the same way, and the backend the tokens it generated
+per conversation. The ledger in the resumed collector's
 ``--json`` says the same without looking at either.
 """
 
@@ -137,7 +138,17 @@ def test_the_ledger_of_a_crash_equals_what_the_backend_counted_twice(deployment:
     # Tool calls the resources server ran in both of its lives: the restarted rows' one each.
     tools_twice = sum(min(count, tools_after.get(rollout, 0)) for rollout, count in tools_before.items())
     assert ledger["tool_calls_repeated"] == tools_twice == len(RESTARTS)
-    assert ledger["tokens_regenerated"] is None
+    # Output tokens: the backend counted every token it generated per conversation; in its first life each row's
+    # step-0 call alone generated (the step-1 calls were held before generating), so the restarted rows' figures
+    # are the tokens of the calls the crash made run again, as the answers' usage reported them.
+    regenerated = {
+        conversation: tokens
+        for conversation, tokens in before["generated"].items()
+        if any(f"(rollout row{i})" in conversation for i in RESTARTS)
+    }
+    assert len(regenerated) == len(RESTARTS) and all(tokens > 0 for tokens in regenerated.values()), before
+    assert ledger["tokens_regenerated"] == sum(regenerated.values())
+    assert f"({ledger['tokens_regenerated']} output tokens generated again)" in second.text()
     # The ledger is a line of the resumed collector's output too, and its event carries the same figures.
     assert "lost work: 0 rows lost" in second.text()
     (event,) = second.events_named("lost_work")

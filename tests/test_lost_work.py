@@ -58,6 +58,26 @@ def test_restarted_rows_repeat_every_answered_call_continued_ones_their_held_res
     assert ledger.tool_calls_repeated is None and ledger.tokens_regenerated is None
 
 
+def test_the_tokens_regenerated_are_those_of_the_restarted_rows_calls_and_the_continued_rows_held_ones() -> None:
+    rows = [
+        RowState("0-0", 0, "continued", model_calls=3, held_calls=1, output_tokens=300, held_output_tokens=40),
+        RowState("1-0", 0, "continued", model_calls=1, held_calls=0, output_tokens=100, held_output_tokens=0),
+        RowState("2-0", 1, "restart", model_calls=4, held_calls=1, output_tokens=400, held_output_tokens=25),
+        RowState("3-0", 0, "uncaptured", model_calls=0, held_calls=0, output_tokens=0, held_output_tokens=0),
+        RowState("4-0", 0, "continued", model_calls=7, held_calls=2, output_tokens=700, held_output_tokens=70),
+    ]
+    ledger = lost_work("c", rows, continued=["0-0", "1-0"], restarted=["2-0", "3-0"], finished=["4-0"])
+    # Every answered call of 2-0 (its held one among them) and 3-0, the held response of 0-0; not 4-0's.
+    assert ledger.tokens_regenerated == 400 + 0 + 40
+    assert ledger.model_calls_repeated == 4 + 0 + 1
+    assert "(440 output tokens generated again)" in lost_work_line(ledger.to_json())
+    # Model servers that reported calls but no tokens (no usage in the answers): not reported, not 0.
+    untokened = [RowState(r.rollout_id, r.attempt, r.state, r.model_calls, r.held_calls) for r in rows]
+    ledger = lost_work("c", untokened, continued=["0-0", "1-0"], restarted=["2-0", "3-0"], finished=["4-0"])
+    assert ledger.tokens_regenerated is None and ledger.model_calls_repeated == 5
+    assert "output tokens" not in lost_work_line(ledger.to_json())
+
+
 def test_a_restarted_row_repeats_every_tool_call_it_had_answered() -> None:
     rows = [
         RowState("0-0", 0, "continued", tool_calls=2),
@@ -86,7 +106,13 @@ def test_the_commit_replies_of_several_model_servers_add_up_and_bad_counts_are_i
     counts = ledger_counts(
         {
             "model/a": {"answered_calls": {"r1": 2, "r2": 1}, "held_calls": {"r1": 1}, "running_calls": {"r2": 1}},
-            "model/b": {"answered_calls": {"r1": 3, "r3": -1, "r4": True, "r5": "x"}, "held_calls": {}},
+            "model/b": {
+                "answered_calls": {"r1": 3, "r3": -1, "r4": True, "r5": "x"},
+                "held_calls": {},
+                "answered_output_tokens": {"r1": 30, "r2": 12},
+                "held_output_tokens": {"r1": 8},
+            },
+            "model/c": {"answered_output_tokens": {"r1": 5}, "held_output_tokens": None},
             "environment/e": {"boundaries": {"replied": 2}},
         }
     )
@@ -95,6 +121,8 @@ def test_the_commit_replies_of_several_model_servers_add_up_and_bad_counts_are_i
         "held_calls": {"r1": 1},
         "running_calls": {"r2": 1},
         "answered_tool_calls": {},
+        "answered_output_tokens": {"r1": 35, "r2": 12},
+        "held_output_tokens": {"r1": 8},
     }
 
 
@@ -102,13 +130,24 @@ def test_the_row_figures_are_written_and_read_back_and_older_rows_read_without_t
     store = CheckpointStore(tmp_path / "ckpt")
     checkpoint_id = store.checkpoint_id(1)
     write_participants_index(store.path(checkpoint_id), checkpoint_id, [])
-    rows = [RowState("0-0", 0, "continued", 3, 1, 2, 4), RowState("1-0", 2, "restart")]
+    rows = [RowState("0-0", 0, "continued", 3, 1, 2, 4, 40, 9), RowState("1-0", 2, "restart")]
     state = CollectorState(checkpoint_id, IDENTITY, rows, timings={"published_at": 1000.0})
     store.publish(state, *store.write_records(state))
     read, _ = store.latest()
     assert read is not None and read.timings["published_at"] == 1000.0
-    figures = [(r.rollout_id, r.model_calls, r.held_calls, r.running_calls, r.tool_calls) for r in read.rows]
-    assert figures == [("0-0", 3, 1, 2, 4), ("1-0", None, None, None, None)]
+    figures = [
+        (
+            r.rollout_id,
+            r.model_calls,
+            r.held_calls,
+            r.running_calls,
+            r.tool_calls,
+            r.output_tokens,
+            r.held_output_tokens,
+        )
+        for r in read.rows
+    ]
+    assert figures == [("0-0", 3, 1, 2, 4, 40, 9), ("1-0", None, None, None, None, None, None)]
 
 
 def test_a_pause_over_its_share_of_the_interval_is_warned_about() -> None:

@@ -361,7 +361,13 @@ async def test_the_commit_reply_counts_answered_and_held_calls_per_episode_until
     running = Caller(calls, ScriptedRoute([START_JSON, body(b"{}")]), "/ng-rollout/r4/v1/responses")
     await settle()
     extras = calls.export(checkpoint_id="ck", scope=frozenset()).reply_extras
-    assert extras == {"answered_calls": {"r1": 2, "r2-a1": 1}, "held_calls": {"r1": 1}, "running_calls": {"r4": 1}}
+    assert extras == {
+        "answered_calls": {"r1": 2, "r2-a1": 1},
+        "held_calls": {"r1": 1},
+        "running_calls": {"r4": 1},
+        "answered_output_tokens": {},  # no answer reported usage
+        "held_output_tokens": {},
+    }
     calls.open_admission("ck")
     await held.task
     # Forgotten (its /run returned) or retired: nothing kept about the rollout any more.
@@ -372,4 +378,55 @@ async def test_the_commit_reply_counts_answered_and_held_calls_per_episode_until
         "answered_calls": {},
         "held_calls": {},
         "running_calls": {},
+        "answered_output_tokens": {},
+        "held_output_tokens": {},
     }
+
+
+async def test_the_commit_reply_counts_the_output_tokens_answers_report_per_episode(calls: ModelCalls) -> None:
+    responses = orjson.dumps({"output": [], "max_output_tokens": 999, "usage": {"input_tokens": 5, "output_tokens": 7}})
+    chat = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 11, "total_tokens": 14}})
+    for path, data in (("/ng-rollout/r1/v1/responses", responses), ("/ng-rollout/r1/v1/chat/completions", chat)):
+        route = ScriptedRoute([START_JSON, body(data)])
+        caller = Caller(calls, route, path)
+        route.all()
+        await caller.task
+    # An event stream: in-progress events carry no count, the last event's usage is the call's, its key and
+    # count split across two chunks; a refused call and a call without usage count nothing.
+    stream = [
+        START_SSE,
+        body(b'data: {"type": "response.created", "response": {"usage": null}}\n\n', more=True),
+        body(b'data: {"type": "response.output_text.delta", "delta": "\\"output_tokens\\": 99"}\n\n', more=True),
+        body(b'data: {"type": "response.completed", "response": {"usage": {"output_to', more=True),
+        body(b'kens": 2', more=True),
+        body(b'3, "output_tokens_details": {"reasoning_tokens": 4}}}}\n\n'),
+    ]
+    route = ScriptedRoute(stream)
+    caller = Caller(calls, route, "/ng-rollout/r2-a1/v1/responses")
+    route.all()
+    await caller.task
+    assert caller.received == stream  # counted on the way through, unchanged
+    for path, start in (
+        ("/ng-rollout/r3/v1/responses", {**START_JSON, "status": 500}),
+        ("/ng-rollout/r3/v1/chat/completions", START_JSON),
+    ):
+        route = ScriptedRoute([start, body(b'{"usage": null, "error": "no \\"output_tokens\\": 5"}')])
+        caller = Caller(calls, route, path)
+        route.all()
+        await caller.task
+    # A held answer is counted before it goes out: answered and held.
+    route = ScriptedRoute([START_JSON, body(orjson.dumps({"usage": {"output_tokens": 5}}))])
+    held = Caller(calls, route, "/ng-rollout/r4/v1/responses")
+    await settle()
+    calls.close_admission("ck")
+    route.all()
+    await wait_until(lambda: calls.held == 1, what="the response held")
+    extras = calls.export(checkpoint_id="ck", scope=frozenset()).reply_extras
+    assert extras["answered_calls"] == {"r1": 2, "r2-a1": 1, "r3": 1, "r4": 1}
+    assert extras["answered_output_tokens"] == {"r1": 7 + 11, "r2-a1": 23, "r4": 5}
+    assert extras["held_output_tokens"] == {"r4": 5}
+    calls.open_admission("ck")
+    await held.task
+    calls.forgotten(rollout_ids=["r1"])
+    await calls.retire(episode_ids=[EpisodeId(rollout_id="r2", attempt=1)])
+    assert calls.export(checkpoint_id="ck2", scope=None).reply_extras["answered_output_tokens"] == {"r4": 5}

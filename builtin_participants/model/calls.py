@@ -43,6 +43,7 @@ from typing import Any
 from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_book import CaptureBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CUT_FIELD, CutBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import cut_settings
+from nemo_gym_checkpoint_plugin.builtin_participants.model.output_tokens import UsageScan
 from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures, token_captures_for
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RETIRE_CONCURRENCY, stop_bounded
 
@@ -79,6 +80,7 @@ class ModelCall:
         "capture_call_id",
         "body",
         "generation",
+        "usage",
     )
 
     def __init__(self, rollout_id: str | None, attempt: int) -> None:
@@ -93,6 +95,7 @@ class ModelCall:
         self.capture_call_id: str | None = None  # Gym's model call id, when token capture records it
         self.body: bytearray | None = None  # the request body as received (generation cuts only)
         self.generation: Any = None  # its streamed generation (``cut_stream.Generation``), generation cuts only
+        self.usage: UsageScan | None = None  # its answer's output tokens (``output_tokens.py``), once answered
 
     @property
     def key(self) -> str | None:
@@ -143,6 +146,8 @@ class ModelCalls:
         # Model calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
         # reply's ``answered_calls``); dropped when the rollout is forgotten or retired: it holds rollouts in flight.
         self._answered: dict[str, dict[int, int]] = {}
+        # The output tokens those calls' answers reported (``answered_output_tokens``; output_tokens.py), kept alike.
+        self._answered_tokens: dict[str, dict[int, int]] = {}
 
     def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
         self.server = server
@@ -197,6 +202,17 @@ class ModelCalls:
         if call.rollout_id is not None:
             attempts = self._answered.setdefault(call.rollout_id, {})
             attempts[call.attempt] = attempts.get(call.attempt, 0) + 1
+            call.usage = UsageScan()
+
+    def answer_data(self, call: ModelCall, chunk: bytes) -> None:
+        """A body chunk of an answered call, before it goes out (or is held): counts the tokens it reports."""
+        usage = call.usage
+        if usage is None or call.rollout_id is None:
+            return
+        before = usage.tokens or 0
+        if usage.feed(chunk):
+            tokens = self._answered_tokens.setdefault(call.rollout_id, {})
+            tokens[call.attempt] = tokens.get(call.attempt, 0) + (usage.tokens or 0) - before
 
     async def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): its row is written by now.
@@ -297,12 +313,13 @@ class ModelCalls:
             # Those an earlier retire stopped too; a finished call's wait returns at once.
             await call.finished.wait()
         for episode in episode_ids:
-            attempts = self._answered.get(episode.rollout_id)
-            if attempts is not None:
-                for attempt in [a for a in attempts if a <= episode.attempt]:
-                    del attempts[attempt]
-                if not attempts:
-                    del self._answered[episode.rollout_id]
+            for book in (self._answered, self._answered_tokens):
+                attempts = book.get(episode.rollout_id)
+                if attempts is not None:
+                    for attempt in [a for a in attempts if a <= episode.attempt]:
+                        del attempts[attempt]
+                    if not attempts:
+                        del book[episode.rollout_id]
         if self.cuts is not None:
             self.cuts.retired(episode_ids)
         if self.book is not None:
@@ -314,11 +331,14 @@ class ModelCalls:
     def forgotten(self, rollout_ids: list[str]) -> None:
         for rollout_id in rollout_ids:
             self._answered.pop(rollout_id, None)
+            self._answered_tokens.pop(rollout_id, None)
 
     def ledger_extras(self) -> dict[str, Any]:
-        """The commit reply's ``answered_calls``, ``held_calls`` and ``running_calls`` (per capture key;
-        docs/protocol.md, "Routes", the model participant's commit reply)."""
+        """The commit reply's ``answered_calls``, ``held_calls``, ``running_calls``, ``answered_output_tokens``
+        and ``held_output_tokens`` (per capture key; docs/protocol.md, "Routes", the model participant's commit
+        reply). The tokens name only the episodes whose answers reported usage (``output_tokens.py``)."""
         held: dict[str, int] = {}
+        held_tokens: dict[str, int] = {}
         running: dict[str, int] = {}
         for call in self._calls():
             key = call.key
@@ -326,6 +346,8 @@ class ModelCalls:
                 continue
             if call.held:
                 held[key] = held.get(key, 0) + 1
+                if call.usage is not None and call.usage.tokens is not None:
+                    held_tokens[key] = held_tokens.get(key, 0) + call.usage.tokens
             elif not call.answered:
                 running[key] = running.get(key, 0) + 1
         answered = {
@@ -333,7 +355,18 @@ class ModelCalls:
             for rollout_id, attempts in self._answered.items()
             for attempt, count in attempts.items()
         }
-        return {"answered_calls": answered, "held_calls": held, "running_calls": running}
+        answered_tokens = {
+            capture_key(rollout_id, attempt): tokens
+            for rollout_id, attempts in self._answered_tokens.items()
+            for attempt, tokens in attempts.items()
+        }
+        return {
+            "answered_calls": answered,
+            "held_calls": held,
+            "running_calls": running,
+            "answered_output_tokens": answered_tokens,
+            "held_output_tokens": held_tokens,
+        }
 
     def _calls(self) -> Iterator[ModelCall]:
         for calls in self._by_rollout.values():

@@ -26,6 +26,9 @@ Anything else is answer data, and so is the end of a response (the last body mes
 empty): the caller would see a complete reply. Once a response started, every later message
 passes untouched: an event stream that already started finishes whatever admission does.
 A held response is delivered unchanged (the very same messages, in order) after resume.
+
+Every body chunk of an answered (2xx) call is scanned, before it goes out or is held, for the
+output tokens its usage reports (``output_tokens.py``; the commit reply's ``answered_output_tokens``).
 """
 
 from __future__ import annotations
@@ -101,10 +104,12 @@ class _Delivery:
         self.sent_any = False  # anything went out (the status line is then fixed)
 
     async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.body" and self._call.usage is not None:
+            self._calls.answer_data(self._call, message.get("body", b""))
         if self.started:
             await self._send(message)
             return
-        kind = message["type"]
         if kind == "http.response.start":
             if 200 <= int(message.get("status", 0)) < 300:
                 self._calls.answered(self._call)

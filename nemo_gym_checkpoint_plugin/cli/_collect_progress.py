@@ -123,6 +123,11 @@ def lost_work_line(ledger: dict[str, Any]) -> str:
         )
         + (
             ""
+            if ledger.get("tokens_regenerated") is None
+            else f" ({ledger['tokens_regenerated']} output tokens generated again)"
+        )
+        + (
+            ""
             if ledger.get("tool_calls_repeated") is None
             else f"; {ledger['tool_calls_repeated']} tool calls run again"
         )

@@ -255,6 +255,9 @@ class CollectionCheckpointer:
         counts = ledger_counts(now.committed.replies)
         answered, held, running = counts["answered_calls"], counts["held_calls"], counts["running_calls"]
         tools = counts["answered_tool_calls"]
+        tokens, held_tokens = counts["answered_output_tokens"], counts["held_output_tokens"]
+        # Tokens only when some model server's answers reported usage: 0 would claim nothing was generated.
+        tokens_reported = bool(tokens)
         reported = any("answered_calls" in reply for reply in now.committed.replies.values())
         tools_reported = any("answered_tool_calls" in reply for reply in now.committed.replies.values())
         rows = []
@@ -270,6 +273,8 @@ class CollectionCheckpointer:
                     held_calls=held.get(key, 0) if reported else None,
                     running_calls=running.get(key, 0) if reported else None,
                     tool_calls=tools.get(key, 0) if tools_reported else None,
+                    output_tokens=tokens.get(key, 0) if tokens_reported else None,
+                    held_output_tokens=held_tokens.get(key, 0) if tokens_reported else None,
                 )
             )
         rows.extend(carried)

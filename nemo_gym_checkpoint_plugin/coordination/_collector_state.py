@@ -69,11 +69,15 @@ class RowState:
     state: str
     # The lost-work ledger's figures (coordination._ledger): model calls answered so far, responses held and
     # calls still running at the checkpoint, as the model participants' commit replies said, and tool calls
-    # answered, as the resources participants' said; None: none did.
+    # answered, as the resources participants' said; None: none did. ``output_tokens``: the output tokens the
+    # answers of those model calls reported (``held_output_tokens``: of the held ones); None: no model server
+    # reported tokens at that checkpoint.
     model_calls: int | None = None
     held_calls: int | None = None
     running_calls: int | None = None
     tool_calls: int | None = None
+    output_tokens: int | None = None
+    held_output_tokens: int | None = None
 
     def record(self) -> dict[str, Any]:
         record: dict[str, Any] = {"episode_id": episode_to_wire(self), "state": self.state}
@@ -83,6 +87,9 @@ class RowState:
             record["running_calls"] = self.running_calls or 0
         if self.tool_calls is not None:
             record["tool_calls"] = self.tool_calls
+        if self.output_tokens is not None:
+            record["output_tokens"] = self.output_tokens
+            record["held_output_tokens"] = self.held_output_tokens or 0
         return record
 
 
@@ -344,6 +351,8 @@ class CheckpointStore:
                     held_calls=_count(record.get("held_calls")),
                     running_calls=_count(record.get("running_calls")),
                     tool_calls=_count(record.get("tool_calls")),
+                    output_tokens=_count(record.get("output_tokens")),
+                    held_output_tokens=_count(record.get("held_output_tokens")),
                 )
             )
         index = check_participants_index(path)

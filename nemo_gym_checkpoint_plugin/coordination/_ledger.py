@@ -21,8 +21,11 @@ docs/protocol.md). From it:
 - ``lengths``: the distribution of model calls answered so far (count, min, median, max) of the
   continued and of the restarted rows (restarts hitting the longest rows is the bias to watch).
 
-``tokens_regenerated`` is ``None``: no built-in participant reports tokens per episode yet (the model
-participant does not read the responses' usage).
+- ``tokens_regenerated``: the output tokens of the calls counted in ``model_calls_repeated`` (every
+  answered call of a restarted row, every held response of a continued row), as their answers' usage
+  reported them (``answered_output_tokens`` and ``held_output_tokens``); ``None`` when no model server
+  reported tokens at the checkpoint. Calls still running (``model_calls_cut``) are not in it: their
+  tokens were never reported.
 """
 
 from __future__ import annotations
@@ -55,7 +58,14 @@ class LostWork:
         return asdict(self)
 
 
-LEDGER_EXTRAS = ("answered_calls", "held_calls", "running_calls", "answered_tool_calls")
+LEDGER_EXTRAS = (
+    "answered_calls",
+    "held_calls",
+    "running_calls",
+    "answered_tool_calls",
+    "answered_output_tokens",
+    "held_output_tokens",
+)
 
 
 def ledger_counts(replies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
@@ -89,7 +99,7 @@ def lost_work(
     restored_at: float | None = None,
 ) -> LostWork:
     """The ledger of a restore of ``rows`` (``RowState``: ``rollout_id``, ``model_calls``, ``held_calls``,
-    ``running_calls``, ``tool_calls``).
+    ``running_calls``, ``tool_calls``, ``output_tokens``, ``held_output_tokens``).
 
     ``continued`` and ``restarted`` are rollout ids as the restore decided them, ``finished`` those
     already in the output (neither lost nor run again).
@@ -111,6 +121,11 @@ def lost_work(
         ledger.model_calls_repeated = repeated_restarted + repeated_held
         ledger.model_calls_repeated_by = {"restarted": repeated_restarted, "held": repeated_held}
         ledger.model_calls_cut = sum(row.running_calls or 0 for row in reported if row.rollout_id in went_on | over)
+    tokened = [row for row in by_id.values() if getattr(row, "output_tokens", None) is not None]
+    if tokened:
+        ledger.tokens_regenerated = sum(row.output_tokens for row in tokened if row.rollout_id in over) + sum(
+            row.held_output_tokens or 0 for row in tokened if row.rollout_id in went_on
+        )
     tooled = [row for row in by_id.values() if getattr(row, "tool_calls", None) is not None]
     if tooled:
         ledger.tool_calls_repeated = sum(row.tool_calls for row in tooled if row.rollout_id in over)
