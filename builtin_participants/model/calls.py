@@ -45,6 +45,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CUT_F
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import cut_settings
 from nemo_gym_checkpoint_plugin.builtin_participants.model.output_tokens import UsageScan
 from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures, token_captures_for
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempt_counts import AttemptCounts
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RETIRE_CONCURRENCY, stop_bounded
 
 from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
@@ -145,9 +146,9 @@ class ModelCalls:
         self.stopped_total = 0
         # Model calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
         # reply's ``answered_calls``); dropped when the rollout is forgotten or retired: it holds rollouts in flight.
-        self._answered: dict[str, dict[int, int]] = {}
+        self._answered = AttemptCounts()
         # The output tokens those calls' answers reported (``answered_output_tokens``; output_tokens.py), kept alike.
-        self._answered_tokens: dict[str, dict[int, int]] = {}
+        self._answered_tokens = AttemptCounts()
 
     def _bind(self, server: Any, captures: TokenCaptures | None = None) -> None:
         self.server = server
@@ -200,8 +201,7 @@ class ModelCalls:
         """The call's reply begins with a 2xx status: the worker answered it (held or not)."""
         call.answered = True
         if call.rollout_id is not None:
-            attempts = self._answered.setdefault(call.rollout_id, {})
-            attempts[call.attempt] = attempts.get(call.attempt, 0) + 1
+            self._answered.add(call.rollout_id, call.attempt)
             call.usage = UsageScan()
 
     def answer_data(self, call: ModelCall, chunk: bytes) -> None:
@@ -211,8 +211,7 @@ class ModelCalls:
             return
         before = usage.tokens or 0
         if usage.feed(chunk):
-            tokens = self._answered_tokens.setdefault(call.rollout_id, {})
-            tokens[call.attempt] = tokens.get(call.attempt, 0) + (usage.tokens or 0) - before
+            self._answered_tokens.add(call.rollout_id, call.attempt, (usage.tokens or 0) - before)
 
     async def starting(self, call: ModelCall) -> None:
         """The call's reply begins (its status line is about to be sent): its row is written by now.
@@ -312,14 +311,8 @@ class ModelCalls:
         for call in victims:
             # Those an earlier retire stopped too; a finished call's wait returns at once.
             await call.finished.wait()
-        for episode in episode_ids:
-            for book in (self._answered, self._answered_tokens):
-                attempts = book.get(episode.rollout_id)
-                if attempts is not None:
-                    for attempt in [a for a in attempts if a <= episode.attempt]:
-                        del attempts[attempt]
-                    if not attempts:
-                        del book[episode.rollout_id]
+        self._answered.retire(episode_ids)
+        self._answered_tokens.retire(episode_ids)
         if self.cuts is not None:
             self.cuts.retired(episode_ids)
         if self.book is not None:
@@ -329,9 +322,8 @@ class ModelCalls:
 
     @hookimpl
     def forgotten(self, rollout_ids: list[str]) -> None:
-        for rollout_id in rollout_ids:
-            self._answered.pop(rollout_id, None)
-            self._answered_tokens.pop(rollout_id, None)
+        self._answered.forget(rollout_ids)
+        self._answered_tokens.forget(rollout_ids)
 
     def ledger_extras(self) -> dict[str, Any]:
         """The commit reply's ``answered_calls``, ``held_calls``, ``running_calls``, ``answered_output_tokens``
@@ -350,21 +342,11 @@ class ModelCalls:
                     held_tokens[key] = held_tokens.get(key, 0) + call.usage.tokens
             elif not call.answered:
                 running[key] = running.get(key, 0) + 1
-        answered = {
-            capture_key(rollout_id, attempt): count
-            for rollout_id, attempts in self._answered.items()
-            for attempt, count in attempts.items()
-        }
-        answered_tokens = {
-            capture_key(rollout_id, attempt): tokens
-            for rollout_id, attempts in self._answered_tokens.items()
-            for attempt, tokens in attempts.items()
-        }
         return {
-            "answered_calls": answered,
+            "answered_calls": self._answered.by_key(),
             "held_calls": held,
             "running_calls": running,
-            "answered_output_tokens": answered_tokens,
+            "answered_output_tokens": self._answered_tokens.by_key(),
             "held_output_tokens": held_tokens,
         }
 

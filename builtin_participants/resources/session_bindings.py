@@ -29,7 +29,7 @@ What a resources server must keep for a restored episode to reuse its session:
   re-attached): ``task_data`` ``{"ng_checkpoint": "restart"}`` makes its session a restart.
 
 A **retire** stops the retired attempts' requests in flight here first (``/verify``, tool calls:
-every ``POST /ng-rollout/<key>/...``; each runs in a task of its own, ``_ToolCalls``): it cancels
+every ``POST /ng-rollout/<key>/...``; each runs in a task of its own, ``ToolRequests``): it cancels
 each once, a request not yet answering is refused 409 ``stale_attempt``, and the retire waits for
 them to end before it drops the attempts' bindings and state and replies, so nothing of a retired
 attempt replies from here after the retire did. A retried retire waits for them, never cancelling again.
@@ -59,22 +59,25 @@ from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state imp
     UnsupportedSessionValue,
 )
 from nemo_gym_checkpoint_plugin.builtin_participants.resources.task_ids import task_id_from_wire, task_id_to_wire
+from nemo_gym_checkpoint_plugin.builtin_participants.resources.tool_requests import (
+    InFlightRequest,
+    ToolRequests,
+    count_rollout,
+)
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempt_counts import AttemptCounts
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 
-from nemo_gym_checkpoint_plugin._errors import ExportFailed, StaleAttempt
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire
+from nemo_gym_checkpoint_plugin._errors import ExportFailed
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._seeds import seeded_episode
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord, SeedDeclaration
-from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RESTART_TASK_KEY", "ResourcesSessions", "install_resources_declarations"]
 
 RESTART_TASK_KEY = "ng_checkpoint"
-# How many rollouts' seed counts status keeps (a diagnostic; the oldest are dropped first).
-_SEED_COUNT_ROLLOUTS = 10_000
 
 
 def _stateless(server: Any) -> bool:
@@ -93,12 +96,12 @@ class ResourcesSessions:
         self.tool_calls_by_rollout: OrderedDict[str, int] = OrderedDict()
         # Tool calls answered (2xx) per rollout and attempt, for the controller's lost-work ledger (the commit
         # reply's ``answered_tool_calls``); dropped when the rollout is forgotten or retired.
-        self._answered_tools: dict[str, dict[int, int]] = {}
+        self._answered_tools = AttemptCounts()
         self._restarts: set[str] = set()
         self._installed: dict[str, str] = {}  # replacement capture key -> resources_session_id
         self._installed_state: set[str] = set()  # replacement capture keys whose session state was installed
         # Requests in flight under /ng-rollout/<capture key>/..., by capture key (a retire stops them).
-        self._in_flight: dict[str, set[_Request]] = {}
+        self._in_flight: dict[str, set[InFlightRequest]] = {}
         self.instance: str | None = None
         if server is not None:
             self._bind(server)
@@ -139,7 +142,7 @@ class ResourcesSessions:
     def seed_session(self, episode_id: EpisodeId, session: Mapping[str, Any]) -> SeedDeclaration | None:
         self.seed_calls += 1
         rollout = episode_id.rollout_id
-        _count(self.seeds_by_rollout, rollout)
+        count_rollout(self.seeds_by_rollout, rollout)
         task_data = session.get("task_data")
         declared = isinstance(task_data, Mapping) and task_data.get(RESTART_TASK_KEY) == "restart"
         restart = declared or not self.capturable
@@ -166,23 +169,17 @@ class ResourcesSessions:
 
     def tool_answered(self, episode: EpisodeId) -> None:
         """A tool call of ``episode`` replied 2xx (from the middleware)."""
-        attempts = self._answered_tools.setdefault(episode.rollout_id, {})
-        attempts[episode.attempt] = attempts.get(episode.attempt, 0) + 1
+        self._answered_tools.add(episode.rollout_id, episode.attempt)
 
     @hookimpl
     def forgotten(self, rollout_ids: list[str]) -> None:
-        for rollout_id in rollout_ids:
-            self._answered_tools.pop(rollout_id, None)
+        self._answered_tools.forget(rollout_ids)
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
         # Every episode's answered tool calls, restarts included (docs/protocol.md, the resources participant's
         # commit reply): the records below hold only the scope's.
-        answered = {
-            capture_key(rollout_id, attempt): count
-            for rollout_id, attempts in self._answered_tools.items()
-            for attempt, count in attempts.items()
-        }
+        answered = self._answered_tools.by_key()
         return ParticipantExport(records=self._records(scope), reply_extras={"answered_tool_calls": answered})
 
     def _records(self, scope: frozenset[str] | None) -> list[dict[str, Any]]:
@@ -205,7 +202,7 @@ class ResourcesSessions:
                     sessions = self.session_state.export_sessions(key, session_ids)
                 except UnsupportedSessionValue as exc:
                     raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
-                record = records.setdefault(key, {"episode_id": episode_to_wire(_key_episode(key))})
+                record = records.setdefault(key, {"episode_id": episode_to_wire(from_capture_key(key))})
                 record["session_state"] = sessions
         return list(records.values())
 
@@ -261,12 +258,12 @@ class ResourcesSessions:
         if self.session_state is not None:
             self.session_state.drop(lambda episode: episode.capture_key in keys)
 
-    def request_began(self, key: str, task: asyncio.Task[Any]) -> _Request:
-        request = _Request(task)
+    def request_began(self, key: str, task: asyncio.Task[Any]) -> InFlightRequest:
+        request = InFlightRequest(task)
         self._in_flight.setdefault(key, set()).add(request)
         return request
 
-    def request_ended(self, key: str, request: _Request) -> None:
+    def request_ended(self, key: str, request: InFlightRequest) -> None:
         requests = self._in_flight.get(key)
         if requests is not None:
             requests.discard(request)
@@ -288,13 +285,7 @@ class ResourcesSessions:
                     stopping.append(request.task)
         if stopping:
             await asyncio.wait(stopping)
-        for episode in episode_ids:
-            attempts = self._answered_tools.get(episode.rollout_id)
-            if attempts is not None:
-                for attempt in [a for a in attempts if a <= episode.attempt]:
-                    del attempts[attempt]
-                if not attempts:
-                    del self._answered_tools[episode.rollout_id]
+        self._answered_tools.retire(episode_ids)
         for key in [k for k in self._restarts if named.key(k)]:
             self._restarts.discard(key)
         self._installed_state = {k for k in self._installed_state if not named.key(k)}
@@ -323,99 +314,6 @@ class ResourcesSessions:
         }
 
 
-def _count(counts: OrderedDict[str, int], rollout: str) -> None:
-    counts[rollout] = counts.pop(rollout, 0) + 1
-    while len(counts) > _SEED_COUNT_ROLLOUTS:
-        counts.popitem(last=False)
-
-
-# Gym's own resources routes; any other POST under a rollout prefix is a tool call.
-_SESSION_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics"})
-
-
-class _Request:
-    """One request in flight under a rollout prefix: its task, and whether a retire stopped it."""
-
-    __slots__ = ("task", "retired")
-
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self.task = task
-        self.retired = False
-
-
-class _ToolCalls:
-    """Pure ASGI middleware of ``POST /ng-rollout/<key>/...``: count tool calls, track requests.
-
-    Each tool call is counted per rollout, and each one answered 2xx per episode (the ledger's
-    ``answered_tool_calls``). Each such request (``/verify``, a tool call) runs in a task of its
-    own, registered by capture key, so a retire can cancel it; one cancelled before its reply
-    started is answered 409 ``stale_attempt``. Other requests pass untouched (one split, no body read).
-    """
-
-    def __init__(self, app: Any, sessions: ResourcesSessions) -> None:
-        self.app = app
-        self.sessions = sessions
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        path = scope.get("path", "") if scope.get("type") == "http" and scope.get("method") == "POST" else ""
-        if not path.startswith(ROLLOUT_PATH_PREFIX):
-            await self.app(scope, receive, send)
-            return
-        key, _, route = path[len(ROLLOUT_PATH_PREFIX) :].partition("/")
-        if not route:
-            await self.app(scope, receive, send)
-            return
-        reply = send
-        if route not in _SESSION_ROUTES:
-            try:
-                episode: EpisodeId | None = _key_episode(key)
-            except ValueError:
-                episode = None  # the gate lets an unparsable key through; Gym's routing answers it
-            _count(self.sessions.tool_calls_by_rollout, key if episode is None else episode.rollout_id)
-            if episode is not None:
-                reply = _answered(send, self.sessions, episode)
-        started = False
-
-        async def tracked(message: Any) -> None:
-            nonlocal started
-            started = True
-            await reply(message)
-
-        # Registered before the first suspension: a retire marking this attempt after the gate let it in finds it.
-        task = asyncio.ensure_future(self.app(scope, receive, tracked))
-        request = self.sessions.request_began(key, task)
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if not request.retired or (current is not None and current.cancelling()):
-                raise  # the caller went away (or the server stops): nothing to answer
-            if not started:
-                await _refuse(send, key, route)
-            # Else the reply had begun: the connection just ends.
-        finally:
-            self.sessions.request_ended(key, request)
-
-
-async def _refuse(send: Any, key: str, route: str) -> None:
-    import orjson
-
-    error = StaleAttempt(f"episode {key} was retired while its /{route} ran here; it does not reply")
-    body = orjson.dumps(error.to_body())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _answered(send: Any, sessions: ResourcesSessions, episode: EpisodeId) -> Any:
-    async def sending(message: Any) -> None:
-        if message["type"] == "http.response.start" and 200 <= int(message.get("status", 0)) < 300:
-            sessions.tool_answered(episode)
-        await send(message)
-
-    return sending
-
-
 def _restart_warning(server: Any) -> str:
     """Why every episode of this undeclared server is a restart, and what its author can do (status and log)."""
     config = getattr(server, "config", None)
@@ -430,12 +328,6 @@ def _restart_warning(server: Any) -> str:
     )
 
 
-def _key_episode(key: str) -> EpisodeId:
-    from nemo_gym_checkpoint_plugin._identity import from_capture_key
-
-    return from_capture_key(key)
-
-
 def install_resources_declarations(app: Any, sessions: ResourcesSessions) -> None:
     """Count tool calls, bind session state, track closes (the ``seed_session`` hook is the wiring's: ``_seeds``)."""
     from nemo_gym_checkpoint_plugin.builtin_participants.shared.reply_headers import ReplyHeaders
@@ -446,7 +338,7 @@ def install_resources_declarations(app: Any, sessions: ResourcesSessions) -> Non
             sessions.session_closed(found[0])
         return {}
 
-    app.add_middleware(_ToolCalls, sessions=sessions)
+    app.add_middleware(ToolRequests, sessions=sessions)
     if sessions.session_state is not None:
         from nemo_gym_checkpoint_plugin.builtin_participants.resources.session_state import install_session_binder
 
