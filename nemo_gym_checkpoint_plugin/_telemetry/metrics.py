@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from .gym_export import GymMeter, gym_meter
+from .names import METRICS, MetricName
 
 if TYPE_CHECKING:
     from nemo_gym_checkpoint_plugin._gate import GateCounters
@@ -38,157 +40,6 @@ DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # The count a model server's ``ready`` hook reports for responses held at closed admission.
 HELD_RESPONSES_COUNT = "model_responses_held"
 
-
-@dataclass(frozen=True)
-class MetricName:
-    """One metric: its OpenTelemetry name and UCUM unit, its Prometheus name, type, labels and meaning."""
-
-    otel: str
-    unit: str
-    prometheus: str
-    type: str
-    labels: tuple[str, ...]
-    meaning: str
-
-
-METRICS: tuple[MetricName, ...] = (
-    MetricName(
-        "gym.checkpoint.duration",
-        "s",
-        "gym_checkpoint_duration_seconds",
-        "histogram",
-        ("phase",),
-        "time this server took to answer a control call, by phase (prepare, commit, restore, resume, retire, forget)",
-    ),
-    MetricName(
-        "gym.checkpoint.stage.duration",
-        "s",
-        "gym_checkpoint_stage_duration_seconds",
-        "histogram",
-        ("stage",),
-        "time of one stage of a control operation (wait_ready, export, write, read, install)",
-    ),
-    MetricName(
-        "gym.checkpoint.completed",
-        "{checkpoint}",
-        "gym_checkpoint_completed_total",
-        "counter",
-        (),
-        "checkpoints this server wrote and published (a commit whose manifest is durable)",
-    ),
-    MetricName(
-        "gym.checkpoint.restored",
-        "{restore}",
-        "gym_checkpoint_restored_total",
-        "counter",
-        (),
-        "restores this server read and installed",
-    ),
-    MetricName(
-        "gym.checkpoint.failed",
-        "{call}",
-        "gym_checkpoint_failed_total",
-        "counter",
-        ("phase", "code"),
-        "control calls that failed, by phase and error code (docs/protocol.md codes; internal: anything else)",
-    ),
-    MetricName(
-        "gym.checkpoint.in_progress",
-        "{operation}",
-        "gym_checkpoint_in_progress",
-        "gauge",
-        ("operation",),
-        "1 while a checkpoint or restore is active on this server (prepare to resume), else 0",
-    ),
-    MetricName(
-        "gym.checkpoint.last_success.time",
-        "s",
-        "gym_checkpoint_last_success_time_seconds",
-        "gauge",
-        (),
-        "Unix time of this server's last published checkpoint (absent until the first one)",
-    ),
-    MetricName(
-        "gym.checkpoint.size",
-        "By",
-        "gym_checkpoint_size_bytes",
-        "gauge",
-        (),
-        "size of the records file of this server's last published checkpoint",
-    ),
-    MetricName(
-        "gym.checkpoint.records",
-        "{record}",
-        "gym_checkpoint_records",
-        "gauge",
-        (),
-        "records in this server's last published checkpoint",
-    ),
-    MetricName(
-        "gym.checkpoint.episodes",
-        "{episode}",
-        "gym_checkpoint_episodes",
-        "gauge",
-        (),
-        "episodes in this server's last published checkpoint",
-    ),
-    MetricName(
-        "gym.checkpoint.admission.closed.duration",
-        "s",
-        "gym_checkpoint_admission_closed_duration_seconds",
-        "histogram",
-        (),
-        "how long admission stayed closed (the pause this server imposed), per checkpoint or restore",
-    ),
-    MetricName(
-        "gym.checkpoint.admission.closed",
-        "1",
-        "gym_checkpoint_admission_closed",
-        "gauge",
-        (),
-        "1 while admission is closed (new data requests park), else 0",
-    ),
-    MetricName(
-        "gym.checkpoint.parked.requests",
-        "{request}",
-        "gym_checkpoint_parked_requests",
-        "gauge",
-        (),
-        "data requests parked at the admission gate right now",
-    ),
-    MetricName(
-        "gym.checkpoint.parked.duration",
-        "s",
-        "gym_checkpoint_parked_duration_seconds",
-        "histogram",
-        (),
-        "how long each parked data request waited at the admission gate",
-    ),
-    MetricName(
-        "gym.checkpoint.held.responses",
-        "{response}",
-        "gym_checkpoint_held_responses",
-        "gauge",
-        (),
-        "model responses held at closed admission right now (model servers; 0 elsewhere)",
-    ),
-    MetricName(
-        "gym.checkpoint.restarts",
-        "{episode}",
-        "gym_checkpoint_restarts_total",
-        "counter",
-        (),
-        "episodes a prepare reported as restarts (they start over instead of continuing)",
-    ),
-    MetricName(
-        "gym.checkpoint.lease.expiries",
-        "{expiry}",
-        "gym_checkpoint_lease_expiries_total",
-        "counter",
-        (),
-        "leases that expired without a controller call (the server resumed on its own)",
-    ),
-)
 
 _BY_OTEL = {metric.otel: metric for metric in METRICS}
 
@@ -270,6 +121,7 @@ class ServerMetrics:
         admission_open: Callable[[], bool] = lambda: True,
         lease_expiries: Callable[[], int] = lambda: 0,
         clock: Callable[[], float] = time.time,
+        resolve_gym_meter: Callable[[], Any] | None = None,
     ) -> None:
         self.kind = kind
         self.instance = instance
@@ -321,22 +173,36 @@ class ServerMetrics:
         self._closed_at: float | None = None
         # Unix time of the last published checkpoint; None until one (a 0 would say "in 1970").
         self.last_success: float | None = None
+        self.last_size: float | None = None
+        self.last_records: float | None = None
+        self.last_episodes: float | None = None
         r.register(_Live(self))
+        # The same figures on Gym's own meter where its metrics export is on (gym_export.py).
+        self.gym = GymMeter(self, resolve=gym_meter if resolve_gym_meter is None else resolve_gym_meter)
+        self.gym.bind()
 
     # -- what the plane reports ------------------------------------------------------------------
 
     def watch_gate(self, counters: GateCounters) -> None:
         """Read the admission gate's parked requests at scrape time and time each park."""
         self.gate = counters
-        counters.observe_park = self.parked_duration.observe
+        counters.observe_park = self._parked
+
+    def _parked(self, seconds: float) -> None:
+        self.parked_duration.observe(seconds)
+        self.gym.record("gym.checkpoint.parked.duration", seconds)
 
     def call_ended(self, phase: str, seconds: float, error: BaseException | None = None) -> None:
         self.duration.labels(phase).observe(seconds)
+        self.gym.record("gym.checkpoint.duration", seconds, {"phase": phase})
         if error is not None:
-            self.failed.labels(phase, error_code(error)).inc()
+            code = error_code(error)
+            self.failed.labels(phase, code).inc()
+            self.gym.add("gym.checkpoint.failed", 1, {"phase": phase, "code": code})
 
     def stage_ended(self, stage: str, seconds: float) -> None:
         self.stage_duration.labels(stage).observe(seconds)
+        self.gym.record("gym.checkpoint.stage.duration", seconds, {"stage": stage})
 
     def admission_closing(self) -> None:
         if self._closed_at is None:
@@ -349,24 +215,31 @@ class ServerMetrics:
             return None
         paused = time.monotonic() - closed_at
         self.admission_closed.observe(paused)
+        self.gym.record("gym.checkpoint.admission.closed.duration", paused)
         return paused
 
     def checkpoint_published(self, manifest: dict[str, Any], episodes: int, size: int | None) -> None:
         self.completed.inc()
+        self.gym.add("gym.checkpoint.completed")
         self.last_success = self._clock()
         count = manifest.get("record_count")
         if isinstance(count, int):
             self.records.set(count)
+            self.last_records = float(count)
         self.episodes.set(episodes)
+        self.last_episodes = float(episodes)
         if size is not None:
             self.size.set(size)
+            self.last_size = float(size)
 
     def restore_installed(self) -> None:
         self.restored.inc()
+        self.gym.add("gym.checkpoint.restored")
 
     def restarts_reported(self, count: int) -> None:
         if count:
             self.restarts.inc(count)
+            self.gym.add("gym.checkpoint.restarts", count)
 
     def set_held_responses(self, counts: dict[str, Any]) -> None:
         held = counts.get(HELD_RESPONSES_COUNT, 0)
