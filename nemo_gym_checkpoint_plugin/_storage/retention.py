@@ -53,6 +53,7 @@ from .._process import pid_alive
 from .layout import INDEX_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .location import Location, child_dirs, lexists, location, names, read_small
 from .objstore import ObjectPath
+from .retention_refs import prune_to, referred_files
 
 __all__ = ["LEASE_DIR", "Checkpoint", "Lease", "RetentionPlan", "hold_lease", "plan_retention", "remove_checkpoint"]
 
@@ -95,6 +96,8 @@ class Checkpoint:
     published: bool
     order: tuple[Any, ...]
     leases: list[Lease] = field(default_factory=list)
+    # Its records files that checkpoints which stay refer to (incremental ones): a removal keeps them.
+    referred: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -215,7 +218,7 @@ def plan_retention(
     if keep < 1:
         raise ValueError("keep must be at least 1")
     now = time.time() if now is None else now
-    found = checkpoints(root, candidates)
+    everything = found = checkpoints(root, candidates)
     if belongs is not None:
         found = [c for c in found if belongs(c)]
     result = RetentionPlan(keep)
@@ -233,6 +236,10 @@ def plan_retention(
             result.in_progress.append(checkpoint)  # a write under way (or nothing published yet to prefer)
         else:
             result.remove.append(checkpoint)  # older than the oldest kept: superseded, or an abandoned write
+    going = {id(c) for c in result.remove}
+    referred = referred_files(c.path for c in everything if id(c) not in going)
+    for checkpoint in result.remove:
+        checkpoint.referred = referred.get(checkpoint.name, set())
     return result
 
 
@@ -246,6 +253,9 @@ def remove_checkpoint(checkpoint: Checkpoint, *, now: float | None = None) -> bo
     path = checkpoint.path
     for marker in (path / "collector" / MANIFEST_NAME, path / "gym" / INDEX_NAME):
         _remove(marker)
+    if checkpoint.referred:
+        prune_to(path, checkpoint.referred)  # what a staying checkpoint refers to stays (retention_refs)
+        return True
     _remove(path, tree=True)
     return True
 
