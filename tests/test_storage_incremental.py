@@ -272,3 +272,13 @@ def test_a_malformed_incremental_manifest_is_refused_by_name(tmp_path: Path, cha
 def test_a_manifest_extra_may_not_take_the_incremental_fields(tmp_path: Path) -> None:
     with pytest.raises(InvalidCheckpointState, match="replace a protocol field"):
         make_backend(str(tmp_path)).open_writer(str(tmp_path / "c"), KIND, INSTANCE, "c").write([], {"segments": 1})
+
+
+def test_a_built_record_may_not_name_another_owner(tmp_path: Path) -> None:
+    backend = make_backend(str(tmp_path))
+    own = Versioned({"rollout_id": "a", "attempt": 0}, 1, record("a", plugin="x"))
+    with pytest.raises(InvalidCheckpointState, match="sets 'plugin'"):
+        backend.open_writer(str(tmp_path / "c1"), KIND, INSTANCE, "c1").write([own])
+    other = Versioned({"rollout_id": "a", "attempt": 0}, 1, record("a", plugin="x"), "y")
+    with pytest.raises(InvalidCheckpointState, match="naming 'x'"):
+        backend.open_writer(str(tmp_path / "c2"), KIND, INSTANCE, "c2").write([other])

@@ -13,13 +13,17 @@ manifest is published) and ``previous`` is what the next write of the participan
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from .._errors import InvalidCheckpointState
+from .._types import Versioned
 from .layout import MANIFEST_FIELDS
 from .location import Location, lexists
+from .reader import capture_key_of
 from .segments import INCREMENTAL_SCHEMA_VERSION, Previous, Segment, line_ranges, segment_directory
 
-__all__ = ["Increment"]
+__all__ = ["Increment", "build_versioned", "versioned_slot"]
 
 _OWN = -1
 
@@ -111,3 +115,46 @@ class Increment:
         if not table:
             return None
         return Previous(self.checkpoint_dir, segments, table, live)
+
+
+def versioned_slot(item: Versioned, increment: Increment | None, participant: str) -> tuple[str | None, str]:
+    """``(owner, capture key)`` of a ``Versioned``; refused when invalid or exported twice."""
+    try:
+        key = capture_key_of(item.episode_id)
+    except ValueError as exc:
+        raise InvalidCheckpointState(f"a versioned record of {participant} has no valid episode_id: {exc}") from None
+    slot = (item.plugin, key)
+    if increment is not None and increment.seen(slot):
+        raise InvalidCheckpointState(f"episode {key} is exported twice by one owner", episode=key)
+    return slot
+
+
+def _key(record: Any) -> str:
+    try:
+        return capture_key_of(record["episode_id"])
+    except Exception:
+        return "<no valid episode_id>"
+
+
+def build_versioned(item: Versioned, slot: tuple[str | None, str]) -> Any:
+    """The record of a ``Versioned`` (built now when it is a function), tagged with its plugin."""
+    record = item.record() if callable(item.record) else item.record
+    if type(record) is not dict and not isinstance(record, Mapping):
+        return record  # refused by the writer's check, naming the record
+    if _key(record) != slot[1]:
+        raise InvalidCheckpointState(
+            f"the record of versioned episode {slot[1]} names episode {_key(record)}", episode=slot[1]
+        )
+    if item.plugin is None and "plugin" in record:
+        raise InvalidCheckpointState(
+            f"the record of versioned episode {slot[1]} sets 'plugin', which names third-party owners",
+            episode=slot[1],
+        )
+    if item.plugin is not None and record.get("plugin") != item.plugin:
+        if "plugin" in record:
+            raise InvalidCheckpointState(
+                f"plugin {item.plugin!r} built a record of episode {slot[1]} naming {record['plugin']!r}",
+                episode=slot[1],
+            )
+        record = {**record, "plugin": item.plugin}
+    return record

@@ -41,7 +41,7 @@ from .._errors import InvalidCheckpointState, InvalidPhase, WriteFailed
 from .._types import Versioned
 from .codec import NotJSON, encode_line, encode_record
 from .files import DirectoryLock, create_private, make_private_dirs, remove_leftovers, write_failed
-from .increments import Increment
+from .increments import Increment, build_versioned, versioned_slot
 from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_NAME,
@@ -191,10 +191,10 @@ class RecordsWriter:
                 for item in records:
                     self._check_stop()
                     if type(item) is Versioned:
-                        slot = self._slot(item, increment)
+                        slot = versioned_slot(item, increment, f"{self.kind}/{self.instance}")
                         if increment is not None and increment.refer(slot, item.version):
                             continue
-                        record: Any = self._materialize(item, slot)
+                        record: Any = build_versioned(item, slot)
                     else:
                         record, slot = item, None
                     # A plain dict as a rule: the exact type test first (an ABC check costs more, per record).
@@ -227,31 +227,6 @@ class RecordsWriter:
                 sink.abort()
                 raise
         return digest, count
-
-    def _slot(self, item: Versioned, increment: Increment | None) -> tuple[str | None, str]:
-        try:
-            key = capture_key_of(item.episode_id)
-        except ValueError as exc:
-            raise InvalidCheckpointState(
-                f"a versioned record of {self.kind}/{self.instance} has no valid episode_id: {exc}"
-            ) from None
-        slot = (item.plugin, key)
-        if increment is not None and increment.seen(slot):
-            raise InvalidCheckpointState(f"episode {key} is exported twice by one owner", episode=key)
-        return slot
-
-    def _materialize(self, item: Versioned, slot: tuple[str | None, str]) -> Any:
-        """The record of a ``Versioned`` (built now when it is a function), tagged with its plugin."""
-        record = item.record() if callable(item.record) else item.record
-        if type(record) is not dict and not isinstance(record, Mapping):
-            return record  # refused by the caller's check, naming the record
-        if _episode_key(record) != slot[1]:
-            raise InvalidCheckpointState(
-                f"the record of versioned episode {slot[1]} names episode {_episode_key(record)}", episode=slot[1]
-            )
-        if item.plugin is not None and record.get("plugin") != item.plugin:
-            record = {**record, "plugin": item.plugin}
-        return record
 
 
 class CheckpointWriter(RecordsWriter):
