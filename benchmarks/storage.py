@@ -28,7 +28,6 @@ from pathlib import Path
 import orjson
 
 from nemo_gym_checkpoint_plugin._plugins import get_storage_backend, make_plugin_manager
-from nemo_gym_checkpoint_plugin.api import Versioned
 
 
 def make_records(count: int, record_bytes: int) -> list[dict]:
@@ -69,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         "--changed", type=float, default=0.1, help="share of records changed for the incremental commit"
     )
     args = parser.parse_args(argv)
+    # Here, not at the top: storage_cost.py imports make_records in baseline trees that lack it.
+    from nemo_gym_checkpoint_plugin.api import Versioned
 
     records = make_records(args.records, args.record_bytes)
     root = Path(tempfile.mkdtemp(prefix="ngc-bench-", dir=args.dir))
