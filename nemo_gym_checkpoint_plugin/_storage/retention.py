@@ -29,7 +29,8 @@ commit into the checkpoint or a restore from it runs (``hold_lease``) and remove
 It is live until ``expires_at`` (the operation's deadline plus a margin), and while its process
 lives when it names this host; a lease that cannot be read counts as live (a checkpoint is never
 removed on a guess). Removal takes the publish marker first, so a removal cut short leaves an
-unpublished checkpoint (removed by the next run), never a published one with files missing.
+unpublished checkpoint (removed by the next run), never a published one with files missing. The
+records files a checkpoint that stays refers to (an incremental one) stay too (``retention_refs``).
 """
 
 from __future__ import annotations
