@@ -46,7 +46,6 @@ __all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkp
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
 _EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -142,7 +141,8 @@ def _open_records(directory: Location, name: str) -> BinaryIO:
         raise _bad(directory, f"records file {name} resolves outside the participant directory")
     fd = open_regular(Path(real), directory, f"records file {name}")
     try:
-        return os.fdopen(fd, "rb", buffering=_CHUNK)
+        # Unbuffered: the reading worker asks for ~1 MiB at a time, read straight into its bytes.
+        return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)
         raise
