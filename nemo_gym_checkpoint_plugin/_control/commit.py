@@ -69,7 +69,9 @@ _REPLY_FIELDS = ("phase", "manifest", "episode_ids")
 PUBLISHED_GRACE = 5.0
 
 
-def _scoped(records: Iterable[Mapping[str, Any] | Versioned], scope: frozenset[str] | None, written: list[str]) -> Iterator[Any]:
+def _scoped(
+    records: Iterable[Mapping[str, Any] | Versioned], scope: frozenset[str] | None, written: list[str]
+) -> Iterator[Any]:
     """Pass records inside ``scope`` to the writer, noting their capture keys (runs in the writer's thread)."""
     for record in records:
         try:

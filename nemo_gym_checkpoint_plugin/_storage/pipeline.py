@@ -15,8 +15,8 @@ this process encodes, without waiting), so the final fsync has little left to do
 from __future__ import annotations
 
 import ctypes
-import errno
 import ctypes.util
+import errno
 import hashlib
 import os
 import queue
