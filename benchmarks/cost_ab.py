@@ -11,7 +11,11 @@ baseline is ``git archive <ref>`` of this repository laid out as the installed p
 first on ``PYTHONPATH``, so the same script and the same venv import the baseline's code instead.
 
     .venv/bin/python benchmarks/cost_ab.py [--baseline main] [--kinds agent,environment,resources,model]
-        [--rounds 3] [--token-capture | --hooks [--episodes 8000]]
+        [--rounds 3] [--token-capture | --hooks [--episodes 8000] | --storage]
+
+With ``--storage``, ``benchmarks/storage_cost.py`` instead (the storage benchmark's 1,000 x 350 KB
+commit and restore through the built-in backend, and their floors, wall and CPU seconds), once per
+round for each side, alternately.
 
 Prints per kind and phase the baseline's and this tree's CPU seconds, microseconds per episode and
 the saving; the last line is one JSON object.
@@ -73,6 +77,42 @@ def one(kind: str, python_path: str | None, token_capture: bool, hooks: int | No
     return figures[kind]
 
 
+def storage_run(python_path: str | None) -> dict[str, float]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if python_path is not None:
+        env["PYTHONPATH"] = python_path
+    done = subprocess.run(
+        [sys.executable, str(HERE / "storage_cost.py")], env=env, capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"storage ({'baseline' if python_path else 'this tree'}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def storage_ab(baseline: str, rounds: int) -> None:
+    """Storage commit and restore, this tree against ``baseline``, rounds alternating which runs first."""
+    best: dict[str, dict[str, float]] = {"before": {}, "after": {}}
+    with tempfile.TemporaryDirectory(prefix="cost-ab-") as directory:
+        base_path = str(baseline_tree(baseline, Path(directory)))
+        for round_ in range(max(1, rounds)):
+            order = [("before", base_path), ("after", None)]
+            for side, path in order if round_ % 2 == 0 else order[::-1]:
+                run = storage_run(path)
+                for key, value in run.items():
+                    best[side][key] = min(value, best[side].get(key, value))
+    for side in ("before", "after"):
+        figures = best[side]
+        print(
+            f"{side:<7} commit {figures['commit_s']:.3f} s (cpu {figures['commit_cpu_s']:.3f}) = "
+            f"{figures['commit_s'] / figures['floor_commit_durable_s']:.2f}x durable floor; "
+            f"restore {figures['restore_s']:.3f} s (cpu {figures['restore_cpu_s']:.3f}) = "
+            f"{figures['restore_s'] / figures['floor_restore_s']:.2f}x read floor",
+            flush=True,
+        )
+    print(json.dumps({"baseline": baseline, "rounds": rounds, "storage": True, **best}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="main", help="git ref of the code to compare against")
@@ -81,7 +121,11 @@ def main() -> None:
     parser.add_argument("--token-capture", action="store_true", help="Gym's token capture on (the model's rows)")
     parser.add_argument("--hooks", action="store_true", help="the participant's hooks alone (participants.py)")
     parser.add_argument("--episodes", type=int, default=8000, help="episodes held with --hooks")
+    parser.add_argument("--storage", action="store_true", help="the storage backend's commit and restore")
     args = parser.parse_args()
+    if args.storage:
+        storage_ab(args.baseline, args.rounds)
+        return
     phases = HOOKS if args.hooks else PHASES
     best: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="cost-ab-") as directory:

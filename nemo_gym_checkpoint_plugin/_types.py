@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "PrepareReport",
     "ParticipantExport",
     "RestoredRecord",
+    "Versioned",
     "SeedDeclaration",
     "LeasePolicy",
     "merge_readiness",
@@ -145,6 +146,27 @@ class ParticipantExport:
     records: Iterable[Mapping[str, Any]]
     manifest_extras: Mapping[str, Any] = field(default_factory=dict)
     reply_extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A record an export may yield in place of a plain one: its episode, its version and the record.
+
+    ``version`` is the participant's per-episode counter (any value compared with ``==``: an ``int``
+    raised whenever the episode's state changes). When the participant's previous published
+    checkpoint holds this episode's record (of this owner) at the same version, and the new
+    checkpoint is written beside it (another directory of the same parent), the new checkpoint
+    refers to that record instead of writing it again: ``record`` is then never called nor encoded
+    (docs/protocol.md, "Incremental checkpoints"). ``record`` is the record (a JSON object whose
+    ``episode_id`` is ``episode_id``) or a function of no arguments returning it, called in the
+    writer's thread only when the record is written. ``plugin`` is set by the control plane for a
+    third-party plugin's records; a plugin never sets it.
+    """
+
+    episode_id: Mapping[str, Any]
+    version: Any
+    record: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+    plugin: str | None = None
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from ._types import (
     Readiness,
     RestoredRecord,
     SeedDeclaration,
+    Versioned,
 )
 
 try:
@@ -90,6 +91,7 @@ __all__ = [
     "Readiness",
     "RestoredRecord",
     "SeedDeclaration",
+    "Versioned",
     # episode ids
     "AmbiguousEpisodeId",
     "EpisodeId",

@@ -245,3 +245,25 @@ def test_an_integer_beyond_64_bits_among_small_floats_survives(floats: list, big
     record = {"logprobs": numbers}
     back = decode_line(encode_line(record))
     assert same(back, record) and type(back["logprobs"][min(at, len(floats))]) is int
+
+
+@pytest.mark.parametrize("dense", [True, False])
+@pytest.mark.parametrize("odd", [2**70, -(2**64), math.nan, -math.inf])
+def test_a_record_decided_by_the_walk_or_past_its_budget_is_exact(dense: bool, odd: object) -> None:
+    # Dense: thousands of small containers for its bytes, so the walk runs over its budget and the
+    # byte search decides; sparse: long strings and number lists, decided by the walk alone.
+    if dense:
+        record = {"items": [{"a": i, "b": [i, -i]} for i in range(3000)] + [{"odd": odd}]}
+    else:
+        record = {"text": "x" * 200_000, "ids": list(range(2000)), "tail": [{"odd": odd}]}
+    back = decode_line(encode_line(record))
+    assert same(back, record)
+
+
+def test_the_budgeted_walks_stop_undecided_past_their_budget() -> None:
+    from nemo_gym_checkpoint_plugin._storage.codec import _holds_huge_number, _needs_fallback
+
+    dense = [{"a": i} for i in range(100)] + [{"odd": math.nan}]
+    assert _needs_fallback(dense, 10) is None and _needs_fallback(dense) is True
+    assert _holds_huge_number([float(2**70)] + [[i] for i in range(100)], 10) is None
+    assert _holds_huge_number({"ids": list(range(5000)), "text": "x" * 10}, 10) is False

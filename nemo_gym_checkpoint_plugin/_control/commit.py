@@ -52,7 +52,7 @@ from nemo_gym_checkpoint_plugin._storage.location import normalize_checkpoint_di
 from nemo_gym_checkpoint_plugin._storage.reader import capture_key_of
 from nemo_gym_checkpoint_plugin._telemetry.sizes import records_size
 
-from .._types import Phase, sorted_keys
+from .._types import Phase, Versioned, sorted_keys
 from .memory import Active, KeptExport, Replay
 from .state import PlaneState
 
@@ -69,13 +69,19 @@ _REPLY_FIELDS = ("phase", "manifest", "episode_ids")
 PUBLISHED_GRACE = 5.0
 
 
-def _scoped(records: Iterable[Mapping[str, Any]], scope: frozenset[str] | None, written: list[str]) -> Iterator[Any]:
+def _scoped(
+    records: Iterable[Mapping[str, Any] | Versioned], scope: frozenset[str] | None, written: list[str]
+) -> Iterator[Any]:
     """Pass records inside ``scope`` to the writer, noting their capture keys (runs in the writer's thread)."""
     for record in records:
         try:
             # A plain dict as a rule: the exact type test first (an ABC check costs more, per record).
-            is_object = type(record) is dict or isinstance(record, Mapping)
-            key = capture_key_of(record["episode_id"]) if is_object else None
+            key: str | None
+            if isinstance(record, Versioned):
+                key = capture_key_of(record.episode_id)  # its record is built only if it is written
+            else:
+                is_object = type(record) is dict or isinstance(record, Mapping)
+                key = capture_key_of(record["episode_id"]) if is_object else None
         except (KeyError, ValueError) as exc:
             raise ExportFailed(f"an exported record has no valid episode_id: {exc}") from None
         if key is None:

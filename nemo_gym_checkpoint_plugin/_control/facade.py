@@ -26,7 +26,15 @@ from nemo_gym_checkpoint_plugin._errors import ExportFailed, InvalidCheckpointSt
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._wire import RESTART_HEADER, VERIFY_HEADER
 
-from .._types import ParticipantExport, PrepareReport, Readiness, RestoredRecord, SeedDeclaration, merge_readiness
+from .._types import (
+    ParticipantExport,
+    PrepareReport,
+    Readiness,
+    RestoredRecord,
+    SeedDeclaration,
+    Versioned,
+    merge_readiness,
+)
 
 __all__ = [
     "OWNER_FIELD",
@@ -100,6 +108,13 @@ def third_party_names(pm: pluggy.PluginManager) -> frozenset[str]:
 def _own_records(records: Iterable[Any]) -> Iterator[Any]:
     """The participant's own records pass as they are; the owner field is reserved for third parties."""
     for record in records:
+        if type(record) is Versioned:
+            if record.plugin is not None:
+                raise ExportFailed(
+                    f"a versioned record of the participant's own plugins names plugin {record.plugin!r}"
+                )
+            yield record  # its record, once built, is checked by the writer (it names its episode)
+            continue
         # Records are plain dicts as a rule: the exact type test first (an ABC check costs more, per record).
         if (type(record) is dict or isinstance(record, Mapping)) and OWNER_FIELD in record:
             raise ExportFailed(
@@ -110,6 +125,12 @@ def _own_records(records: Iterable[Any]) -> Iterator[Any]:
 
 def _tagged_records(records: Iterable[Any], owner: str) -> Iterator[Any]:
     for record in records:
+        if type(record) is Versioned:
+            if record.plugin not in (None, owner):
+                raise ExportFailed(f"plugin {owner!r} exported a record naming another owner, {record.plugin!r}")
+            # The writer tags the record with its plugin when it builds it (never, when it is referred to).
+            yield Versioned(record.episode_id, record.version, record.record, owner)
+            continue
         if type(record) is dict or isinstance(record, Mapping):
             named = record.get(OWNER_FIELD, owner)
             if named != owner:

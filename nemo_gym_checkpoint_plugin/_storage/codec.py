@@ -41,13 +41,17 @@ def _refuse(value: Any) -> Any:
 
 
 _NUMBER_TYPES = (int, float)
+# A byte search (for "null", for long digit runs) costs about as much per byte as a walk of the
+# decoded record costs per item every this many bytes: the walks run first within that budget.
+_BYTES_PER_ITEM = 64
 
 
-def _needs_fallback(value: Any) -> bool:
+def _needs_fallback(value: Any, budget: int | None = None) -> bool | None:
     """True when orjson would have changed the value: a NaN or infinity somewhere.
 
     Walks containers only, scalars inline; a list of plain numbers (token ids, logprobs) is
     checked in one C-level pass, so the cost follows the record's structure, not its size in bytes.
+    With a ``budget`` (of containers and scalars looked at), ``None`` once it is spent: undecided.
     """
     kind = type(value)
     if kind is float:
@@ -56,8 +60,12 @@ def _needs_fallback(value: Any) -> bool:
         return False
     stack = [value]
     pop, push, isfinite = stack.pop, stack.append, math.isfinite
+    left = -1 if budget is None else budget
     while stack:
         item = pop()
+        left -= len(item)
+        if left < 0 and budget is not None:
+            return None
         for child in item.values() if type(item) is dict else item:
             kind = type(child)
             if kind is str or child is None or kind is int or kind is bool:
@@ -129,8 +137,14 @@ def encode_record(value: Any) -> tuple[bytes, bool]:
             raise exc.__cause__ from None
         # Integers beyond 64 bits (and nothing else) are what the standard library adds.
         return _stdlib_line(value), True
-    # orjson writes NaN and the infinities as null: a line without that token holds none of them.
-    if b"null" in line and _needs_fallback(value):
+    # orjson writes NaN and the infinities as null. The walk of the record's containers costs less
+    # than a search of its bytes for that token unless it holds many small containers and scalars
+    # for its size: past a budget of one item per _BYTES_PER_ITEM bytes, the search decides first
+    # (a line without "null" holds no NaN nor infinity), then the whole walk.
+    fallback = _needs_fallback(value, len(line) // _BYTES_PER_ITEM)
+    if fallback is None:
+        fallback = b"null" in line and bool(_needs_fallback(value))
+    if fallback:
         return _stdlib_line(value), True
     return line, False
 
@@ -145,10 +159,13 @@ def encode_line(value: Any) -> bytes:
 # have that many, leading zeros included, as in 0.00030000000000000003). Digits map to "0", "."
 # to itself, everything else to " " (whatever precedes an integer: "[", ",", ":", "-", a space),
 # and C-level substring searches find the runs and look at what precedes each. Most lines have
-# none (a pass or two over the bytes, in C). A line with such a run is looked at closer: a
-# decoded record holding no number of magnitude 2**63 or more cannot have lost one (the walk
-# checks a list of numbers in one C-level ``math.hypot`` pass, which is at least the largest
-# magnitude in it); one that holds such a number is read exactly.
+# none (a pass or two over the bytes, in C). A decoded record holding no number of magnitude
+# 2**63 or more cannot have lost one (the walk checks a list of numbers in one C-level
+# ``math.hypot`` pass, which is at least the largest magnitude in it); one that holds such a
+# number is read exactly. The walk's cost follows the record's items, the screen's its bytes:
+# the walk runs first within a budget of items for the line's length (a record of long strings
+# and number lists, an agent's, is decided there at a fraction of the screen's cost); past it,
+# the screen, and the whole walk only for a line with such a run.
 _HUGE = float(2**63)
 _DIGITS_ONLY = bytes(0x30 if 0x30 <= b <= 0x39 else b if b == 0x2E else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
@@ -169,11 +186,18 @@ def _long_integer_run(line: bytes) -> bool:
     return False
 
 
-def _holds_huge_number(value: Any) -> bool:
-    """True when a number of magnitude 2**63 or more is somewhere in ``value`` (orjson's output)."""
+def _holds_huge_number(value: Any, budget: int | None = None) -> bool | None:
+    """True when a number of magnitude 2**63 or more is somewhere in ``value`` (orjson's output).
+
+    With a ``budget`` (of items looked at), ``None`` once it is spent: undecided.
+    """
     stack = [value]
+    left = -1 if budget is None else budget
     while stack:
         item = stack.pop()
+        left -= 1
+        if left < 0 and budget is not None:
+            return None
         kind = type(item)
         if kind is float or kind is int:
             if not -_HUGE < item < _HUGE:
@@ -201,8 +225,12 @@ def decode_line(line: bytes) -> Any:
     except orjson.JSONDecodeError:
         # NaN and Infinity tokens: only the standard library reads them.
         return json.loads(line)
-    # The line's digit runs first: one C-level pass over the bytes, and most lines have no run that long.
-    if _long_integer_run(line) and _holds_huge_number(value):
+    # A walk of the decoded record within a budget (its cost follows its containers), else the line's
+    # digit runs (one C-level pass over the bytes, and most lines have no run that long), then the walk.
+    huge = _holds_huge_number(value, len(line) // _BYTES_PER_ITEM)
+    if huge is None:
+        huge = _long_integer_run(line) and bool(_holds_huge_number(value))
+    if huge:
         # An integer beyond 64 bits that orjson turned into a float: read the line exactly.
         return json.loads(line)
     return value

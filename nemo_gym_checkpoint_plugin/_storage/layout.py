@@ -42,6 +42,8 @@ MANIFEST_FIELDS = (
     "records_sha256",
     "record_count",
 )
+# What an incremental manifest adds (``segments``): never a participant's extra.
+INCREMENTAL_FIELDS = ("depends_on", "segments")
 INDEX_NAME = "participants.json"
 # A record's encoded size (its line, newline included) is bounded, so a reader never holds an
 # endless line; ``checkpoint.storage.max_record_bytes`` changes it. 64 MiB holds an episode of
@@ -92,7 +94,7 @@ def build_manifest(
         "record_count": count,
     }
     for key, value in (extras or {}).items():
-        if key in manifest:
+        if key in manifest or key in INCREMENTAL_FIELDS:
             raise InvalidCheckpointState(f"manifest extra {key!r} would replace a protocol field")
         manifest[key] = value
     return manifest

@@ -18,6 +18,7 @@ from .._markers import hookimpl
 from .layout import DEFAULT_MAX_RECORD_BYTES, participant_dir
 from .objstore import is_url
 from .reader import RestoredCheckpoint, load_manifest, read_checkpoint
+from .segments import History
 from .writer import CheckpointWriter, RecordsWriter
 
 __all__ = ["LocalStorage", "LocalStoragePlugin"]
@@ -30,8 +31,13 @@ class LocalStorage:
     # A class default too: a subclass that does not call ``__init__`` still has the limit.
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
+    # Each participant's previous published checkpoint, for incremental writes (shared by the copies
+    # ``configured`` makes; a subclass that does not call ``__init__`` writes full checkpoints).
+    history: History | None = None
+
     def __init__(self, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> None:
         self.max_record_bytes = max_record_bytes
+        self.history = History()
 
     def configured(self, settings: Any) -> Self:
         """A copy of this backend (of its own class: a plugin may subclass it) with the
@@ -42,7 +48,9 @@ class LocalStorage:
 
     def open_writer(self, checkpoint_dir: str | Path, kind: str, instance: str, checkpoint_id: str) -> RecordsWriter:
         _path_only(checkpoint_dir)
-        return CheckpointWriter(checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
+        return CheckpointWriter(
+            checkpoint_dir, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes, history=self.history
+        )
 
     def read(
         self,

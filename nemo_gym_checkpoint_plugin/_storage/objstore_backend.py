@@ -38,9 +38,17 @@ class FsspecStorage(LocalStorage):
         where = location(checkpoint_dir)
         if isinstance(where, ObjectPath):
             return ObjectStoreWriter(
-                where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes, spool_dir=self.spool_dir
+                where,
+                kind,
+                instance,
+                checkpoint_id,
+                max_record_bytes=self.max_record_bytes,
+                spool_dir=self.spool_dir,
+                history=self.history,
             )
-        return CheckpointWriter(where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes)
+        return CheckpointWriter(
+            where, kind, instance, checkpoint_id, max_record_bytes=self.max_record_bytes, history=self.history
+        )
 
     def read(
         self,

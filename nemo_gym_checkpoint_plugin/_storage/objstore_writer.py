@@ -37,12 +37,13 @@ from typing import Any
 from .._errors import InvalidCheckpointState, WriteFailed
 from .._process import pid_alive
 from .files import write_failed
-from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, build_manifest, participant_dir
+from .layout import DEFAULT_MAX_RECORD_BYTES, MANIFEST_NAME, participant_dir
 from .location import lexists, location
 from .objstore import ObjectPath, size
 from .objstore import write_failed as object_write_failed
 from .objstore_put import check_exclusive_create, create_exclusive, remove, upload
 from .reader import load_manifest
+from .segments import History
 from .writer import RecordsWriter
 
 __all__ = ["ObjectStoreWriter", "remove_dead_spools"]
@@ -83,8 +84,9 @@ class ObjectStoreWriter(RecordsWriter):
         *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         spool_dir: str | Path | None = None,
+        history: History | None = None,
     ) -> None:
-        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
+        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes, history=history)
         where = location(checkpoint_dir)
         if not isinstance(where, ObjectPath):
             raise InvalidCheckpointState(f"{checkpoint_dir} is not an object-store URL")
@@ -101,11 +103,12 @@ class ObjectStoreWriter(RecordsWriter):
         spool = self.spool_dir / f".ng-checkpoint-spool-{os.getpid()}-{uuid.uuid4().hex}.jsonl"
         try:
             try:
+                self._start_increment()
                 digest, count = self._write_records(spool, records)
                 spooled = os.path.getsize(spool)
             except OSError as exc:
                 raise write_failed(exc, spool, "cannot spool the checkpoint before its upload") from None
-            manifest = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
+            manifest = self._final_manifest(digest, count, extras)
             existing = self._existing_manifest()
             if existing is not None:
                 # This very export was published already (a retried commit): nothing to upload.
@@ -148,6 +151,7 @@ class ObjectStoreWriter(RecordsWriter):
                 )
             with self._lock:
                 self._check_stop()
+                self._check_referred()
                 try:
                     created = create_exclusive(self.directory / MANIFEST_NAME, _manifest_bytes(manifest))
                 except WriteFailed:
@@ -157,6 +161,7 @@ class ObjectStoreWriter(RecordsWriter):
                 if created:
                     self._published = manifest
                     published = True
+                    self._remember(manifest)
                     return manifest
                 # Another writer created it between the look and the create: ours goes unless it is the same.
                 existing = load_manifest(self.directory, kind=self.kind, instance=self.instance)

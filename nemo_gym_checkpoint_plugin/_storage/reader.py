@@ -39,13 +39,13 @@ from .layout import (
 from .location import Location, lexists, open_stream, read_small
 from .objstore import ObjectPath
 from .pipeline import hashed_lines
+from .segments import INCREMENTAL_FIELDS, INCREMENTAL_SCHEMA_VERSION, check_segments, segment_directory, selected
 
 __all__ = ["RestoredCheckpoint", "capture_key_of", "load_manifest", "read_checkpoint", "iter_verified_lines"]
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _RESERVED_SUFFIX = re.compile(r"-a[1-9][0-9]*$")
 _EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -97,8 +97,19 @@ def load_manifest(directory: Location, *, kind: str | None = None, instance: str
     missing = [name for name in MANIFEST_FIELDS if name not in manifest]
     if missing:
         raise _bad(directory, f"manifest.json is missing {', '.join(missing)}")
-    if manifest["schema_version"] != SCHEMA_VERSION or type(manifest["schema_version"]) is not int:
-        raise _bad(directory, f"manifest schema_version {manifest['schema_version']!r} is not {SCHEMA_VERSION}")
+    version = manifest["schema_version"]
+    if type(version) is not int or version not in (SCHEMA_VERSION, INCREMENTAL_SCHEMA_VERSION):
+        raise _bad(
+            directory,
+            f"manifest schema_version {version!r} is not one this reader knows "
+            f"({SCHEMA_VERSION}: full, {INCREMENTAL_SCHEMA_VERSION}: incremental); written by a newer release?",
+        )
+    if version == INCREMENTAL_SCHEMA_VERSION:
+        missing = [name for name in INCREMENTAL_FIELDS if name not in manifest]
+        if missing:
+            raise _bad(
+                directory, f"manifest.json of schema_version {version} (incremental) is missing {', '.join(missing)}"
+            )
     for name in ("kind", "instance", "checkpoint_id"):
         if not isinstance(manifest[name], str) or not SAFE_COMPONENT.fullmatch(manifest[name]):
             raise _bad(directory, f"manifest {name} {manifest[name]!r} is not a safe name")
@@ -113,6 +124,8 @@ def load_manifest(directory: Location, *, kind: str | None = None, instance: str
     count = manifest["record_count"]
     if type(count) is not int or count < 0:
         raise _bad(directory, f"record_count {count!r} is not a non-negative integer")
+    if version == INCREMENTAL_SCHEMA_VERSION:
+        check_segments(directory, manifest)
     return manifest
 
 
@@ -128,7 +141,8 @@ def _open_records(directory: Location, name: str) -> BinaryIO:
         raise _bad(directory, f"records file {name} resolves outside the participant directory")
     fd = open_regular(Path(real), directory, f"records file {name}")
     try:
-        return os.fdopen(fd, "rb", buffering=_CHUNK)
+        # Unbuffered: the reading worker asks for ~1 MiB at a time, read straight into its bytes.
+        return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)
         raise
@@ -137,36 +151,73 @@ def _open_records(directory: Location, name: str) -> BinaryIO:
 def iter_verified_lines(
     directory: Location, manifest: Mapping[str, Any], *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 ) -> Iterator[bytes]:
-    """Yield each line of the records file (without its newline); after the last one, check count and digest.
+    """Yield each record line of the checkpoint (without its newline): its own records file's, then
+    the lines it uses of each earlier file an incremental manifest names; each file's count and
+    digest are checked after its last line.
 
     Raises ``InvalidCheckpointState`` for a line longer than ``max_record_bytes`` (refused
     after reading at most that many of its bytes), a truncated last line, a count or a
-    digest that does not match. A consumer must exhaust the iterator before trusting what
-    it read.
+    digest that does not match, a segment that is missing or does not verify (named with its
+    checkpoint). A consumer must exhaust the iterator before trusting what it read.
     """
-    with _open_records(directory, manifest["records_file"]) as handle:
+    for batch in _verified_batches(
+        directory, manifest["records_file"], manifest["records_sha256"], manifest["record_count"], max_record_bytes
+    ):
+        yield from batch
+    for segment in manifest.get("segments", ()) if manifest["schema_version"] == INCREMENTAL_SCHEMA_VERSION else ():
+        where = segment_directory(directory, segment["checkpoint"])
+        batches = _verified_batches(
+            where,
+            segment["records_file"],
+            segment["records_sha256"],
+            segment["record_count"],
+            max_record_bytes,
+            referenced_by=directory,
+        )
+        yield from selected(batches, segment["lines"])
+
+
+def _verified_batches(
+    directory: Location,
+    name: str,
+    digest: str,
+    count: int,
+    max_record_bytes: int,
+    referenced_by: Location | None = None,
+) -> Iterator[list[bytes]]:
+    """The lines of one records file in batches, read and hashed by a worker; checked after the last."""
+    # The checkpoint's own file as before; a segment named with the checkpoint that refers to it.
+    what = "records file"
+    if referenced_by is not None:
+        what = f"records file {name} (a segment checkpoint {referenced_by.parent.parent.parent.name} refers to)"
+    try:
+        handle = _open_records(directory, name)
+    except InvalidCheckpointState as exc:
+        if referenced_by is None:
+            raise
+        raise _bad(directory, f"{what}: {exc.detail.removeprefix(f'{directory}: ')}") from None
+    with handle:
         # A worker thread reads and hashes while this thread decodes what it already read.
         for item in hashed_lines(handle, max_record_bytes):
             if isinstance(item, list):
-                yield from item
+                yield item
                 continue
             if item.error is not None:
-                raise _bad(directory, f"records file cannot be read: {item.error}") from item.error
+                raise _bad(directory, f"{what} cannot be read: {item.error}") from item.error
             if item.too_long:
+                of = "" if referenced_by is None else f" of {what}"
                 raise _bad(
                     directory,
-                    f"record {item.count} is longer than max_record_bytes ({max_record_bytes} "
+                    f"record {item.count}{of} is longer than max_record_bytes ({max_record_bytes} "
                     "bytes); refused without reading it whole",
                     record=item.count,
                 )
             if item.truncated:
-                raise _bad(directory, f"records file ends in a truncated line (after {item.count} records)")
-            if item.count != manifest["record_count"]:
-                raise _bad(
-                    directory, f"records file holds {item.count} records, manifest says {manifest['record_count']}"
-                )
-            if item.digest != manifest["records_sha256"]:
-                raise _bad(directory, "records file digest does not match the manifest (corrupted or replaced)")
+                raise _bad(directory, f"{what} ends in a truncated line (after {item.count} records)")
+            if item.count != count:
+                raise _bad(directory, f"{what} holds {item.count} records, manifest says {count}")
+            if item.digest != digest:
+                raise _bad(directory, f"{what} digest does not match the manifest (corrupted or replaced)")
 
 
 def read_checkpoint(

@@ -29,7 +29,8 @@ commit into the checkpoint or a restore from it runs (``hold_lease``) and remove
 It is live until ``expires_at`` (the operation's deadline plus a margin), and while its process
 lives when it names this host; a lease that cannot be read counts as live (a checkpoint is never
 removed on a guess). Removal takes the publish marker first, so a removal cut short leaves an
-unpublished checkpoint (removed by the next run), never a published one with files missing.
+unpublished checkpoint (removed by the next run), never a published one with files missing. The
+records files a checkpoint that stays refers to (an incremental one) stay too (``retention_refs``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .._process import pid_alive
 from .layout import INDEX_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES
 from .location import Location, child_dirs, lexists, location, names, read_small
 from .objstore import ObjectPath
+from .retention_refs import prune_to, referred_files
 
 __all__ = ["LEASE_DIR", "Checkpoint", "Lease", "RetentionPlan", "hold_lease", "plan_retention", "remove_checkpoint"]
 
@@ -95,6 +97,8 @@ class Checkpoint:
     published: bool
     order: tuple[Any, ...]
     leases: list[Lease] = field(default_factory=list)
+    # Its records files that checkpoints which stay refer to (incremental ones): a removal keeps them.
+    referred: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -215,7 +219,7 @@ def plan_retention(
     if keep < 1:
         raise ValueError("keep must be at least 1")
     now = time.time() if now is None else now
-    found = checkpoints(root, candidates)
+    everything = found = checkpoints(root, candidates)
     if belongs is not None:
         found = [c for c in found if belongs(c)]
     result = RetentionPlan(keep)
@@ -233,6 +237,10 @@ def plan_retention(
             result.in_progress.append(checkpoint)  # a write under way (or nothing published yet to prefer)
         else:
             result.remove.append(checkpoint)  # older than the oldest kept: superseded, or an abandoned write
+    going = {id(c) for c in result.remove}
+    referred = referred_files(c.path for c in everything if id(c) not in going)
+    for checkpoint in result.remove:
+        checkpoint.referred = referred.get(checkpoint.name, set())
     return result
 
 
@@ -246,6 +254,9 @@ def remove_checkpoint(checkpoint: Checkpoint, *, now: float | None = None) -> bo
     path = checkpoint.path
     for marker in (path / "collector" / MANIFEST_NAME, path / "gym" / INDEX_NAME):
         _remove(marker)
+    if checkpoint.referred:
+        prune_to(path, checkpoint.referred)  # what a staying checkpoint refers to stays (retention_refs)
+        return True
     _remove(path, tree=True)
     return True
 

@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidCheckpointState, InvalidPhase, WriteFailed
+from .._types import Versioned
 from .codec import NotJSON, encode_line, encode_record
 from .files import DirectoryLock, create_private, make_private_dirs, remove_leftovers, write_failed
+from .increments import Increment, build_versioned, versioned_slot
 from .layout import (
     DEFAULT_MAX_RECORD_BYTES,
     MANIFEST_NAME,
@@ -50,6 +52,7 @@ from .layout import (
 from .location import Location, location
 from .pipeline import HashingWriter
 from .reader import capture_key_of, load_manifest
+from .segments import History
 
 __all__ = ["CheckpointWriter", "RecordsWriter", "WriteStopped", "fsync_dir"]
 
@@ -90,7 +93,13 @@ class RecordsWriter:
     directory: Location
 
     def __init__(
-        self, kind: str, instance: str, checkpoint_id: str, *, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+        self,
+        kind: str,
+        instance: str,
+        checkpoint_id: str,
+        *,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        history: History | None = None,
     ) -> None:
         if not isinstance(checkpoint_id, str) or not SAFE_COMPONENT.fullmatch(checkpoint_id):
             raise InvalidCheckpointState(f"checkpoint id {checkpoint_id!r} is not valid")
@@ -101,6 +110,38 @@ class RecordsWriter:
         self._lock = threading.Lock()
         self._stopped = False
         self._published: dict[str, Any] | None = None
+        # The participant's previous published checkpoint (this process's): what an incremental write refers to.
+        self._history = history
+        self._increment: Increment | None = None
+
+    def _start_increment(self) -> Increment:
+        previous = self._history.get(self.kind, self.instance) if self._history is not None else None
+        self._increment = Increment(previous, self.checkpoint_dir)
+        return self._increment
+
+    def _final_manifest(self, digest: str, count: int, extras: Mapping[str, Any] | None) -> dict[str, Any]:
+        full = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
+        return full if self._increment is None else self._increment.manifest(full)
+
+    def _check_referred(self) -> None:
+        """Just before publishing: every earlier file the manifest refers to is still there."""
+        if self._increment is None:
+            return
+        gone = self._increment.missing(self.directory)
+        if gone:
+            if self._history is not None:
+                self._history.set(self.kind, self.instance, None)  # the retry writes every record
+            raise WriteFailed(
+                f"{self.directory}: records files this incremental checkpoint refers to were removed while it "
+                f"was written ({', '.join(gone[:5])}); retry the commit (it writes every record)",
+                path=str(self.directory),
+                cause="referenced records removed",
+            )
+
+    def _remember(self, manifest: dict[str, Any]) -> None:
+        """This write published ``manifest``: the next one of the participant may refer to its records."""
+        if self._history is not None and self._increment is not None:
+            self._history.set(self.kind, self.instance, self._increment.previous(manifest))
 
     # -- control -------------------------------------------------------------------------------
 
@@ -139,15 +180,23 @@ class RecordsWriter:
             )
         return existing
 
-    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
+    def _write_records(self, tmp: Path, records: Iterable[Mapping[str, Any] | Versioned]) -> tuple[str, int]:
         count = 0
         limit = self.max_record_bytes
         with create_private(tmp, buffering=_BUFFER) as out:
             # This thread encodes; the sink hashes, writes and syncs in its own thread.
             sink = HashingWriter(out, durable=self._durable)
             try:
-                for record in records:
+                increment = self._increment
+                for item in records:
                     self._check_stop()
+                    if type(item) is Versioned:
+                        slot = versioned_slot(item, increment, f"{self.kind}/{self.instance}")
+                        if increment is not None and increment.refer(slot, item.version):
+                            continue
+                        record: Any = build_versioned(item, slot)
+                    else:
+                        record, slot = item, None
                     # A plain dict as a rule: the exact type test first (an ABC check costs more, per record).
                     if type(record) is not dict and not isinstance(record, Mapping) or "episode_id" not in record:
                         raise InvalidCheckpointState(
@@ -168,6 +217,8 @@ class RecordsWriter:
                             f"({limit})",
                             episode=key,
                         )
+                    if slot is not None and increment is not None:
+                        increment.wrote(slot, item.version, count)  # type: ignore[union-attr]
                     sink.write(line)
                     count += 1
                 self._check_stop()
@@ -192,8 +243,9 @@ class CheckpointWriter(RecordsWriter):
         checkpoint_id: str,
         *,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        history: History | None = None,
     ) -> None:
-        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes)
+        super().__init__(kind, instance, checkpoint_id, max_record_bytes=max_record_bytes, history=history)
         where = location(checkpoint_dir)
         if not isinstance(where, Path):  # the local backends refuse a URL first (``_path_only``)
             raise WriteFailed(f"{checkpoint_dir} is a URL: this writer writes filesystem paths", path=str(where))
@@ -217,8 +269,9 @@ class CheckpointWriter(RecordsWriter):
             tmp = self.directory / f".records.{uuid.uuid4().hex}.tmp"
             manifest_tmp: Path | None = None
             try:
+                self._start_increment()
                 digest, count = self._write_records(tmp, records)
-                manifest = build_manifest(self.kind, self.instance, self.checkpoint_id, digest, count, extras)
+                manifest = self._final_manifest(digest, count, extras)
                 manifest_tmp = self._manifest_tmp(manifest)
                 self._fsync_parents(created_up_to, include_self=False)
                 return self._publish(manifest, tmp, manifest_tmp)
@@ -290,6 +343,7 @@ class CheckpointWriter(RecordsWriter):
                 # Published before this write started or while it ran: ours is dropped either way.
                 self._published = self._same_write(existing, manifest["records_sha256"])
                 return existing
+            self._check_referred()
             os.replace(records_tmp, final)
             try:
                 fsync_dir(self.directory)
@@ -310,4 +364,5 @@ class CheckpointWriter(RecordsWriter):
                 raise
             self._published = manifest
         fsync_dir(self.directory)
+        self._remember(manifest)
         return manifest
