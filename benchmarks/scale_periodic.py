@@ -141,6 +141,8 @@ async def run_periodic(
                         in_flight.pop(rollout, None)
                     done["finished" if good else "failed"] += 1
 
+            # Discovered before the load starts: a status probe under it can take longer than discovery's 2 s.
+            coordinator = await discover(deployment.config, token, probe_timeout=timeout)
             started = time.monotonic()
             slots = [asyncio.ensure_future(slot(i)) for i in range(rollouts)]
             try:
@@ -148,7 +150,10 @@ async def run_periodic(
                 result["ramp_s"] = round(time.monotonic() - started, 3)
                 result["in_flight_after_ramp"] = len(in_flight)
                 say(f"[{rollouts}] ramp done in {result['ramp_s']}s: {len(in_flight)} rollouts in flight")
-                checkpoints = await _checkpoints(deployment, token, root, in_flight, every, duration, timeout, say)
+                async with coordinator:
+                    checkpoints = await _checkpoints(
+                        deployment, coordinator, root, in_flight, every, duration, timeout, say
+                    )
                 result["window_s"] = round(time.monotonic() - started - result["ramp_s"], 3)
             finally:
                 stop.set()
@@ -174,7 +179,7 @@ async def run_periodic(
 
 async def _checkpoints(
     deployment: Deployment,
-    token: str,
+    coordinator: Any,
     root: Path,
     in_flight: dict[str, None],
     every: float,
@@ -184,47 +189,45 @@ async def _checkpoints(
 ) -> list[dict[str, Any]]:
     """One checkpoint every ``every`` seconds for ``duration`` seconds (the first at once)."""
     taken: list[dict[str, Any]] = []
-    coordinator = await discover(deployment.config, token)
-    async with coordinator:
-        began = time.monotonic()
-        index = 0
-        while (due := began + index * every) - began < duration:
-            if (wait := due - time.monotonic()) > 0:
-                await asyncio.sleep(wait)  # wait-ok: the fixed checkpoint interval
-            checkpoint_id = f"periodic-{index}"
-            directory = root / checkpoint_id
-            size_before = bytes_under(root)
-            figures: dict[str, Any] = {"index": index, "at_s": round(time.monotonic() - began, 3)}
-            cpu: dict[str, float] = {}
-            t0 = time.monotonic()
-            prepared = await prepare(coordinator, checkpoint_id, timeout=timeout)
-            figures["prepare_s"] = round(time.monotonic() - t0, 4)
-            if prepared.ready:
-                scope = prepared.continued(list(in_flight))
-                figures["in_flight"] = len(scope)
-                t1 = time.monotonic()
-                with cpu_used({name: proc.pid for name, proc in deployment.processes.items()}, cpu):
-                    committed = await commit(coordinator, checkpoint_id, str(directory), scope, timeout=timeout)
-                figures["commit_s"] = round(time.monotonic() - t1, 4)
-                figures["exported"] = sum(
-                    len(reply.get("episode_ids") or ())
-                    for name, reply in committed.replies.items()
-                    if name.startswith(ENVIRONMENT)
-                )
-            else:
-                figures["not_ready"] = prepared.to_json().get("blockers")
-            t2 = time.monotonic()
-            await resume(coordinator, checkpoint_id, timeout=timeout)
-            figures["resume_s"] = round(time.monotonic() - t2, 4)
-            figures["pause_s"] = round(time.monotonic() - t0, 4)
-            figures["bytes"] = bytes_under(root) - size_before
-            figures["cpu_s"] = cpu
-            taken.append(figures)
-            say(
-                f"checkpoint {index}: pause {figures['pause_s']}s (prepare {figures['prepare_s']}s, commit "
-                f"{figures.get('commit_s')}s), {figures.get('in_flight')} in flight, {figures['bytes']} bytes"
+    began = time.monotonic()
+    index = 0
+    while (due := began + index * every) - began < duration:
+        if (wait := due - time.monotonic()) > 0:
+            await asyncio.sleep(wait)  # wait-ok: the fixed checkpoint interval
+        checkpoint_id = f"periodic-{index}"
+        directory = root / checkpoint_id
+        size_before = bytes_under(root)
+        figures: dict[str, Any] = {"index": index, "at_s": round(time.monotonic() - began, 3)}
+        cpu: dict[str, float] = {}
+        t0 = time.monotonic()
+        prepared = await prepare(coordinator, checkpoint_id, timeout=timeout)
+        figures["prepare_s"] = round(time.monotonic() - t0, 4)
+        if prepared.ready:
+            scope = prepared.continued(list(in_flight))
+            figures["in_flight"] = len(scope)
+            t1 = time.monotonic()
+            with cpu_used({name: proc.pid for name, proc in deployment.processes.items()}, cpu):
+                committed = await commit(coordinator, checkpoint_id, str(directory), scope, timeout=timeout)
+            figures["commit_s"] = round(time.monotonic() - t1, 4)
+            figures["exported"] = sum(
+                len(reply.get("episode_ids") or ())
+                for name, reply in committed.replies.items()
+                if name.startswith(ENVIRONMENT)
             )
-            index += 1
-        if (rest := began + duration - time.monotonic()) > 0:
-            await asyncio.sleep(rest)  # wait-ok: the window's end (the share is over D seconds of wall time)
+        else:
+            figures["not_ready"] = prepared.to_json().get("blockers")
+        t2 = time.monotonic()
+        await resume(coordinator, checkpoint_id, timeout=timeout)
+        figures["resume_s"] = round(time.monotonic() - t2, 4)
+        figures["pause_s"] = round(time.monotonic() - t0, 4)
+        figures["bytes"] = bytes_under(root) - size_before
+        figures["cpu_s"] = cpu
+        taken.append(figures)
+        say(
+            f"checkpoint {index}: pause {figures['pause_s']}s (prepare {figures['prepare_s']}s, commit "
+            f"{figures.get('commit_s')}s), {figures.get('in_flight')} in flight, {figures['bytes']} bytes"
+        )
+        index += 1
+    if (rest := began + duration - time.monotonic()) > 0:
+        await asyncio.sleep(rest)  # wait-ok: the window's end (the share is over D seconds of wall time)
     return taken
