@@ -189,6 +189,15 @@ async def _checkpoints(
 ) -> list[dict[str, Any]]:
     """One checkpoint every ``every`` seconds for ``duration`` seconds (the first at once)."""
     taken: list[dict[str, Any]] = []
+    slowest: dict[str, dict[str, float]] = {}
+
+    def progress(report: Any) -> None:
+        # The slowest reply of each kind per operation (the fan-out waits for it): where a pause goes.
+        by_kind = slowest.setdefault(report.operation, {})
+        kind = report.participant.kind
+        by_kind[kind] = round(max(by_kind.get(kind, 0.0), report.elapsed), 4)
+
+    coordinator.progress = progress
     began = time.monotonic()
     index = 0
     while (due := began + index * every) - began < duration:
@@ -199,12 +208,14 @@ async def _checkpoints(
         size_before = bytes_under(root)
         figures: dict[str, Any] = {"index": index, "at_s": round(time.monotonic() - began, 3)}
         cpu: dict[str, float] = {}
+        slowest.clear()
         t0 = time.monotonic()
         prepared = await prepare(coordinator, checkpoint_id, timeout=timeout)
         figures["prepare_s"] = round(time.monotonic() - t0, 4)
         if prepared.ready:
             scope = prepared.continued(list(in_flight))
             figures["in_flight"] = len(scope)
+            figures["restarts"] = len(prepared.restarts())
             t1 = time.monotonic()
             with cpu_used({name: proc.pid for name, proc in deployment.processes.items()}, cpu):
                 committed = await commit(coordinator, checkpoint_id, str(directory), scope, timeout=timeout)
@@ -222,6 +233,7 @@ async def _checkpoints(
         figures["pause_s"] = round(time.monotonic() - t0, 4)
         figures["bytes"] = bytes_under(root) - size_before
         figures["cpu_s"] = cpu
+        figures["per_kind_s"] = {operation: dict(kinds) for operation, kinds in slowest.items()}
         taken.append(figures)
         say(
             f"checkpoint {index}: pause {figures['pause_s']}s (prepare {figures['prepare_s']}s, commit "
