@@ -39,6 +39,11 @@ this controller hold one descriptor per rollout in flight in all, so the total m
 L too (checked before starting: 16,000 fits, ~19,500 is the most on one controller).
 
     .venv/bin/python benchmarks/scale.py --rollouts 1000 8000 16000 [--step-mode replay] [--replicas K]
+
+With ``--checkpoint-every S --duration D`` (``scale_periodic.py``): nothing is held or killed; N
+rollouts progress and a checkpoint is taken every S seconds for D seconds: each one's pause
+(admission closed, prepare to resume) and bytes, ``pause_s_max``, ``pause_share`` and
+``bytes_incremental`` in each run's figures.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ from process_stats import (  # noqa: E402
     peak_rss_mb,
 )
 from sampling import sampled, write_summaries  # noqa: E402  (sibling scripts, not a package)
+from scale_periodic import DEFAULT_RAMP_RATE, run_periodic  # noqa: E402
 
 # Each rollout held in its agent turn keeps two sockets open in the environment, agent and model
 # servers (caller and callee side); 20,000 descriptors per process (this machine's hard limit) then
@@ -509,6 +515,27 @@ def main(argv: list[str] | None = None) -> int:
         "Gym's rebuild of every continued rollout checked",
     )
     parser.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="periodic mode (scale_periodic.py): nothing held, rollouts progressing, a checkpoint every S "
+        "seconds for --duration seconds; each pause and its share of wall time, bytes per checkpoint",
+    )
+    parser.add_argument("--duration", type=float, default=300.0, metavar="D", help="periodic mode's window (s)")
+    parser.add_argument(
+        "--generation-seconds",
+        type=float,
+        default=None,
+        help="periodic mode: each model call's wait at the backend (default N / 50 s, at least 5)",
+    )
+    parser.add_argument(
+        "--ramp-rate",
+        type=float,
+        default=DEFAULT_RAMP_RATE,
+        help=f"periodic mode: rollout slots started per second (default {DEFAULT_RAMP_RATE:g})",
+    )
+    parser.add_argument(
         "--profile-rate",
         type=int,
         default=PROFILE_RATE,
@@ -530,6 +557,34 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(f"--rollouts {n}: {exc}")
     runs = []
+    if args.checkpoint_every is not None:
+        if args.checkpoint_every <= 0 or args.duration <= 0 or args.ramp_rate <= 0:
+            parser.error("--checkpoint-every, --duration and --ramp-rate must be positive")
+        if args.token_capture or args.profile is not None:
+            parser.error("--checkpoint-every runs without --token-capture and --profile")
+        for n in args.rollouts:
+            _say(f"[{n}] periodic: {plans[n][0]} replica chain(s), a checkpoint every {args.checkpoint_every:g}s")
+            run = asyncio.run(
+                run_periodic(
+                    n,
+                    plans[n][0],
+                    args.step_mode,
+                    args.timeout,
+                    args.checkpoint_every,
+                    args.duration,
+                    generation_seconds=args.generation_seconds,
+                    ramp_rate=args.ramp_rate,
+                    keep=args.keep,
+                    gym_settings=GYM_SETTINGS,
+                    environment=ENVIRONMENT_SETTINGS,
+                    live=_LIVE,
+                    say=_say,
+                )
+            )
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+        print(json.dumps({"runs": runs}))
+        return 0 if all(r["failed"] == 0 and r["checkpoints_taken"] > 0 for r in runs) else 1
     for n in args.rollouts:
         replicas, max_in_flight = plans[n]
         for capture in (False, True) if args.token_capture else (False,):

@@ -334,6 +334,29 @@ async def test_parked_attempt_stays_refused_when_forgotten_before_admission_reop
     assert gated.entered == [] and len(gated.marks) == 0
 
 
+def test_mark_many_keeps_each_rollouts_highest_attempt_and_never_lowers_a_mark() -> None:
+    marks = RetiredMarks()
+    marks.mark("r1", 2)
+    # A scope may name a rollout twice, its lower attempt last; an earlier mark above the scope's stays.
+    marks.mark_many([("r0", 3), ("r0", 1), ("r1", 1), ("r2", 0)])
+    assert marks.snapshot() == {"r0": 3, "r1": 2, "r2": 0}
+    assert marks.is_retired("r0", 2) and not marks.is_retired("r0", 4)
+
+
+@pytest.mark.parametrize("kind", ["run_body", "path_prefix"])
+async def test_mark_many_refuses_a_parked_attempt_as_mark_does(gated: Gated, kind: str) -> None:
+    gated.admission.close()
+    retired = send(gated, kind)
+    unrelated = send(gated, "plain")
+    await wait_until(lambda: gated.counters.parked == 2)
+
+    gated.marks.mark_many([("r0", 5), ("r1", 1)])
+    assert_stale(await bounded(retired))
+    assert gated.counters.parked == 1 and not unrelated.done() and gated.entered == []
+    gated.admission.open()
+    assert (await bounded(unrelated)).status_code == 200
+
+
 async def test_mark_of_a_later_attempt_only_leaves_an_earlier_parked_one_parked(gated: Gated) -> None:
     gated.admission.close()
     later = send(gated, "path_prefix")  # r1-a1

@@ -66,3 +66,25 @@ def test_network_losses_are_read_from_the_kernel_as_differences() -> None:
     since = stats.counters_since(before)
     assert since is not None and set(since) == set(before) and all(v >= 0 for v in since.values())
     assert stats.counters_since(None) is None
+
+
+def test_periodic_summary_takes_the_longest_pause_after_the_first_and_the_share_of_the_window() -> None:
+    periodic = importlib.import_module("scale_periodic")  # scale.py put benchmarks/ on sys.path
+    checkpoints = [
+        {"pause_s": 5.0, "bytes": 1000},
+        {"pause_s": 0.5, "bytes": 100},
+        {"pause_s": 0.7, "bytes": 300},
+    ]
+    summary = periodic.summarize(checkpoints, 62.0)
+    # The first (full) checkpoint's pause is not a periodic one: pause_s_max is over the later ones.
+    assert summary["pause_s_max"] == 0.7 and summary["pause_s_first"] == 5.0
+    assert summary["pause_share"] == round(6.2 / 62.0, 5)
+    assert summary["bytes_full"] == 1000 and summary["bytes_incremental"] == 200
+    assert periodic.summarize(checkpoints[:1], 10.0)["pause_s_max"] is None
+
+
+def test_periodic_generation_keeps_the_machine_ahead_of_the_rollouts() -> None:
+    periodic = importlib.import_module("scale_periodic")
+    # Two calls per rollout: N / (2 * N / 50) = 25 rollouts a second whatever N (at least 5 s a call).
+    assert periodic.default_generation_seconds(16_000) == 320.0
+    assert periodic.default_generation_seconds(100) == 5.0

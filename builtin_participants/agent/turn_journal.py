@@ -108,6 +108,11 @@ class Turn:
         if not isinstance(calls, list):
             raise ValueError("turn.calls must be a list")
         for index, call in enumerate(calls):
+            if type(call) is dict and type(call.get("sha256")) is str and type(call.get("body")) is str:
+                # This release's calls (decoded records are plain dicts): one pass of exact type tests.
+                kind = call.get("call")
+                if kind == "model" or (kind == "tool" and type(call.get("status")) is int):
+                    continue
             # Decoded records are plain dicts: the exact type test first (an ABC check costs more).
             kind = call.get("call") if type(call) is dict or isinstance(call, Mapping) else None
             if kind is not None and type(call.get("sha256")) is str:

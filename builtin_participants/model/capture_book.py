@@ -66,7 +66,7 @@ class CaptureBook:
         self._marked = _Recent()  # attempt keys whose started marker this process made (or found)
         self._background: set[asyncio.Task[Any]] = set()
         # Restores whose dead executions this server cleared, and their scopes.
-        self._cleared: dict[str, list[EpisodeId]] = {}
+        self._cleared: dict[str, Sequence[EpisodeId]] = {}
 
     # -- the calls ---------------------------------------------------------------------------------
 
@@ -142,7 +142,8 @@ class CaptureBook:
             self.restored.add(rows.key)
             self.owned.setdefault(rows.key, set()).update(rows.call_ids)
         if cleared:
-            self._cleared[restore_id] = list(scope)
+            # Kept as given (never changed once parsed): a copy would make every EpisodeId of the scope.
+            self._cleared[restore_id] = scope
 
     def ended(self, operation_id: str) -> None:
         """A checkpoint or restore ended (admission reopened). After a restore this server cleared for, its

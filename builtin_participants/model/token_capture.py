@@ -56,6 +56,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import spli
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
+from nemo_gym_checkpoint_plugin._types import rollout_attempts
 
 __all__ = ["StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
 
@@ -256,7 +257,8 @@ class TokenCaptures:
         return cleared
 
     def _clear_dead_executions(self, scope: Sequence[EpisodeId]) -> None:
-        first = {episode.rollout_id: episode.attempt for episode in scope}
+        # The scope's pairs: a restore's scope names every episode (16,000), EpisodeIds made only if read.
+        first = dict(rollout_attempts(scope))
         # A replacement is attempt 1 or later: so is every file of a dead execution it must not meet.
         found = self.files.attempts(first, retried_only=True)
         dead = [
@@ -272,7 +274,7 @@ class TokenCaptures:
 
     def remove_continued(self, scope: Sequence[EpisodeId]) -> None:
         """Remove the attempts before each replacement in ``scope``: the rows live on under the replacement."""
-        first = {episode.rollout_id: episode.attempt for episode in scope}
+        first = dict(rollout_attempts(scope))
         found = self.files.attempts(first)
         old = [
             name

@@ -81,10 +81,12 @@ class PlaneState:
 
     async def mark_all(self, episodes: Sequence[EpisodeId]) -> None:
         """Mark each episode retired up to its attempt (under the lock), yielding to other work in between."""
-        for count, (rollout_id, attempt) in enumerate(rollout_attempts(episodes), 1):
-            self.marks.mark(rollout_id, attempt)
-            if count % _MARKS_PER_YIELD == 0:
+        given = rollout_attempts(episodes)
+        pairs = given if isinstance(given, list) else list(given)
+        for start in range(0, len(pairs), _MARKS_PER_YIELD):
+            if start:
                 await asyncio.sleep(0)
+            self.marks.mark_many(pairs[start : start + _MARKS_PER_YIELD])
 
     def fence(self, checkpoint_id: str) -> Active | None:
         """The active operation if it is ``checkpoint_id``'s, ``None`` when idle; refuse a resumed or another id."""
