@@ -17,12 +17,14 @@ __all__ = [
     "CHECK_OWNERS",
     "CLAIM",
     "CLOSE_ADMISSION",
+    "CONTROL",
     "DELETE_RESTORED",
     "EXPORT",
     "FORGET",
     "MARK",
     "OPEN_ADMISSION",
     "PREPARING",
+    "READINESS",
     "READY",
     "RELEASE_EXPORTED",
     "RESTORED_PENDING",
@@ -56,6 +58,10 @@ CHECK_OWNERS = "check_owners"
 CLAIM = "claim"
 UNCLAIM = "unclaim"
 SERVED = "served"
+# The worker's readiness, pushed when it changes: ``{"checkpoint_id", "closed_for", **readiness}``.
+READINESS = "readiness"
+# A control request that reached the worker on the shared port (``forward.py``), answered by the coordinator.
+CONTROL = "control"
 
 
 def episodes_to_wire(episodes: Iterable[EpisodeId]) -> list[list[Any]]:
