@@ -10,9 +10,13 @@ out over the roster; ``bind`` hands the coordinator the plane's admission and ma
 - a worker that left, or reported its first data request (``served``), makes the plane refuse a
   restore before it marks anything (``Admission.restore_refusal`` / ``Admission.served``);
 - a worker's ``claim`` of a replacement attempt gets the restored records the coordinator holds
-  (``restored.py``), one owner each.
+  (``restored.py``), one owner each;
+- each worker's readiness, as it pushes it (``readiness``), so the participant's ``ready`` never
+  waits on a worker; a control request a worker forwards (``forward.py``) runs through
+  ``control_app``, the plane's control routes; a resources session one worker closed is relayed
+  to the others.
 
-Not wired into a server yet (docs/protocol.md, section 9a).
+In a server, ``service.py`` runs it on its own event loop thread in Gym's main process.
 """
 
 from __future__ import annotations
@@ -137,6 +141,14 @@ class Coordinator:
         if op == m.SERVED:
             self._served = True
             self._refresh_refusals()
+            return None
+        if op == m.SESSION_CLOSED:
+            # Every other worker drops what it holds of that session (its server never saw the close).
+            others = [other for name, other in self.roster.links().items() if name != link.name]
+            await asyncio.gather(
+                *(other.call(m.SESSION_CLOSED, body, timeout=self.call_timeout) for other in others),
+                return_exceptions=True,
+            )
             return None
         if op == m.READINESS:
             self.store_readiness(link.name, body)

@@ -273,8 +273,22 @@ class WorkersParticipant:
         await self._everywhere(m.FORGET, {"rollout_ids": list(rollout_ids)})
 
     @hookimpl
-    def status_fields(self) -> dict[str, Any]:
+    async def status_fields(self) -> dict[str, Any]:
+        """The workers' participant fields merged as their exports' extras are (counts summed, objects
+        merged), and ``workers``; a worker not answering within the call timeout is named in its
+        ``unanswered`` list."""
         roster = self._c.roster
-        return {
-            "workers": {"expected": roster.expected, "connected": list(roster.connected), "left": list(roster.left)}
+        answers = await self._all(m.STATUS_FIELDS, None)
+        replies = [answers.replies[name] for name in sorted(answers.replies)]
+        try:
+            fields = merge_extras(replies)
+        except ValueError as exc:
+            fields = {"workers_status_fields": {name: answers.replies[name] for name in sorted(answers.replies)}}
+            logger.warning("the workers' status fields disagree (%s); each worker's are shown", exc)
+        fields["workers"] = {
+            "expected": roster.expected,
+            "connected": list(roster.connected),
+            "left": list(roster.left),
+            **({"unanswered": sorted(answers.failures)} if answers.failures else {}),
         }
+        return fields

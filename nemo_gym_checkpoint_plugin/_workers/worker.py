@@ -21,7 +21,11 @@ the restored record of a replacement attempt this worker received and installs i
 owner: a record another worker claimed is refused ``attempt_running``). The first data request
 the gate sees (``Admission.served``) is reported to the coordinator, which then refuses restores.
 
-Not wired into uvicorn yet (docs/protocol.md, section 9a).
+Readiness is pushed, not asked: a reporter task sends the worker's ``ready`` answer (for the
+checkpoint admission is closed for) whenever it changed, looking again when nudged (admission,
+marks), when a ``wait_ready`` hook returns and at least every ``report_seconds``; ``export``
+checks readiness again first (a regression is ``export_failed``, as on one worker). In a server,
+``attach.py`` builds the worker and starts it at the app's startup.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Worker:
         report_seconds: float = 1.0,
     ) -> None:
         self.pid = os.getpid() if pid is None else pid
+        self.pm = pm
         self.participants = Participants(pm)
         self.admission: Admission = ReportingAdmission(self._report_served)
         self.marks = RetiredMarks()
@@ -221,6 +226,23 @@ class Worker:
 
     # -- the coordinator's calls -----------------------------------------------------------------
 
+    def report_session_closed(self, session_id: str, episode: EpisodeId) -> None:
+        """This worker closed a resources session: the coordinator tells the other workers (not awaited)."""
+        link = self.link
+        if link is None:
+            return
+        body = {"session_id": session_id, "episode": [episode.rollout_id, episode.attempt]}
+
+        async def report() -> None:
+            try:
+                await link.call(m.SESSION_CLOSED, body, timeout=self.call_timeout)
+            except LinkError:
+                logger.exception("%s: relaying the close of %s failed", self.name, session_id)
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     async def _close(self, checkpoint_id: str) -> None:
         self.admission.close()
         self.closed_for = checkpoint_id
@@ -294,6 +316,15 @@ class Worker:
                 self.marks.forget(rollout_id)
             await self.participants.forgotten(rollout_ids)
             return len(rollout_ids)
+        if op == m.SESSION_CLOSED:
+            (episode,) = m.episodes_from_wire([args["episode"]])
+            for _name, plugin in self.pm.list_name_plugin():
+                closed_elsewhere = getattr(plugin, "session_closed_elsewhere", None)
+                if callable(closed_elsewhere):
+                    closed_elsewhere(str(args["session_id"]), episode)
+            return None
+        if op == m.STATUS_FIELDS:
+            return await self.participants.status_fields()
         if op == m.CHECK_OWNERS:
             return self.participants.missing_owners(str(owner) for owner in args["owners"])
         if op == m.RESTORED_PENDING:
