@@ -27,8 +27,9 @@ fuzz: setup
 	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS)
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
+# NUM_WORKERS=N (the demo's --num-workers): the model, resources and environment servers with N uvicorn workers.
 demo: setup
-	exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
+	$(if $(NUM_WORKERS),NUM_WORKERS=$(NUM_WORKERS)) exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
 
 # The same story with every checkpoint in a local S3-compatible server (moto on 127.0.0.1, started for the run).
 demo-s3: setup
@@ -36,8 +37,9 @@ demo-s3: setup
 
 # exec: make's shell would otherwise stand between make and serve, and a SIGTERM to `make serve`
 # (which make forwards to its recipe) would kill only that shell and leave every server running.
+# NUM_WORKERS=N: the model, resources and environment servers with N uvicorn workers (unset: one each).
 serve: setup
-	PORT_BASE=$(PORT_BASE) exec $(PY) -m nemo_gym_checkpoint_plugin.testing.serve
+	PORT_BASE=$(PORT_BASE) $(if $(NUM_WORKERS),NUM_WORKERS=$(NUM_WORKERS)) exec $(PY) -m nemo_gym_checkpoint_plugin.testing.serve
 
 bench: setup
 	$(PY) benchmarks/storage.py

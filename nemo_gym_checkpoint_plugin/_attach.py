@@ -22,8 +22,13 @@ installs nothing at all. When enabled it:
    plugin's client attributes the agent's model and resources calls;
 5. on environments, decodes an explicit ``"<id>-aN"`` rollout id of a typed ``/run`` body as
    attempt N of ``<id>`` (``_explicit_ids.py``), outside the gate so the gate sees the attempt;
-6. with ``num_workers > 1`` registers ``UnmanagedWorkers``: each worker would hold its own
-   state, so the server says ``unmanaged`` in ``status`` and refuses to prepare or restore.
+6. with ``num_workers > 1`` (model, resources and environment servers; agents are refused, see
+   ``refuse_unsupported``) the server is one participant over several workers
+   (``_workers/``, docs/protocol.md section 9a): in Gym's main process the app is never served,
+   so only the coordinator starts (``_workers/service.py``: its own event loop thread, the one
+   ``ControlPlane`` and its control routes, no participant plugin but the coordinator's); in
+   each uvicorn worker the participants join and the worker side is installed instead of a plane
+   (``_workers/attach.py``: gate, restored-record claims, control routes forwarded).
 
 The plugin's server client (``_client.py``) is swapped in by ``install_client`` *before*
 the server's ``setup_webserver()``, since a server may hand its client to what it builds.
@@ -42,8 +47,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_checkpoint_plugin._errors import InvalidPhase
-from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._settings import CheckpointSettings, SettingsError, load_settings
 from nemo_gym_checkpoint_plugin._wire import ROLLOUT_PATH_PREFIX
 
@@ -51,7 +54,7 @@ __all__ = [
     "ATTACHMENT_STATE",
     "Attachment",
     "RolloutAttribution",
-    "UnmanagedWorkers",
+    "num_workers",
     "attach_checkpointing",
     "install_client",
     "refuse_unsupported",
@@ -120,6 +123,14 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
     if not settings.enabled:
         return
     name = getattr(server_config, "name", None)
+    workers = num_workers(server_config)
+    if workers > 1 and _is_agent_config(server_config, global_config):
+        raise SettingsError(
+            f"num_workers: {workers} on an agent server together with checkpoint.enabled: true is not supported: an "
+            "agent keeps its sessions in its one process (Gym's own rule: agent sessions require num_workers=1); "
+            "set num_workers: 1 on this agent (model, resources and environment servers may run several workers)",
+            server=str(name) if name else None,
+        )
     if getattr(server_config, "expose_tools_over_mcp", False):
         raise SettingsError(
             "expose_tools_over_mcp: true together with checkpoint.enabled: true is not supported "
@@ -156,36 +167,33 @@ def refuse_unsupported(server_config: Any, settings: CheckpointSettings, global_
         )
 
 
+def num_workers(server_config: Any) -> int:
+    """The server's uvicorn workers (``num_workers``, at least 1)."""
+    return int(getattr(server_config, "num_workers", None) or 1)
+
+
+def _is_agent_config(server_config: Any, global_config: Any) -> bool:
+    if global_config is None:
+        from nemo_gym.global_config import get_global_config_dict
+
+        global_config = get_global_config_dict()
+    name = getattr(server_config, "name", None)
+    block: Any = global_config.get(str(name)) if name and hasattr(global_config, "get") else None
+    return hasattr(block, "keys") and "responses_api_agents" in block.keys()
+
+
+def is_gym_worker() -> bool:
+    """Whether this process is one of the uvicorn workers of a Gym server with ``num_workers > 1``."""
+    from nemo_gym.server_utils import is_nemo_gym_fastapi_worker
+
+    return is_nemo_gym_fastapi_worker()
+
+
 def install_client(server: Any) -> None:
     """Give ``server`` the plugin's server client (same configuration as its current one)."""
     from nemo_gym_checkpoint_plugin._client import CheckpointServerClient
 
     server.server_client = CheckpointServerClient.from_client(server.server_client)
-
-
-class UnmanagedWorkers:
-    """Participant plugin of a multi-worker server: reports ``unmanaged``, refuses to checkpoint.
-
-    Each uvicorn worker re-imports the app and holds its own episodes, so one worker's
-    control plane cannot speak for the server. Until multi-worker support exists the
-    server never claims to be safe: ``close_admission`` (the start of every prepare and
-    restore) raises ``invalid_phase``, which aborts it and reopens admission.
-    """
-
-    def __init__(self, num_workers: int) -> None:
-        self.num_workers = num_workers
-        self.reason = (
-            f"this server runs num_workers={num_workers}; checkpointing supports one worker per server "
-            "(each uvicorn worker holds its own episodes), so it is unmanaged: set num_workers: 1 to checkpoint it"
-        )
-
-    @hookimpl
-    def status_fields(self) -> dict[str, Any]:
-        return {"unmanaged": True, "unmanaged_reason": self.reason, "num_workers": self.num_workers}
-
-    @hookimpl
-    def close_admission(self, checkpoint_id: str) -> None:
-        raise InvalidPhase(f"cannot checkpoint {checkpoint_id!r}: {self.reason}", num_workers=self.num_workers)
 
 
 class RolloutAttribution:
@@ -225,7 +233,9 @@ class Attachment:
     instance: str
     control: Any
     gate_counters: Any
-    unmanaged: UnmanagedWorkers | None
+    # num_workers > 1: the coordinator (main process, ``_workers.service.CoordinatorService``) or the
+    # worker side (a uvicorn worker, ``_workers.attach.WorkerAttachment``); None on a single worker.
+    workers: Any = None
 
 
 def builtin_plugins() -> list[Any]:
@@ -273,18 +283,33 @@ def attach_checkpointing(
 
     kind = server_kind(type(server))
     instance = str(server.config.name)
-    num_workers = int(getattr(server.config, "num_workers", None) or 1)
-    unmanaged = UnmanagedWorkers(num_workers) if num_workers > 1 else None
+    workers = num_workers(server.config)
+    if workers > 1 and not is_gym_worker():
+        return _attach_coordinator(app, kind=kind, instance=instance, settings=settings, token=token, workers=workers)
     from nemo_gym_checkpoint_plugin._plugins import attach_plugins, make_plugin_manager
 
     builtins = builtin_plugins() if builtin else []
-    plugins = [*builtins, *extra_plugins, *([unmanaged] if unmanaged is not None else [])]
+    plugins = [*builtins, *extra_plugins]
     # Everything that can fail is built before the app is touched: a failure installs nothing.
     pm = make_plugin_manager(plugins)
 
     dropped = attach_plugins(pm, server=server, app=app, kind=kind, instance=instance, settings=settings)
     if dropped:
         logger.info("checkpoint plugins %s do not apply to %s (%s); unregistered", dropped, instance, kind)
+    if workers > 1:
+        from nemo_gym_checkpoint_plugin._workers.attach import attach_worker
+
+        worker = attach_worker(app, pm, kind=kind)
+        attachment = Attachment(
+            settings=settings,
+            kind=kind,
+            instance=instance,
+            control=None,
+            gate_counters=worker.gate_counters,
+            workers=worker,
+        )
+        setattr(app.state, ATTACHMENT_STATE, attachment)
+        return attachment
     try:
         control = ControlPlane(pm, kind=kind, instance=instance, settings=settings)
     except SettingsError as exc:  # an unknown checkpoint.storage.backend
@@ -310,10 +335,23 @@ def attach_checkpointing(
         # Outside the gate: it attributes the decoded attempt (an explicit "<id>-aN" of Gym's typed path).
         app.add_middleware(ExplicitAttemptIds)
     app.router.on_shutdown.append(control.aclose)
+    attachment = Attachment(settings=settings, kind=kind, instance=instance, control=control, gate_counters=counters)
+    setattr(app.state, ATTACHMENT_STATE, attachment)
+    return attachment
+
+
+def _attach_coordinator(
+    app: Any, *, kind: str, instance: str, settings: CheckpointSettings, token: str, workers: int
+) -> Attachment:
+    """Gym's main process of a server with several workers: only the coordinator, beside uvicorn's supervisor."""
+    from nemo_gym_checkpoint_plugin._workers.service import start_coordinator
+
+    try:
+        service = start_coordinator(expected=workers, kind=kind, instance=instance, settings=settings, token=token)
+    except SettingsError as exc:  # an unknown checkpoint.storage.backend
+        raise exc.for_server(instance) from None
     attachment = Attachment(
-        settings=settings, kind=kind, instance=instance, control=control, gate_counters=counters, unmanaged=unmanaged
+        settings=settings, kind=kind, instance=instance, control=service.plane, gate_counters=None, workers=service
     )
     setattr(app.state, ATTACHMENT_STATE, attachment)
-    if unmanaged is not None:
-        logger.warning("checkpoint participant %s is unmanaged: %s", instance, unmanaged.reason)
     return attachment

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "CheckpointError",
+    "CoordinatorUnreachable",
     "Unauthorized",
     "StaleCheckpoint",
     "CheckpointConflict",
@@ -194,6 +195,18 @@ class OwnerFenced(CheckpointError):
     code = "owner_fenced"
 
 
+class CoordinatorUnreachable(CheckpointError):
+    """A uvicorn worker could not reach its server's coordinator for a control call (plugin code).
+
+    A server with several workers answers its control routes in its main process (docs/protocol.md
+    section 9a); the worker that received the call found the coordinator gone or silent. Retry: the
+    server is restarting or stopping.
+    """
+
+    code = "coordinator_unreachable"
+    status = 503
+
+
 class InvalidCheckpointState(CheckpointError):
     """A checkpoint on disk (or one being written) cannot be trusted or cannot be made.
 
@@ -236,6 +249,7 @@ ERRORS_BY_CODE: dict[str, type[CheckpointError]] = {
         InvalidRunRequest,
         OwnerConflict,
         OwnerFenced,
+        CoordinatorUnreachable,
         InvalidCheckpointState,
     )
 }

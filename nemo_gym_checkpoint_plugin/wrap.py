@@ -15,11 +15,16 @@ session cookie is unchanged) and runs it. Two ways to name it:
 It also does what ``ray_off`` did: Ray stays off. It exits with status 2 and a message on
 stderr when the ``checkpoint:`` block is bad (naming the key), when the server sets
 ``expose_tools_over_mcp: true`` with checkpointing enabled (not supported yet; the
-message names both keys), when the class declares
-``ray_enabled = True``, or when the server asks for ``num_workers > 1``: Gym then makes
-each uvicorn worker import ``<server dir>/<entrypoint>`` as a module of the server's
-package, which a wrapper outside that package cannot be (use ``CheckpointMixin`` in the
-server's own ``app.py`` for multi-worker servers; they report ``unmanaged``).
+message names both keys), when an agent asks for ``num_workers > 1`` with checkpointing
+enabled, or when the class declares ``ray_enabled = True``.
+
+Several workers (``num_workers > 1``, docs/protocol.md section 9a): Gym makes each uvicorn
+worker import ``<type>.<server>.<entrypoint>`` (the entrypoint's path with ``/`` as dots, e.g.
+``resources_servers.example.-mnemo_gym_checkpoint_plugin.wrap``), a name no file answers.
+uvicorn spawns its workers, and a spawned process first runs the parent's main module again
+as ``__mp_main__``: this module then registers itself under that name (``sys.modules``, from
+Gym's ``IS_NEMO_GYM_FASTAPI_ENTRYPOINT``), so the import finds it, and its ``app`` is built on
+first access the way ``main`` builds the server (``run_webserver`` returns the app in a worker).
 """
 
 from __future__ import annotations
@@ -32,7 +37,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["derive_checkpointable", "find_server_class", "main", "relative_entrypoint"]
+__all__ = [
+    "derive_checkpointable",
+    "find_server_class",
+    "gym_worker_module_name",
+    "main",
+    "register_worker_module",
+    "relative_entrypoint",
+    "worker_app",
+]
 
 
 def find_server_class(module: ModuleType) -> type[Any]:
@@ -108,14 +121,52 @@ def main(module_name: str = "app") -> None:
     derived = derive_checkpointable(server_class)
     server_config = derived.load_config_from_global_config()
     exit_on_bad_settings(server_config=server_config)
-    num_workers = server_config.num_workers
-    if num_workers and num_workers > 1:
-        _refuse(
-            f"num_workers={num_workers}: Gym's workers import the server's own entrypoint module, so the wrapper "
-            "cannot run them; set num_workers: 1, or add CheckpointMixin to the server class in its app.py"
-        )
     derived.run_webserver()
+
+
+def gym_worker_module_name() -> str | None:
+    """The module a uvicorn worker of this Gym server imports (None: this is no such worker)."""
+    from nemo_gym.server_utils import IS_NEMO_GYM_FASTAPI_ENTRYPOINT_KEY_NAME, is_nemo_gym_fastapi_worker
+
+    relative = os.environ.get(IS_NEMO_GYM_FASTAPI_ENTRYPOINT_KEY_NAME)
+    if not is_nemo_gym_fastapi_worker() or not relative:
+        return None
+    # Exactly as Gym's run_webserver makes uvicorn's import string.
+    return relative.replace(".py", "").replace("/", ".")
+
+
+def worker_app(module_name: str = "app") -> Any:
+    """A uvicorn worker's app: the wrapped server built as ``main`` builds it (Gym returns the app in a worker)."""
+    _fix_sys_path()
+    from nemo_gym_checkpoint_plugin.mixin import exit_on_bad_settings
+
+    exit_on_bad_settings()
+    derived = derive_checkpointable(find_server_class(importlib.import_module(module_name)))
+    return derived.run_webserver()
+
+
+def register_worker_module() -> None:
+    """In a uvicorn worker: answer Gym's import of ``<type>.<server>.<entrypoint>`` with a module whose ``app``
+    is ``worker_app()`` (built on first access, once)."""
+    name = gym_worker_module_name()
+    if name is None or name in sys.modules:
+        return
+    module = ModuleType(name, "The wrapped Gym server of this uvicorn worker (nemo_gym_checkpoint_plugin.wrap).")
+    built: dict[str, Any] = {}
+
+    def __getattr__(attribute: str) -> Any:
+        if attribute != "app":
+            raise AttributeError(f"module {name!r} has no attribute {attribute!r}")
+        if "app" not in built:
+            built["app"] = worker_app()
+        return built["app"]
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    sys.modules[name] = module
 
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    # A process uvicorn spawned for this server runs the parent's main module again under this name first.
+    register_worker_module()

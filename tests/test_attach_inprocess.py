@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import time
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -268,27 +268,40 @@ async def test_attaching_twice_is_refused(tmp_path: Path) -> None:
     await app.state.checkpoint_control.aclose()
 
 
-async def test_a_multi_worker_server_is_unmanaged_and_refuses_to_prepare(tmp_path: Path) -> None:
+def test_a_multi_worker_main_process_runs_only_the_coordinator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_gym_checkpoint_plugin._workers.fanout import WorkersParticipant
+    from nemo_gym_checkpoint_plugin._workers.service import SOCKET_ENV
+
+    monkeypatch.delenv(SOCKET_ENV, raising=False)
     config = _config(tmp_path, ENABLED)
     server = _build(derive_checkpointable(_server_class(config, RESOURCES)), config, RESOURCES, num_workers=2)
     app = _app(server)
-    control = app.state.checkpoint_control
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    async with _asgi(app) as http:
-        status = (await http.get("/ng-control/v1/checkpoint/status", headers=auth)).json()
-        prepare = await http.post(
-            "/ng-control/v1/checkpoint/prepare",
-            headers=auth,
-            json={"checkpoint_id": "ck-1", "deadline_ts": time.time() + 30},
-        )
-        after = (await http.get("/ng-control/v1/checkpoint/status", headers=auth)).json()
-    assert status["unmanaged"] is True and "num_workers=2" in status["unmanaged_reason"]
-    assert prepare.status_code == 409, prepare.text
-    assert prepare.json()["error"]["code"] == "invalid_phase"
-    assert "num_workers=2" in prepare.json()["error"]["detail"]
-    # Refused, not half-started: idle again with admission open.
-    assert after["phase"] == "idle" and control.admission.is_open
-    await control.aclose()
+    attachment = getattr(app.state, ATTACHMENT_STATE)
+    service = attachment.workers
+    try:
+        # The app Gym's main process builds is never served: nothing is installed on it.
+        assert AdmissionGate not in _middleware(app) and "/ng-control/v1/checkpoint/status" not in _paths(app)
+        assert os.environ[SOCKET_ENV] == service.socket_path and os.path.exists(service.socket_path)
+        plane = attachment.control
+        participants = [p for _, p in plane.pm.list_name_plugin() if hasattr(p, "export")]
+        assert [type(p) for p in participants] == [WorkersParticipant]
+        status = service.call(plane.status())
+        assert status["workers"] == {"expected": 2, "connected": [], "left": []}
+        assert status["report"]["worker_blockers"] == [
+            "worker not registered (0 of 2), #1",
+            "worker not registered (0 of 2), #2",
+        ]
+    finally:
+        service.call(plane.aclose())
+        service.call(service.coordinator.aclose())
+        service.runtime.remove()
+
+
+def test_an_agent_with_several_workers_is_refused_naming_the_key(tmp_path: Path) -> None:
+    config = _config(tmp_path, ENABLED)
+    server = _build(derive_checkpointable(_server_class(config, AGENT)), config, AGENT, num_workers=2)
+    with pytest.raises(SettingsError, match="num_workers: 2 on an agent server"):
+        server.setup_webserver()
 
 
 @pytest.mark.parametrize("checkpoint", [None, ENABLED])

@@ -24,6 +24,7 @@ PROTOCOL_ERRORS = {
     "invalid_run_request": 422,
     "owner_conflict": 409,
     "owner_fenced": 409,
+    "coordinator_unreachable": 503,
     "invalid_checkpoint_state": 422,
 }
 

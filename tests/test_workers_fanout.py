@@ -192,7 +192,7 @@ async def test_retire_marks_every_worker_before_any_stops_and_replies_when_all_s
         assert cluster.participants[pid].called("forgotten") == [{"rollout_ids": ["r1"]}]
 
 
-async def test_a_worker_that_never_answers_blocks_readiness_naming_it(cluster: Cluster) -> None:
+async def test_ready_answers_from_memory_and_a_worker_that_never_reports_blocks_naming_it(cluster: Cluster) -> None:
     hold = asyncio.Event()
 
     async def stuck(checkpoint_id: str | None) -> None:
@@ -200,11 +200,15 @@ async def test_a_worker_that_never_answers_blocks_readiness_naming_it(cluster: C
 
     worker = cluster.workers[103]
     worker.participants.ready = stuck  # type: ignore[method-assign,assignment]
-    cluster.coordinator.call_timeout = 0.2
-    report = await cluster.coordinator.participant.ready("c9")
-    assert report.blockers == ()
-    assert [b.split(":")[0] for b in report.worker_blockers] == ["worker 103 did not answer ready"]
+    reply = await cluster.plane.prepare("c9", deadline(1.0))
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["worker_blockers"] == ["worker 103 has not reported its readiness for c9 yet"]
+    # The hook never returns, yet the coordinator's ready does, from what the workers pushed: it never waits.
+    async with asyncio.timeout(TIMEOUT):
+        report = await cluster.coordinator.participant.ready("c9")
+    assert report.blockers == () and report.worker_blockers == ("worker 103 has not reported its readiness for c9 yet",)
     hold.set()
+    await cluster.plane.resume("c9", deadline())
 
 
 class Verifier:

@@ -161,6 +161,18 @@ class ResourcesSessions:
             # The episode is over here: its sessions are never exported again (the server keeps its own data).
             self.session_state.unbind(episode_id)
 
+    def session_closed_elsewhere(self, session_id: str, episode_id: EpisodeId) -> None:
+        """Another uvicorn worker of this server closed ``session_id`` of ``episode_id`` (``_workers``).
+
+        The server's binding of it here is dropped (this worker never saw the close, so the server
+        kept it), and the episode is over here as after a close this worker answered.
+        """
+        if self._table is not None and session_id in self._table:
+            bound = self._table[session_id]
+            if isinstance(bound, tuple) and bound and bound[0] == episode_id:
+                del self._table[session_id]
+        self.session_closed(episode_id)
+
     # -- participant hooks -------------------------------------------------------------------------
 
     @hookimpl

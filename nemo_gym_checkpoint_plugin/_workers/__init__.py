@@ -14,10 +14,11 @@ runtime directory. The pieces, lowest first:
 - ``messages``: the op names and body shapes the two sides exchange;
 - ``worker``: one worker's side (its admission and marks, its plugins answering the coordinator);
 - ``coordinator``, ``fanout`` and ``restored``: the main process's side (the socket and
-  registrations, the participant plugin fanning each hook out, the restored records until claimed).
-
-Not wired into a server yet: a server with ``num_workers > 1`` still reports ``unmanaged``
-(``_attach.UnmanagedWorkers``); docs/protocol.md, section 9a, lists what is still to come.
+  registrations, the participant plugin fanning each hook out, the restored records until claimed);
+- the wiring into a real server: ``service`` (the coordinator's thread and plane in Gym's main
+  process), ``attach`` (a uvicorn worker's app: gate, claims, relayed closes) and ``forward``
+  (control requests on the shared port, answered by the coordinator). ``_attach.attach_checkpointing``
+  picks the side; ``wrap`` makes the module Gym's workers import its own.
 """
 
 from __future__ import annotations

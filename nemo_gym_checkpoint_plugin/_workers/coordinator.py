@@ -10,9 +10,13 @@ out over the roster; ``bind`` hands the coordinator the plane's admission and ma
 - a worker that left, or reported its first data request (``served``), makes the plane refuse a
   restore before it marks anything (``Admission.restore_refusal`` / ``Admission.served``);
 - a worker's ``claim`` of a replacement attempt gets the restored records the coordinator holds
-  (``restored.py``), one owner each.
+  (``restored.py``), one owner each;
+- each worker's readiness, as it pushes it (``readiness``), so the participant's ``ready`` never
+  waits on a worker; a control request a worker forwards (``forward.py``) runs through
+  ``control_app``, the plane's control routes; a resources session one worker closed is relayed
+  to the others.
 
-Not wired into a server yet (docs/protocol.md, section 9a).
+In a server, ``service.py`` runs it on its own event loop thread in Gym's main process.
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ class Coordinator:
         self._marks: RetiredMarks | None = None
         self._served = False
         self._server: asyncio.Server | None = None
+        # Each connected worker's readiness as it last pushed it (``messages.READINESS``), by worker name.
+        self.readiness: dict[str, dict[str, Any]] = {}
+        self._readiness_changed = asyncio.Event()
+        # The ASGI app of the plane's control routes: control requests the workers forward run through it.
+        self.control_app: Any = None
 
     def bind(self, admission: Admission, marks: RetiredMarks) -> None:
         """The main process's plane state: its admission (restore refusals) and marks (snapshots)."""
@@ -75,8 +84,35 @@ class Coordinator:
             await self._server.wait_closed()
 
     def snapshot(self) -> dict[str, Any]:
-        """What a registering worker starts with: every retired mark, and the checkpoint admission is closed for."""
-        return {"marks": self._marks.snapshot() if self._marks is not None else {}, "closed_for": self.closed_for}
+        """What a registering worker starts with: every retired mark, the checkpoint admission is closed for,
+        and the replacements whose restored records are held here."""
+        return {
+            "marks": self._marks.snapshot() if self._marks is not None else {},
+            "closed_for": self.closed_for,
+            "restored": sorted(self.restored.pending()),
+        }
+
+    def store_readiness(self, name: str, body: Any) -> None:
+        if isinstance(body, Mapping) and name in self.roster.connected:
+            self.readiness[name] = dict(body)
+            self._readiness_changed.set()
+
+    async def readiness_changed(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until a worker pushed readiness, registered or left; whether one did."""
+        self._readiness_changed.clear()
+        roster_changed = asyncio.ensure_future(self.roster.changed(timeout))
+        pushed = asyncio.ensure_future(self._readiness_changed.wait())
+        try:
+            done, _ = await asyncio.wait([roster_changed, pushed], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            roster_changed.cancel()
+            pushed.cancel()
+            await asyncio.gather(roster_changed, pushed, return_exceptions=True)
+        return bool(done)
+
+    def _left(self, name: str) -> None:
+        self.readiness.pop(name, None)
+        self._refresh_refusals()
 
     def _refresh_refusals(self) -> None:
         if self._admission is None:
@@ -95,7 +131,7 @@ class Coordinator:
         if op == REGISTER_OP:
             reply = self.roster.register(link, body)
             # After the roster's own callback: ``left`` already names the worker when this runs.
-            link.on_close(lambda _closed: self._refresh_refusals())
+            link.on_close(lambda closed: self._left(str(closed.name)))
             if isinstance(body, Mapping) and body.get("served") is True:
                 self._served = True
                 self._refresh_refusals()
@@ -106,6 +142,23 @@ class Coordinator:
             self._served = True
             self._refresh_refusals()
             return None
+        if op == m.SESSION_CLOSED:
+            # Every other worker drops what it holds of that session (its server never saw the close).
+            others = [other for name, other in self.roster.links().items() if name != link.name]
+            await asyncio.gather(
+                *(other.call(m.SESSION_CLOSED, body, timeout=self.call_timeout) for other in others),
+                return_exceptions=True,
+            )
+            return None
+        if op == m.READINESS:
+            self.store_readiness(link.name, body)
+            return None
+        if op == m.CONTROL:
+            from .forward import answer_forwarded
+
+            if self.control_app is None:
+                raise ValueError("this coordinator serves no control routes")
+            return await answer_forwarded(self.control_app, body)
         if op in (m.CLAIM, m.UNCLAIM):
             args = body if isinstance(body, Mapping) else {}
             (episode,) = m.episodes_from_wire([args.get("episode")])

@@ -6,9 +6,10 @@ makes the workers follow:
 
 - ``close_admission`` closes admission on every worker and waits for each acknowledgement; a
   worker's refusal aborts (the plane reopens everywhere), a worker that did not acknowledge blocks;
-- ``ready`` merges every worker's readiness, plus the roster's blockers and the workers that
-  have not confirmed admission closed for this checkpoint, as ``worker_blockers`` (never capture
-  keys); a worker that does not answer blocks, naming it;
+- ``ready`` merges every worker's readiness as the worker last pushed it (never waiting on a
+  worker: the hookspec), plus the roster's blockers and the workers that have not confirmed
+  admission closed for this checkpoint, as ``worker_blockers`` (never capture keys); a worker
+  whose report is missing or for another checkpoint blocks, naming it;
 - ``export`` is the union of every worker's records and the unclaimed restored ones;
   ``export_failed`` when a worker was lost during the checkpoint or its export failed;
 - ``install`` holds the restored records here until a worker claims one, and relays the
@@ -23,7 +24,6 @@ The restore refusal once a worker left is the plane's (``Coordinator.bind``), be
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -147,38 +147,32 @@ class WorkersParticipant:
 
     @hookimpl
     async def ready(self, checkpoint_id: str | None) -> Readiness:
-        answers = await self._all(m.READY, {"checkpoint_id": checkpoint_id})
-        refusal = _refusal(answers)
-        if refusal is not None:
-            raise refusal
+        """From memory, never waiting on a worker (the hookspec): what each worker last pushed (``worker.py``).
+
+        A connected worker blocks while its last report is for another checkpoint (or none came yet),
+        failed, or does not say admission is closed for this one.
+        """
         found: list[Readiness] = [self._c.roster.readiness(checkpoint_id)]
         named: list[str] = list(self._unacknowledged.values())
-        for name, failure in _troubles(answers).items():
-            named.append(f"{name} did not answer ready: {_detail(failure)}")
         closing = checkpoint_id is not None and self._c.closed_for == checkpoint_id
-        for name, reply in answers.replies.items():
-            found.append(m.readiness_from_wire(reply))
-            if closing and reply.get("closed_for") != checkpoint_id:
+        for name in self._c.roster.connected:
+            body = self._c.readiness.get(name)
+            if body is None or body.get("checkpoint_id") != checkpoint_id:
+                named.append(f"{name} has not reported its readiness for {checkpoint_id or 'status'} yet")
+                continue
+            if body.get("error") is not None:
+                named.append(f"{name} failed to report its readiness: {body['error']}")
+                continue
+            if closing and body.get("closed_for") != checkpoint_id:
                 named.append(f"{name} has not closed admission for {checkpoint_id}")
+            found.append(m.readiness_from_wire(body))
         report = merge_readiness([*found, Readiness(worker_blockers=named)])
         return Readiness(report.blockers, report.restarts, report.counts, report.worker_blockers)
 
     @hookimpl
     async def wait_ready(self, checkpoint_id: str) -> None:
-        """Return when a worker's ``wait_ready`` returned or a worker came or went; at most ``poll_seconds``."""
-        seconds = self._c.poll_seconds
-        body = {"checkpoint_id": checkpoint_id, "seconds": seconds}
-        waits = [
-            asyncio.ensure_future(link.call(m.WAIT_READY, body, timeout=seconds + self._c.call_timeout))
-            for link in self._c.roster.links().values()
-        ]
-        waits.append(asyncio.ensure_future(self._c.roster.changed(seconds)))
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)  # a failed wait shows in the next ready
+        """Return when a worker pushed its readiness, came or went; at most ``poll_seconds``."""
+        await self._c.readiness_changed(self._c.poll_seconds)
 
     # -- export and what follows a commit --------------------------------------------------------
 
@@ -257,8 +251,14 @@ class WorkersParticipant:
                     )
         # Every worker refuses the checkpointed attempts before any replacement can arrive at one.
         checkpointed = [[episode.rollout_id, episode.attempt - 1] for episode in scope]
-        await self._everywhere(m.MARK, {"episodes": checkpointed})
+        # With the marks, the replacements whose records are held here: their first request claims them.
+        restored = sorted({r.replacement.capture_key for r in records})
         self._c.restored.hold(checkpoint_id, manifest, records)
+        try:
+            await self._everywhere(m.MARK, {"episodes": checkpointed, "restored": restored})
+        except BaseException:
+            self._c.restored.drop(restored)
+            raise
 
     @hookimpl
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
@@ -273,8 +273,22 @@ class WorkersParticipant:
         await self._everywhere(m.FORGET, {"rollout_ids": list(rollout_ids)})
 
     @hookimpl
-    def status_fields(self) -> dict[str, Any]:
+    async def status_fields(self) -> dict[str, Any]:
+        """The workers' participant fields merged as their exports' extras are (counts summed, objects
+        merged), and ``workers``; a worker not answering within the call timeout is named in its
+        ``unanswered`` list."""
         roster = self._c.roster
-        return {
-            "workers": {"expected": roster.expected, "connected": list(roster.connected), "left": list(roster.left)}
+        answers = await self._all(m.STATUS_FIELDS, None)
+        replies = [answers.replies[name] for name in sorted(answers.replies)]
+        try:
+            fields = merge_extras(replies)
+        except ValueError as exc:
+            fields = {"workers_status_fields": {name: answers.replies[name] for name in sorted(answers.replies)}}
+            logger.warning("the workers' status fields disagree (%s); each worker's are shown", exc)
+        fields["workers"] = {
+            "expected": roster.expected,
+            "connected": list(roster.connected),
+            "left": list(roster.left),
+            **({"unanswered": sorted(answers.failures)} if answers.failures else {}),
         }
+        return fields

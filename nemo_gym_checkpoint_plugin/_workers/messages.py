@@ -17,17 +17,21 @@ __all__ = [
     "CHECK_OWNERS",
     "CLAIM",
     "CLOSE_ADMISSION",
+    "CONTROL",
     "DELETE_RESTORED",
     "EXPORT",
     "FORGET",
     "MARK",
     "OPEN_ADMISSION",
     "PREPARING",
+    "READINESS",
     "READY",
     "RELEASE_EXPORTED",
     "RESTORED_PENDING",
     "RETIRE",
+    "STATUS_FIELDS",
     "SERVED",
+    "SESSION_CLOSED",
     "UNCLAIM",
     "WAIT_READY",
     "episodes_from_wire",
@@ -52,10 +56,17 @@ MARK = "mark"
 RETIRE = "retire"
 FORGET = "forget"
 CHECK_OWNERS = "check_owners"
+STATUS_FIELDS = "status_fields"
 # Worker -> coordinator (besides ``register``, roster.py).
 CLAIM = "claim"
 UNCLAIM = "unclaim"
 SERVED = "served"
+# The worker's readiness, pushed when it changes: ``{"checkpoint_id", "closed_for", **readiness}``.
+READINESS = "readiness"
+# A resources session a worker closed (``{"session_id", "episode"}``): relayed to every other worker.
+SESSION_CLOSED = "session_closed"
+# A control request that reached the worker on the shared port (``forward.py``), answered by the coordinator.
+CONTROL = "control"
 
 
 def episodes_to_wire(episodes: Iterable[EpisodeId]) -> list[list[Any]]:

@@ -21,7 +21,11 @@ the restored record of a replacement attempt this worker received and installs i
 owner: a record another worker claimed is refused ``attempt_running``). The first data request
 the gate sees (``Admission.served``) is reported to the coordinator, which then refuses restores.
 
-Not wired into uvicorn yet (docs/protocol.md, section 9a).
+Readiness is pushed, not asked: a reporter task sends the worker's ``ready`` answer (for the
+checkpoint admission is closed for) whenever it changed, looking again when nudged (admission,
+marks), when a ``wait_ready`` hook returns and at least every ``report_seconds``; ``export``
+checks readiness again first (a regression is ``export_failed``, as on one worker). In a server,
+``attach.py`` builds the worker and starts it at the app's startup.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import pluggy
 
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._control.facade import Participants
+from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 from . import messages as m
@@ -70,8 +75,16 @@ class ReportingAdmission(Admission):
 class Worker:
     """The coordinator's view from inside one worker. Use from the worker's event loop."""
 
-    def __init__(self, pm: pluggy.PluginManager, *, pid: int | None = None, call_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        pm: pluggy.PluginManager,
+        *,
+        pid: int | None = None,
+        call_timeout: float = 10.0,
+        report_seconds: float = 1.0,
+    ) -> None:
         self.pid = os.getpid() if pid is None else pid
+        self.pm = pm
         self.participants = Participants(pm)
         self.admission: Admission = ReportingAdmission(self._report_served)
         self.marks = RetiredMarks()
@@ -82,6 +95,13 @@ class Worker:
         self.link: Link | None = None
         self._applied = asyncio.Event()
         self._reports: set[asyncio.Task[Any]] = set()
+        # Replacement capture keys whose restored records the coordinator holds (a first request claims one).
+        self.restorable: set[str] = set()
+        # Readiness pushed to the coordinator (``_reporter``): the last body sent, and what wakes the reporter.
+        self.report_seconds = report_seconds
+        self._pushed: dict[str, Any] | None = None
+        self._nudge = asyncio.Event()
+        self._reporter_task: asyncio.Task[None] | None = None
 
     async def start(self, path: str) -> None:
         """Connect to the coordinator at ``path``, register and apply its snapshot; a ``LinkError`` otherwise."""
@@ -89,11 +109,13 @@ class Worker:
         body = {"pid": self.pid, "served": self.admission.served}
         snapshot = await self.link.call(REGISTER_OP, body, timeout=self.call_timeout)
         await self._apply(snapshot)
+        self._reporter_task = asyncio.get_running_loop().create_task(self._reporter())
 
     async def _apply(self, snapshot: Mapping[str, Any]) -> None:
         self.name = str(snapshot.get("worker"))
         for rollout_id, attempt in dict(snapshot.get("marks") or {}).items():
             self.marks.mark(rollout_id, attempt)
+        self.restorable.update(str(key) for key in snapshot.get("restored") or ())
         closed_for = snapshot.get("closed_for")
         if closed_for is not None:
             await self._close(str(closed_for))
@@ -105,10 +127,59 @@ class Worker:
             await self.link.wait_closed()
 
     async def aclose(self) -> None:
-        for task in self._reports:
+        for task in [*self._reports, *([self._reporter_task] if self._reporter_task is not None else [])]:
             task.cancel()
         if self.link is not None:
             await self.link.aclose()
+
+    # -- readiness, pushed -----------------------------------------------------------------------
+
+    async def readiness_body(self) -> dict[str, Any]:
+        """This worker's readiness now, as pushed: for the checkpoint admission is closed for (None: open)."""
+        checkpoint_id = self.closed_for
+        try:
+            report = await self.participants.ready(checkpoint_id)
+        except Exception as exc:  # a blocker at the coordinator, naming this worker and the error
+            error = f"{type(exc).__name__}: {exc}"
+            return {"checkpoint_id": checkpoint_id, "closed_for": checkpoint_id, "error": error}
+        return {"checkpoint_id": checkpoint_id, "closed_for": checkpoint_id, **m.readiness_to_wire(report)}
+
+    def nudge(self) -> None:
+        """Readiness may have changed (admission, marks): the reporter looks again now."""
+        self._nudge.set()
+
+    async def _reporter(self) -> None:
+        """Push this worker's readiness to the coordinator whenever it changed, so its ``ready`` never waits.
+
+        It looks again when nudged, when a ``wait_ready`` hook returns (while admission is closed for a
+        checkpoint) and at least every ``report_seconds``.
+        """
+        link = self.link
+        assert link is not None
+        while not link.closed:
+            self._nudge.clear()  # before looking: a nudge while this round runs makes another round
+            body = await self.readiness_body()
+            if body != self._pushed:
+                try:
+                    await link.call(m.READINESS, body, timeout=self.call_timeout)
+                except LinkError as exc:
+                    if link.closed:
+                        return
+                    logger.warning("%s: pushing readiness to the coordinator failed: %s", self.name, exc)
+                else:
+                    self._pushed = body
+            await self._readiness_may_change()
+
+    async def _readiness_may_change(self) -> None:
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._nudge.wait())]
+        if self.closed_for is not None:
+            waits.append(asyncio.ensure_future(self.participants.wait_ready(self.closed_for)))
+        try:
+            await asyncio.wait(waits, timeout=self.report_seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)  # a failing wait_ready shows in the next ready
 
     # -- restored records ------------------------------------------------------------------------
 
@@ -122,6 +193,7 @@ class Worker:
         pair = [episode.rollout_id, episode.attempt]
         reply = await self.link.call(m.CLAIM, {"episode": pair}, timeout=self.call_timeout)
         if reply is None:
+            self.restorable.discard(episode.capture_key)
             return False
         records = [m.restored_from_wire(record) for record in reply["records"]]
         try:
@@ -134,6 +206,7 @@ class Worker:
             except LinkError:
                 logger.exception("%s: giving back the record of %s failed", self.name, episode.capture_key)
             raise
+        self.restorable.discard(episode.capture_key)
         return True
 
     def _report_served(self) -> None:
@@ -153,6 +226,23 @@ class Worker:
 
     # -- the coordinator's calls -----------------------------------------------------------------
 
+    def report_session_closed(self, session_id: str, episode: EpisodeId) -> None:
+        """This worker closed a resources session: the coordinator tells the other workers (not awaited)."""
+        link = self.link
+        if link is None:
+            return
+        body = {"session_id": session_id, "episode": [episode.rollout_id, episode.attempt]}
+
+        async def report() -> None:
+            try:
+                await link.call(m.SESSION_CLOSED, body, timeout=self.call_timeout)
+            except LinkError:
+                logger.exception("%s: relaying the close of %s failed", self.name, session_id)
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     async def _close(self, checkpoint_id: str) -> None:
         self.admission.close()
         self.closed_for = checkpoint_id
@@ -164,6 +254,7 @@ class Worker:
         args: dict[str, Any] = body if isinstance(body, dict) else {}
         if op == m.CLOSE_ADMISSION:
             await self._close(str(args["checkpoint_id"]))
+            self.nudge()  # the reporter pushes the readiness for this checkpoint now
             return {"closed_for": self.closed_for}
         if op == m.PREPARING:
             await self.participants.preparing(str(args["checkpoint_id"]), float(args["deadline_ts"]))
@@ -171,6 +262,7 @@ class Worker:
         if op == m.OPEN_ADMISSION:
             self.closed_for = None
             self.admission.open()
+            self.nudge()
             await self.participants.open_admission(str(args["checkpoint_id"]))
             return None
         if op == m.READY:
@@ -188,6 +280,15 @@ class Worker:
         return await self._marks_op(op, args)
 
     async def _export(self, checkpoint_id: str, scope: Any) -> dict[str, Any]:
+        # The coordinator's readiness is what this worker pushed: checked again here, now, before exporting.
+        now = await self.participants.ready(checkpoint_id)
+        if not now.ready:
+            named = [*now.worker_blockers, *now.blockers]
+            raise ExportFailed(
+                f"readiness of {checkpoint_id} regressed on {self.name} since prepare: {len(named)} blocker(s) "
+                f"({', '.join(named[:10])}); the checkpoint is over: resume it and prepare a new id",
+                blockers=list(now.blockers[:100]),
+            )
         exported = await self.participants.export(checkpoint_id, None if scope is None else frozenset(scope))
         # One message carries them: made in a thread (an export's iterator may be long), like the writer does.
         records = await asyncio.to_thread(list, exported.records)
@@ -202,6 +303,8 @@ class Worker:
             episodes = m.episodes_from_wire(args["episodes"])
             for episode in episodes:
                 self.marks.mark(episode.rollout_id, episode.attempt)
+            self.restorable.update(str(key) for key in args.get("restored") or ())
+            self.nudge()
             if op == m.RETIRE:
                 await self.participants.retire(episodes)
                 # Data requests parked under these attempts were refused when marked; reply once they left.
@@ -213,6 +316,15 @@ class Worker:
                 self.marks.forget(rollout_id)
             await self.participants.forgotten(rollout_ids)
             return len(rollout_ids)
+        if op == m.SESSION_CLOSED:
+            (episode,) = m.episodes_from_wire([args["episode"]])
+            for _name, plugin in self.pm.list_name_plugin():
+                closed_elsewhere = getattr(plugin, "session_closed_elsewhere", None)
+                if callable(closed_elsewhere):
+                    closed_elsewhere(str(args["session_id"]), episode)
+            return None
+        if op == m.STATUS_FIELDS:
+            return await self.participants.status_fields()
         if op == m.CHECK_OWNERS:
             return self.participants.missing_owners(str(owner) for owner in args["owners"])
         if op == m.RESTORED_PENDING:

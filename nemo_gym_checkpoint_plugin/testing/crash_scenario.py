@@ -47,6 +47,15 @@ _STATUS = "/ng-control/v1/checkpoint/status"
 _POLL = 0.05
 
 
+# uvicorn's worker health-check timeout in a deployment with several workers per server (new_deployment).
+WORKER_HEALTHCHECK_SECONDS = 300
+
+
+def start_timeout(num_workers: int) -> float:
+    """How long a demo deployment may take to start: every worker imports Gym on its own."""
+    return 120.0 if num_workers <= 1 else 120.0 + 60.0 * num_workers
+
+
 def new_deployment(
     work_dir: Path,
     token: str,
@@ -56,8 +65,12 @@ def new_deployment(
     model: dict[str, Any] | None = None,
     storage: dict[str, Any] | None = None,
     extra_env: dict[str, str] | None = None,
+    num_workers: int = 1,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
+
+    ``num_workers`` > 1 runs the model, resources and environment servers with that many uvicorn
+    workers each (the agent stays single-worker: Gym's rule for agent sessions).
 
     ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block;
     ``storage`` is the ``checkpoint.storage`` block (``{"backend": "fsspec"}`` for an object store);
@@ -66,7 +79,12 @@ def new_deployment(
     block: dict[str, Any] = {**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}
     if storage:
         block["storage"] = dict(storage)
-    return Deployment(
+    workers = {"num_workers": num_workers} if num_workers > 1 else {}
+    # uvicorn kills a worker that has not answered its health ping within this many seconds, and a
+    # spawned worker answers only once it imported Gym: a dozen of them starting on two cores need more
+    # than Gym's default 30 s.
+    slow_start = {"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else None
+    deployment = Deployment(
         free_port_base() if port_base is None else port_base,
         work_dir,
         entrypoints=wrapped_entrypoints(),
@@ -74,8 +92,13 @@ def new_deployment(
         log_dir=work_dir / "logs",
         extra_env={**(extra_env or {}), TOKEN_ENV: token},
         checkpoint=block,
-        model=model,
+        model={**(model or {}), **workers} or None,
+        resources=workers or None,
+        environment=workers or None,
+        gym_settings=slow_start,
     )
+    deployment.start_timeout = start_timeout(num_workers)
+    return deployment
 
 
 def run_body(rollout_id: str, attempt: int = 0, *, restart: bool = False) -> dict[str, Any]:

@@ -32,6 +32,10 @@ the servers then use ``checkpoint.storage.backend: fsspec``). ``--local-s3`` sta
 S3-compatible server on 127.0.0.1 for the run (moto's server mode, from the ``test`` extras) and
 checkpoints into it; it is stopped at the end.
 
+``--num-workers N`` (or ``NUM_WORKERS=N``, as ``make demo NUM_WORKERS=N`` passes it) runs the model,
+resources and environment servers with N uvicorn workers each (docs/protocol.md section 9a): the
+same story, the same guarantees.
+
 Ports: ``PORT_BASE`` when set (five consecutive ports from it; busy or invalid is exit 2
 before anything starts), else free ports picked at random.
 
@@ -118,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start a local S3-compatible server (moto, 127.0.0.1) and checkpoint into it",
     )
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=int(os.environ.get("NUM_WORKERS") or 1),
+        metavar="N",
+        help="uvicorn workers of the model, resources and environment servers (default 1, or NUM_WORKERS)",
+    )
     args = parser.parse_args(argv)
+    if args.num_workers < 1:
+        parser.error("--num-workers must be at least 1")
     if args.rollouts < 2:
         parser.error("--rollouts must be at least 2")
     if not args.checkpoint_every > 0:
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         with _checkpoint_store(args, work) as (checkpoint_root, store_env):
-            summary = _run(work, args.rollouts, args.checkpoint_every, port_base, checkpoint_root, store_env)
+            summary = _run(
+                work, args.rollouts, args.checkpoint_every, port_base, checkpoint_root, store_env, args.num_workers
+            )
     except (DeploymentError, S3ServerError) as failed:
         print(f"demo: {failed}; work directory kept: {work}", file=sys.stderr, flush=True)
         return 1
@@ -190,6 +205,7 @@ def _run(
     port_base: int | None,
     checkpoint_root: str | None = None,
     store_env: dict[str, str] | None = None,
+    num_workers: int = 1,
 ) -> dict[str, Any] | None:
     """Start the deployment, run the scenario, stop every server; the summary, or None after Ctrl-C/SIGTERM.
 
@@ -206,7 +222,9 @@ def _run(
         signal.signal(sig, flag)
     token = secrets.token_urlsafe(24)
     storage = {"backend": "fsspec"} if checkpoint_root is not None and is_url(checkpoint_root) else None
-    deployment = new_deployment(work, token, port_base=port_base, storage=storage, extra_env=store_env)
+    deployment = new_deployment(
+        work, token, port_base=port_base, storage=storage, extra_env=store_env, num_workers=num_workers
+    )
     try:
         # asyncio.run returns only once its worker threads are done (a start under way included).
         return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop, checkpoint_root))
@@ -241,7 +259,7 @@ async def _scenario(
     try:
         _say(f"starting the Gym deployment (logs in {work / 'logs'})")
         started = time.monotonic()
-        await asyncio.to_thread(deployment.start, abort=stop)
+        await asyncio.to_thread(deployment.start, None, stop)
         ports = sorted(int(url.rsplit(":", 1)[1]) for url in deployment.urls.values())
         _say(
             f"5 processes ready in {time.monotonic() - started:.1f}s on 127.0.0.1:{ports[0]}-{ports[-1]}: "

@@ -202,6 +202,8 @@ class Deployment:
 
         self.port_base = port_base
         self.spawner = spawner
+        # What start() waits by default (servers with several uvicorn workers start slower).
+        self.start_timeout = 120.0
         self.work_dir = Path(work_dir)
         self.own_process_groups = own_process_groups
         self.log_dir = log_dir
@@ -259,12 +261,15 @@ class Deployment:
     def log_path(self, name: str) -> Path | None:
         return None if self.log_dir is None else self.log_dir / f"{name}.log"
 
-    def start(self, timeout: float = 120.0, abort: threading.Event | None = None) -> None:
+    def start(self, timeout: float | None = None, abort: threading.Event | None = None) -> None:
         """Start every process not running (all of them, unless ``kill(only=...)`` spared some); return once ready.
 
-        Raises ``DeploymentError`` (every child stopped first) if a port is taken, a child
-        exits, or ``timeout`` passes; ``DeploymentAborted`` when ``abort`` is set meanwhile.
+        ``timeout`` defaults to ``start_timeout`` (120 s unless the builder set more). Raises
+        ``DeploymentError`` (every child stopped first) if a port is taken, a child exits, or
+        ``timeout`` passes; ``DeploymentAborted`` when ``abort`` is set meanwhile.
         """
+        if timeout is None:
+            timeout = self.start_timeout
         specs = [spec for spec in self.specs if spec.name not in self._procs]
         if not specs:
             raise DeploymentError("deployment already started; stop() or kill() it first")
@@ -379,6 +384,12 @@ class Deployment:
                 pass
         for name in names:
             del self._procs[name]
+        # The leader is reaped, but what it spawned (uvicorn's workers, which hold the listening socket too)
+        # may still be dying: wait, bounded, until their ports are free again, so start() can bind them.
+        ports = [int(spec.url.rsplit(":", 1)[1]) for spec in self.specs if spec.name in names]
+        deadline = time.monotonic() + 10.0
+        while any(not port_is_free(port) for port in ports) and time.monotonic() < deadline:
+            time.sleep(0.05)  # wait-ok: polling interval of a bounded condition wait
 
     def dead(self) -> dict[str, int]:
         """``{name: exit status}`` of children that exited while the deployment should be running."""

@@ -6,7 +6,9 @@ four Gym servers of ``deployment.py`` on 127.0.0.1, ports from ``PORT_BASE`` (de
 unset, one is generated with ``secrets``, exported to every server and written to
 ``<work dir>/token`` (mode 0600) so a controller can read it. The work dir is
 ``NG_SERVE_DIR`` (default ``<tmp>/nemo-gym-checkpoint-serve-<PORT_BASE>``) and holds the
-Gym YAML the servers run with (``gym_config.yaml``).
+Gym YAML the servers run with (``gym_config.yaml``). ``NUM_WORKERS=N`` (``make serve NUM_WORKERS=N``)
+runs the model, resources and environment servers with N uvicorn workers each (the agent stays
+single-worker: Gym's rule for agent sessions); unset or 1, the deployment is exactly the single-worker one.
 
 Once every server answers, stdout gets exactly one JSON line and nothing else::
 
@@ -45,6 +47,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from .crash_scenario import WORKER_HEALTHCHECK_SECONDS, start_timeout
 from .deployment import (
     PORT_SPAN,
     TOKEN_ENV,
@@ -61,6 +64,15 @@ __all__ = ["main"]
 DEFAULT_PORT_BASE = 18000
 # How often the foreground loop checks that every server is still alive.
 _WATCH_SECONDS = 0.5
+
+
+def _num_workers() -> int:
+    raw = os.environ.get("NUM_WORKERS", "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"NUM_WORKERS must be a positive integer, not {raw!r}")
+    return int(raw)
 
 
 def _port_base() -> int:
@@ -120,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ).parse_args(argv)
     try:
         port_base = _port_base()
+        num_workers = _num_workers()
     except ValueError as bad:
         print(f"serve: {bad}", file=sys.stderr)
         return 2
@@ -150,9 +163,19 @@ def main(argv: list[str] | None = None) -> int:
         token_file = _ensure_token(work_dir)
         try:
             # Every Gym server through the wrapper: each one a checkpoint participant.
+            workers = {"num_workers": num_workers} if num_workers > 1 else None
             deployment = Deployment(
-                port_base, work_dir, entrypoints=wrapped_entrypoints(), own_process_groups=False, log_dir=None
+                port_base,
+                work_dir,
+                entrypoints=wrapped_entrypoints(),
+                own_process_groups=False,
+                log_dir=None,
+                model=workers,
+                resources=workers,
+                environment=workers,
+                gym_settings={"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else None,
             )
+            deployment.start_timeout = start_timeout(num_workers)
             config_path = deployment.write_config(work_dir / "gym_config.yaml")
             deployment.start(abort=stop)
         except DeploymentAborted:
