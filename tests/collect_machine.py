@@ -183,7 +183,9 @@ class CollectMachine(RuleBasedStateMachine):
         except Exception:  # noqa: BLE001 - a hung collector is a violation, killed first
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-            raise AssertionError(f"collector leg {self.leg} did not end within {LEG_SECONDS}s: {self.log_tail()}")
+            raise AssertionError(
+                f"collector leg {self.leg} did not end within {LEG_SECONDS}s: {self.log_tail()}"
+            ) from None
         self.exits.append(code)
         self.proc = None
         assert code in (0, 1, -signal.SIGKILL), f"leg {self.leg} exited {code}: {self.log_tail()}"
