@@ -416,7 +416,9 @@ class DeploymentMachine(RuleBasedStateMachine):
             },
         )
 
-    @precondition(lambda self: self.prepared is not None and bool(self.prepared.restarts()))
+    @precondition(
+        lambda self: self.prepared is not None and self.open not in self.commits and bool(self.prepared.restarts())
+    )
     @rule()
     def commit_naming_a_restart(self) -> None:
         scope = [*self.prepared.continued(self.scope()), *self.prepared.restarts()[:1]]
