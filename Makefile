@@ -23,8 +23,14 @@ test-fast: setup
 PROPERTY_TESTS := tests/test_attempts.py tests/test_control_stateful.py tests/test_fuzz_routes.py \
 	tests/test_identity.py tests/test_routes_limits.py tests/test_storage_codec.py tests/test_storage_fuzz.py \
 	tests/test_storage_pipeline.py
+# Then FUZZ_SEQUENCES random sequences of the real-process machines (tests/fuzz_processes.py: a deployment
+# driven through the coordination library, and ng-checkpoint collect killed at random); each violation is
+# printed with its seed (FUZZ_SEED=<seed> FUZZ_SEQUENCES=1 make fuzz replays it). The last line is
+# `fuzz: N sequences, K violations`; the status is non-zero when the property tests or a sequence failed.
+FUZZ_SEQUENCES ?= 1000
 fuzz: setup
-	HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS)
+	@status=0; HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS) || status=1; \
+	FUZZ_SEQUENCES=$(FUZZ_SEQUENCES) $(PY) tests/fuzz_processes.py || status=1; exit $$status
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 # NUM_WORKERS=N (the demo's --num-workers): the model, resources and environment servers with N uvicorn workers.

@@ -1,0 +1,83 @@
+"""``make fuzz``'s real-process part: random sequences of the two process machines, one per seed.
+
+``python tests/fuzz_processes.py`` runs ``FUZZ_SEQUENCES`` sequences (default 1,000) of
+``deployment_machine.DeploymentMachine`` (three in four) and ``collect_machine.CollectMachine`` (the
+fourth) on one deployment each, forked from a zygote like the test suite's, with seeds ``FUZZ_SEED``,
+``FUZZ_SEED + 1``, ... (a random start when unset, printed). Every violation is printed with its seed and
+its steps; ``FUZZ_SEED=<seed> FUZZ_SEQUENCES=1 make fuzz`` replays it (the same rules and arguments; the
+processes' timing may differ). ``FUZZ_STEPS`` bounds a deployment sequence (default 18). The last line is
+exactly ``fuzz: N sequences, K violations``; the exit status is 1 when K > 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from collect_machine import CollectMachine, new_collect_deployment  # noqa: E402
+from deployment_machine import DeploymentMachine, new_machine_deployment  # noqa: E402
+from seeded_machines import run_seeded  # noqa: E402
+
+from nemo_gym_checkpoint_plugin.testing import reaper  # noqa: E402
+from nemo_gym_checkpoint_plugin.testing.deployment import Deployment, use_zygote  # noqa: E402
+from nemo_gym_checkpoint_plugin.testing.zygote import Zygote  # noqa: E402
+
+COLLECT_STEPS = 6
+
+
+def machine_of(seed: int) -> str:
+    return "collect" if seed % 4 == 3 else "deployment"
+
+
+def main() -> int:
+    sequences = int(os.environ.get("FUZZ_SEQUENCES", "1000"))
+    base = int(os.environ["FUZZ_SEED"]) if os.environ.get("FUZZ_SEED") else random.randrange(10**9)
+    steps = int(os.environ.get("FUZZ_STEPS", "18"))
+    print(f"fuzz: {sequences} process sequences from seed {base}", flush=True)
+    run = reaper.new_run()
+    reaper.start_watchdog(run)
+    zygote = Zygote()
+    use_zygote(lambda: zygote)
+    work = Path(tempfile.mkdtemp(prefix="ng-ckpt-fuzz-"))
+    deployments: dict[str, Deployment] = {}
+    violations = ran = 0
+    started = time.monotonic()
+    try:
+        for seed in range(base, base + sequences):
+            name = machine_of(seed)
+            if name not in deployments:
+                make = new_machine_deployment if name == "deployment" else new_collect_deployment
+                deployments[name] = make(work / f"{name}-servers")
+                deployments[name].start(timeout=240)
+                machine = DeploymentMachine if name == "deployment" else CollectMachine
+                machine.deployment, machine.work = deployments[name], work / name
+                machine.work.mkdir()
+            machine_class = DeploymentMachine if name == "deployment" else CollectMachine
+            outcome = run_seeded(machine_class, seed, steps if name == "deployment" else COLLECT_STEPS)
+            ran += 1
+            verdict = "ok" if outcome.violation is None else "VIOLATION"
+            print(f"sequence {ran}/{sequences} {name} seed={seed} {outcome.seconds:.1f}s {verdict}", flush=True)
+            if outcome.violation is not None:
+                violations += 1
+                print(outcome.report(name), flush=True)
+    except KeyboardInterrupt:
+        print("fuzz: interrupted", flush=True)
+    finally:
+        for deployment in deployments.values():
+            deployment.stop()
+        use_zygote(None)
+        zygote.close()
+        reaper.sweep(run)
+    print(f"fuzz: {time.monotonic() - started:.0f}s, work in {work}", flush=True)
+    print(f"fuzz: {ran} sequences, {violations} violations", flush=True)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""A few fixed seeds of the real-process machines (issue 30); ``make fuzz`` runs as many as asked.
+
+``deployment_machine.DeploymentMachine`` over the demo deployment (every server a participant) and
+``collect_machine.CollectMachine`` over ``ng-checkpoint collect``, each run as one sequence per seed by
+``seeded_machines.run_seeded``: the seeds are fixed, so CI draws the same sequences every run. Kept small
+for CI (about 30 s on an idle 2-core machine); a failure prints the sequence's steps and its seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from collect_machine import CollectMachine, new_collect_deployment
+from deployment_machine import DeploymentMachine, new_machine_deployment
+from seeded_machines import run_seeded
+
+pytestmark = pytest.mark.slow
+
+# Seeds whose sequences reach a commit, a SIGKILL of every server and a restore (deployment), and a
+# collector killed with its servers, then resumed (collect).
+DEPLOYMENT_SEEDS = (25, 29)
+DEPLOYMENT_STEPS = 14
+COLLECT_SEED = 1
+COLLECT_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def machine_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    work = tmp_path_factory.mktemp("deployment-machine")
+    deployment = new_machine_deployment(work / "servers")
+    deployment.start(timeout=240)
+    DeploymentMachine.deployment, DeploymentMachine.work = deployment, work / "runs"
+    try:
+        yield work
+    finally:
+        deployment.stop()
+
+
+@pytest.mark.parametrize("seed", DEPLOYMENT_SEEDS)
+def test_a_random_sequence_over_the_deployment_keeps_every_invariant(machine_deployment: Path, seed: int) -> None:
+    outcome = run_seeded(DeploymentMachine, seed, DEPLOYMENT_STEPS)
+    assert outcome.violation is None, outcome.report("deployment")
+
+
+def test_a_collection_killed_at_random_ends_with_each_row_once_as_uninterrupted(tmp_path: Path) -> None:
+    deployment = new_collect_deployment(tmp_path / "servers")
+    deployment.start(timeout=240)
+    CollectMachine.deployment, CollectMachine.work = deployment, tmp_path / "runs"
+    CollectMachine.work.mkdir()
+    try:
+        outcome = run_seeded(CollectMachine, COLLECT_SEED, COLLECT_STEPS)
+    finally:
+        deployment.stop()
+    assert outcome.violation is None, outcome.report("collect")
+    assert any(step.startswith("crash(") for step in outcome.steps), outcome.steps
