@@ -177,16 +177,35 @@ class DeploymentMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            self.run(self.http.post(self.deployment.urls[RESOURCES] + "/health/test/release", json={}))
+            self.run(self.release_verifies())
             self.run(self.fake.release())
-            for rollout in self.rollouts.values():
-                if rollout.task is not None:
-                    rollout.task.cancel()
-            self.run(asyncio.sleep(0))
             self.run(self.coordinator.close())
-            self.run(self.http.close())
         finally:
+            # Every task still on the loop (a /run of any attempt, not only each rollout's latest) is
+            # cancelled and run to its end before the session closes, as asyncio.run does: a task left
+            # pending would keep its connection acquired, and its garbage collection later (during
+            # another test) warns of an unclosed connection.
+            pending = [task for task in asyncio.all_tasks(self.loop) if not task.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.run(asyncio.gather(*pending, return_exceptions=True))
+            self.run(self.http.close())
+            self.run(self.loop.shutdown_asyncgens())
             self.loop.close()
+
+    async def verify_route(self, action: str, body: dict[str, Any]) -> None:
+        """``/health/test/<action>`` of the resources server that holds verify steps; a refusal raises.
+
+        ``async with``: the reply is read and its connection released (an awaited ``post`` alone keeps it
+        acquired until garbage collection, which warns of an unclosed connection in a later test).
+        """
+        async with self.http.post(self.deployment.urls[RESOURCES] + f"/health/test/{action}", json=body) as reply:
+            await reply.read()
+            assert reply.status == 200, f"/health/test/{action}: {reply.status}"
+
+    async def release_verifies(self) -> None:
+        await self.verify_route("release", {})
 
     async def control(self, operation: Any, *args: Any, **kwargs: Any) -> tuple[Any, CoordinationError | None]:
         """One coordination call; a refusal is returned (and any 500 in it recorded), never raised."""
@@ -292,9 +311,7 @@ class DeploymentMachine(RuleBasedStateMachine):
         if hold == "model":
             await self.fake.hold(f"(rollout {rollout.rollout_id})", 1, step=1)
         elif hold == "verify":
-            await self.http.post(
-                self.deployment.urls[RESOURCES] + "/health/test/hold", json={"rollout_id": rollout.rollout_id}
-            )
+            await self.verify_route("hold", {"rollout_id": rollout.rollout_id})
         self.send(rollout, attempt, continues)
         rollout.held = None if hold == "none" else hold
         if hold != "none" and self.open is None:
@@ -327,9 +344,7 @@ class DeploymentMachine(RuleBasedStateMachine):
     async def release_one(self, rollout: Rollout) -> None:
         await self.keep_alive()
         await self.fake.release(f"(rollout {rollout.rollout_id})")
-        await self.http.post(
-            self.deployment.urls[RESOURCES] + "/health/test/release", json={"rollout_id": rollout.rollout_id}
-        )
+        await self.verify_route("release", {"rollout_id": rollout.rollout_id})
         rollout.held = None
         if self.open is None:
             await self.settle(rollout)  # nothing parks it: its reply comes
@@ -541,7 +556,7 @@ class DeploymentMachine(RuleBasedStateMachine):
 
     async def release_all(self) -> None:
         await self.fake.release()
-        await self.http.post(self.deployment.urls[RESOURCES] + "/health/test/release", json={})
+        await self.verify_route("release", {})
         for rollout in self.rollouts.values():
             rollout.held = None
 
@@ -667,7 +682,7 @@ class DeploymentMachine(RuleBasedStateMachine):
             self.ok(await self.control(resume, self.open), "resume")
             self.closed(self.open)
         await self.fake.release()
-        await self.http.post(self.deployment.urls[RESOURCES] + "/health/test/release", json={})
+        await self.verify_route("release", {})
         for rollout in self.live():
             await self.settle(rollout)
         for _ in range(3):
