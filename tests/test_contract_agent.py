@@ -23,6 +23,7 @@ from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import agent as agent_contract
 from nemo_gym_checkpoint_plugin.testing.deployment import free_port_base
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT, MODEL, PORT_OFFSETS, TOKEN_ENV, build_gym_config
+from nemo_gym_checkpoint_plugin._types import plain_records
 
 
 def _session_id(episode: EpisodeId) -> str:
@@ -276,7 +277,7 @@ async def test_a_restored_session_points_its_tool_access_at_the_replacement_atte
     first = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     episode = EpisodeId(rollout_id="tools", attempt=1)
     await first.start(episode)
-    records = _round_trip(first.participant.export(checkpoint_id="ck", scope=None))
+    records = _round_trip(plain_records(first.participant.export(checkpoint_id="ck", scope=None)))
     second = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     await second.participant.install(checkpoint_id="r", manifest={}, records=_restored(records))
     state = second.built.server._session_records[_session_id(episode)].state
