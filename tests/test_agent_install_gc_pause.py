@@ -14,9 +14,8 @@ from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import 
 from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
-from nemo_gym_checkpoint_plugin._types import plain_records
 
 
 @pytest.fixture

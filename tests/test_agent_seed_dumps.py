@@ -18,8 +18,8 @@ from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._storage.codec import encode_line
-from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 from nemo_gym_checkpoint_plugin._types import plain_records
+from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
 @pytest.fixture

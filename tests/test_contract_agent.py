@@ -19,11 +19,11 @@ from nemo_gym import server_utils
 from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._types import plain_records
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import agent as agent_contract
 from nemo_gym_checkpoint_plugin.testing.deployment import free_port_base
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT, MODEL, PORT_OFFSETS, TOKEN_ENV, build_gym_config
-from nemo_gym_checkpoint_plugin._types import plain_records
 
 
 def _session_id(episode: EpisodeId) -> str:

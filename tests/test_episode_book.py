@@ -20,8 +20,7 @@ from nemo_gym_checkpoint_plugin._control import ControlPlane
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin._settings import SettingsError, settings_from_global_config
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
-from nemo_gym_checkpoint_plugin._types import plain_records
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 
 
 def _plane(book: EpisodeBook) -> ControlPlane:

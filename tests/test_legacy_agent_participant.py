@@ -31,7 +31,7 @@ from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import (
     HARNESS_TOKEN,
@@ -39,7 +39,6 @@ from nemo_gym_checkpoint_plugin.testing.harness import (
     wait_until_async,
 )
 from nemo_gym_checkpoint_plugin.wrap import derive_checkpointable
-from nemo_gym_checkpoint_plugin._types import plain_records
 
 TOKEN = "legacy-relay-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -24,10 +24,9 @@ from pydantic import ConfigDict
 from test_contract_environment import _RESPONSE, FakeGymPeers
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin._wire import VERIFY_HEADER
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
-from nemo_gym_checkpoint_plugin._types import plain_records
 
 DECLARED = EpisodeId(rollout_id="declared", attempt=0)
 UNDECLARED = EpisodeId(rollout_id="undeclared", attempt=0)

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from test_contract_agent import conversation, mid_turn_agents  # noqa: F401  (the fixture, used by name)
+from test_contract_agent import conversation, mid_turn_agents  # noqa: F401  (a fixture, used by name)
 from versioned_support import checkpoint, manifest_of, restore, written
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -31,7 +31,8 @@ async def _until(condition: Any, what: str) -> None:
 
 
 async def test_a_checkpoint_writes_only_the_sessions_changed_since_the_previous_one(
-    mid_turn_agents: Any, tmp_path: Path
+    mid_turn_agents: Any,  # noqa: F811  (the fixture imported above)
+    tmp_path: Path,
 ) -> None:
     agent = await mid_turn_agents()
     plane = agent.built.control

@@ -112,7 +112,9 @@ async def test_a_checkpoint_writes_only_the_episodes_changed_since_the_previous_
         fresh_plane = _plane(fresh)
         try:
             reply = await restore(fresh_plane, directory, scope)
-            installed.append((reply["restored"], {key: (r.boundary, dict(r.state)) for key, r in fresh._restored.items()}))
+            installed.append(
+                (reply["restored"], {key: (r.boundary, dict(r.state)) for key, r in fresh._restored.items()})
+            )
             # A restored episode not yet begun does not change: the next checkpoint after the first refers to it.
             await checkpoint(fresh_plane, tmp_path / f"after-{directory.parent.name}", "a")
             await checkpoint(fresh_plane, tmp_path / f"after-{directory.parent.name}", "b")

@@ -35,7 +35,9 @@ async def _seed(built: InProcessServer, rollout_id: str) -> None:
 
 
 async def _close(built: InProcessServer, rollout_id: str) -> None:
-    reply = await built.post("/close_session", {"resources_session_id": f"res-{rollout_id}", "episode_id": _wire(rollout_id)})
+    reply = await built.post(
+        "/close_session", {"resources_session_id": f"res-{rollout_id}", "episode_id": _wire(rollout_id)}
+    )
     assert reply.status_code == 200, reply.text
 
 
@@ -80,7 +82,9 @@ async def test_a_checkpoint_writes_only_the_bindings_seeded_since_the_previous_o
     for directory in (root / "step-3", full_root / "step-3"):
         fresh = servers.build(ResourcesSessions)
         reply = await restore(fresh.control, directory, scope)
-        bindings = {sid: (ep.capture_key, tid.model_dump()) for sid, (ep, tid) in fresh.server._session_episodes.items()}
+        bindings = {
+            sid: (ep.capture_key, tid.model_dump()) for sid, (ep, tid) in fresh.server._session_episodes.items()
+        }
         installed.append((reply["restored"], bindings))
     assert installed[0] == installed[1]
     assert sorted(installed[0][1]) == ["res-r0", "res-r3", "res-r4"]

@@ -50,7 +50,7 @@ from functools import partial
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.agent.session_record import session_record
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.session_record import session_record as build_record
 from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import Same
@@ -215,7 +215,7 @@ class SimpleAgentSessions:
             wire = episode_to_wire(episode_id)
             # Shared with later exports (never mutated: records are only read once exported).
             request = self._request_dump(session_id, state.request)
-            build = partial(session_record, wire, session_id, request, cookies, activations, observations, turn, calls)
+            build = partial(build_record, wire, session_id, request, cookies, activations, observations, turn, calls)
             records.append(Versioned(wire, version, build))
         self._prune_dumps(sessions)
         return records

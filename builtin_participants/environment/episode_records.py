@@ -75,7 +75,9 @@ class EpisodeRecords:
                     Versioned(
                         {"rollout_id": rollout_id, "attempt": attempt},
                         restored.version,
-                        partial(_record, rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest),
+                        partial(
+                            _record, rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest
+                        ),
                     )
                 )
                 by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1

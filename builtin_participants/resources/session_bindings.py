@@ -225,7 +225,9 @@ class ResourcesSessions:
                 except UnsupportedSessionValue as exc:
                     raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
                 bound = records.get(key)
-                record = plain_record(bound) if bound is not None else {"episode_id": episode_to_wire(from_capture_key(key))}
+                record = (
+                    plain_record(bound) if bound is not None else {"episode_id": episode_to_wire(from_capture_key(key))}
+                )
                 record["session_state"] = sessions
                 records[key] = record
         return list(records.values())
