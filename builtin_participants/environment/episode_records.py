@@ -50,7 +50,7 @@ class EpisodeRecords:
         # Versioned: a record is built (in the writer's thread) only when the episode changed since this
         # server's previous checkpoint (``Episode.version``). Its parts are taken now: ``state`` is replaced
         # by ``reach``, never changed in place, so the dict taken here is what the record holds.
-        records: list[Versioned] = []
+        records: list[Any] = []  # Versioned (ParticipantExport names plain records; the writer takes both)
         by_boundary: dict[str, int] = {}
         mode = self.step_mode.value
         for key, episode in self._episodes.items():
