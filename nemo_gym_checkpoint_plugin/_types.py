@@ -26,6 +26,8 @@ __all__ = [
     "ParticipantExport",
     "RestoredRecord",
     "Versioned",
+    "plain_record",
+    "plain_records",
     "SeedDeclaration",
     "LeasePolicy",
     "merge_readiness",
@@ -167,6 +169,23 @@ class Versioned:
     version: Any
     record: Mapping[str, Any] | Callable[[], Mapping[str, Any]]
     plugin: str | None = None
+
+
+def plain_record(item: Any) -> Any:
+    """What the writer writes for an export's ``item``: a ``Versioned``'s record (built when it is a function,
+    tagged with its plugin as the writer tags it), any other item as it is. For exports that are not
+    written by a checkpoint writer (a worker's records sent to its coordinator, a test reading an export)."""
+    if type(item) is not Versioned:
+        return item
+    record = item.record() if callable(item.record) else item.record
+    if item.plugin is not None and isinstance(record, Mapping) and "plugin" not in record:
+        record = {**record, "plugin": item.plugin}
+    return record
+
+
+def plain_records(items: Iterable[Any]) -> list[Any]:
+    """``plain_record`` of each item, in a list."""
+    return [plain_record(item) for item in items]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import 
 from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
@@ -37,7 +37,7 @@ async def _restored(servers: GymServers, count: int) -> list[RestoredRecord]:
     first = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     for index in range(count):
         await first.start(EpisodeId(rollout_id=f"r{index}"))
-    exported = orjson.loads(orjson.dumps(first.participant.export(checkpoint_id="c1", scope=None)))
+    exported = orjson.loads(orjson.dumps(plain_records(first.participant.export(checkpoint_id="c1", scope=None))))
     out = []
     for record in exported:
         checkpointed = EpisodeId.model_validate(record["episode_id"])

@@ -18,6 +18,7 @@ from test_contract_agent import SimpleAgentHarness
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._storage.codec import encode_line
+from nemo_gym_checkpoint_plugin._types import plain_records
 from nemo_gym_checkpoint_plugin.testing.gym_config import AGENT
 
 
@@ -31,7 +32,7 @@ async def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
 
 
 def _export(agent: SimpleAgentHarness) -> dict[str, dict[str, Any]]:
-    return {r["agent_session_id"]: r for r in agent.participant.export(checkpoint_id="c1", scope=None)}
+    return {r["agent_session_id"]: r for r in plain_records(agent.participant.export(checkpoint_id="c1", scope=None))}
 
 
 def _state(agent: SimpleAgentHarness, episode: EpisodeId) -> Any:
@@ -67,7 +68,7 @@ async def test_an_exported_session_without_observations_writes_no_null(agent: Si
     """No ``null`` in the record's line: the checkpoint writer walks only lines holding one for NaN."""
     episode = EpisodeId(rollout_id="r1")
     await agent.start(episode)
-    (record,) = agent.participant.export(checkpoint_id="c1", scope=None)
+    (record,) = plain_records(agent.participant.export(checkpoint_id="c1", scope=None))
     assert "observations" not in record and b"null" not in encode_line(record)
 
 

@@ -19,6 +19,7 @@ from nemo_gym import server_utils
 from nemo_gym_checkpoint_plugin.builtin_participants.agent.open_sessions import SimpleAgentSessions
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._types import plain_records
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness
 from nemo_gym_checkpoint_plugin.testing.contracts import agent as agent_contract
 from nemo_gym_checkpoint_plugin.testing.deployment import free_port_base
@@ -276,7 +277,7 @@ async def test_a_restored_session_points_its_tool_access_at_the_replacement_atte
     first = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     episode = EpisodeId(rollout_id="tools", attempt=1)
     await first.start(episode)
-    records = _round_trip(first.participant.export(checkpoint_id="ck", scope=None))
+    records = _round_trip(plain_records(first.participant.export(checkpoint_id="ck", scope=None)))
     second = SimpleAgentHarness(servers.build(SimpleAgentSessions))
     await second.participant.install(checkpoint_id="r", manifest={}, records=_restored(records))
     state = second.built.server._session_records[_session_id(episode)].state

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import orjson
 import pytest
 
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import ScenarioResult, new_deployment, run_scenario
@@ -22,12 +23,21 @@ CONTINUED = [f"cont-{i}" for i in range(4)]
 RESTARTS = [f"rest-{i}" for i in range(2)]
 
 
-def _scenario(tmp_path: Path, step_mode: str) -> ScenarioResult:
+def _scenario(tmp_path: Path, step_mode: str, *, incremental: bool = False) -> ScenarioResult:
     deployment = new_deployment(tmp_path, TOKEN, step_mode=step_mode)
     deployment.start()
     try:
         return asyncio.run(
-            run_scenario(deployment, tmp_path / "ckpt", TOKEN, CONTINUED, RESTARTS, step_mode=step_mode, timeout=90)
+            run_scenario(
+                deployment,
+                tmp_path / "ckpt",
+                TOKEN,
+                CONTINUED,
+                RESTARTS,
+                step_mode=step_mode,
+                timeout=90,
+                incremental=incremental,
+            )
         )
     finally:
         deployment.stop()
@@ -80,3 +90,22 @@ def test_wait_mode_continued_rollouts_resume_inside_their_turn_after_sigkill(tmp
 def test_replay_mode_continued_rollouts_resume_inside_their_turn_after_sigkill(tmp_path: Path) -> None:
     # The agent step is the agent's to capture in either mode: replay reruns nothing it completed.
     _assert_continued_inside_their_turn(_scenario(tmp_path, "replay"))
+
+
+def test_a_restore_from_an_incremental_checkpoint_of_the_built_in_participants_continues_every_rollout(
+    tmp_path: Path,
+) -> None:
+    # Issue 31: the second checkpoint (a sibling, nothing changed since the first) writes no record of the
+    # agent, the environment or the resources server (each refers to the first's); restored from it after the
+    # SIGKILL, every rollout continues exactly as from a full checkpoint.
+    result = _scenario(tmp_path, "replay", incremental=True)
+    assert result.checkpoint_dir == str(tmp_path / "ckpt-2")
+    manifests = {
+        path.parent.parent.name: orjson.loads(path.read_bytes())
+        for path in (tmp_path / "ckpt-2" / "gym").glob("*/*/manifest.json")
+    }
+    for kind in ("agent", "environment", "resources"):
+        manifest = manifests[kind]
+        assert manifest["schema_version"] == 2 and manifest["depends_on"] == ["ckpt"], (kind, manifest)
+        assert manifest["record_count"] == 0, (kind, manifest)
+    _assert_continued_inside_their_turn(result)

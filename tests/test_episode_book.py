@@ -20,7 +20,7 @@ from nemo_gym_checkpoint_plugin._control import ControlPlane
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
 from nemo_gym_checkpoint_plugin._settings import SettingsError, settings_from_global_config
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 
 
 def _plane(book: EpisodeBook) -> ControlPlane:
@@ -89,7 +89,7 @@ async def test_wait_mode_prepare_waits_for_steps_in_flight_then_every_episode_is
     reply = await preparing
     assert reply["phase"] == "prepared" and reply["report"]["ready"] is True
     assert reply["report"]["counts"]["parked"] == 3
-    exported = list((await plane.participants.export("c1", None)).records)
+    exported = plain_records((await plane.participants.export("c1", None)).records)
     boundaries = {r["episode_id"]["rollout_id"]: r["boundary"] for r in exported}
     assert boundaries == {"r0": "worked", "r1": "worked", "r2": "worked"}
     assert not any(run.task.done() for run in runs)  # the last boundary parks: nobody finishes while prepared
@@ -105,7 +105,7 @@ async def test_replay_mode_step_in_flight_does_not_block_and_is_exported_at_its_
     await run.in_step("work")
     reply = await plane.prepare("c1", _deadline())
     assert reply["phase"] == "prepared" and reply["report"]["blockers"] == []
-    (record,) = (await plane.participants.export("c1", frozenset({"r"}))).records
+    (record,) = plain_records((await plane.participants.export("c1", frozenset({"r"}))).records)
     assert record["boundary"] == "seeded" and record["state"] == {"n": 1} and record["step_mode"] == "replay"
     await plane.resume("c1", _deadline())
     run.gate.set()
@@ -151,7 +151,7 @@ async def test_restart_is_listed_never_blocks_never_parks_and_is_never_exported(
     assert reply["report"]["restarts"] == ["s"] and reply["report"]["blockers"] == []
     restart.gate.set()
     assert await restart.task == "done"  # a restart runs through the checkpoint
-    records = list((await plane.participants.export("c1", None)).records)
+    records = plain_records((await plane.participants.export("c1", None)).records)
     assert [r["episode_id"]["rollout_id"] for r in records] == ["k"]
     await plane.resume("c1", _deadline())
     await kept.task
@@ -166,7 +166,7 @@ async def test_restart_declared_while_a_checkpoint_is_open_waits_for_resume() ->
     await plane.prepare("c1", _deadline())
     book.declare_restart(run.episode)
     assert list(book.ready("c1").restarts) == []  # the prepare's report cannot change before its commit
-    (record,) = (await plane.participants.export("c1", None)).records
+    (record,) = plain_records((await plane.participants.export("c1", None)).records)
     assert record["boundary"] is None  # it cannot continue from its sessions: it starts over
     await plane.resume("c1", _deadline())
     assert list(book.ready(None).restarts) == ["s"]
@@ -195,7 +195,7 @@ async def test_episode_being_retired_blocks_and_is_not_exported_until_its_task_e
     await wait_until(lambda: book_episode["e"].retiring, what="retiring")
     book.close_admission("c1")
     assert list(book.ready("c1").blockers) == ["r"]  # replay mode, but retiring blocks
-    assert list(book.export("c1", None).records) == []
+    assert plain_records(book.export("c1", None).records) == []
     assert not retiring.done()
     release_cleanup.set()
     await retiring
@@ -404,7 +404,7 @@ async def test_a_replacement_carrying_another_task_is_refused_naming_the_episode
     task = {"task_id": {"taskset": "t", "task_id": "7"}, "task_input": {"q": "2+2"}}
     first = book.begin(EpisodeId(rollout_id="a", attempt=0), task)
     book.reach(first, "seeded", {"n": 1})
-    (record,) = book.export("c1", None).records
+    (record,) = plain_records(book.export("c1", None).records)
     book.end(first)
     checkpointed = EpisodeId(rollout_id="a", attempt=0)
     book.install("r1", {}, [RestoredRecord(checkpointed, EpisodeId(rollout_id="a", attempt=1), dict(record))])

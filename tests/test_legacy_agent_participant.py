@@ -31,7 +31,7 @@ from pydantic import ConfigDict
 
 from nemo_gym_checkpoint_plugin._attach import ATTACHMENT_STATE
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin.testing.gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV
 from nemo_gym_checkpoint_plugin.testing.harness import (
     HARNESS_TOKEN,
@@ -169,7 +169,7 @@ async def test_relays_in_flight_are_restarts_never_block_never_export_and_run_th
         assert in_scope.status_code == 409
         assert in_scope.json()["error"]["code"] == "restart_in_scope"
 
-        assert list(book.export("c1", None).records) == []  # never exported
+        assert plain_records(book.export("c1", None).records) == []  # never exported
 
         resume = await http.post(
             f"{CONTROL}/resume", headers=AUTH, json={"checkpoint_id": "c1", "deadline_ts": _deadline()}
@@ -259,7 +259,7 @@ async def test_a_relay_entering_while_admission_is_closed_waits_unrelayed_and_is
         await wait_until(lambda: book.ready("c1").counts["parked"] == 1, what="the relay waits in the handler")
         assert agent.started == []
         assert book.ready("c1").restarts == []  # the prepare's restarts cannot change before its commit
-        (record,) = book.export("c1", None).records
+        (record,) = plain_records(book.export("c1", None).records)
         assert record["boundary"] is None  # nothing relayed yet: it starts over from its input
         book.open_admission("c1")
         await wait_until(lambda: agent.started == ["r"], what="relayed once admission reopened")

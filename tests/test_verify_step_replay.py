@@ -24,7 +24,7 @@ from pydantic import ConfigDict
 from test_contract_environment import _RESPONSE, FakeGymPeers
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, plain_records
 from nemo_gym_checkpoint_plugin._wire import VERIFY_HEADER
 from nemo_gym_checkpoint_plugin.testing.gym_config import ENVIRONMENT, rollout_body
 
@@ -105,7 +105,7 @@ async def test_replay_mode_blocks_only_on_a_verify_not_declared_replayable(envir
     book.close_admission("c1")
     assert list(book.ready("c1").blockers) == [UNDECLARED.capture_key]
     # The declared one is exported at its last boundary (replied), the declaration kept in its state.
-    records = {r["episode_id"]["rollout_id"]: r for r in book.export("c1", None).records}
+    records = {r["episode_id"]["rollout_id"]: r for r in plain_records(book.export("c1", None).records)}
     assert records["declared"]["boundary"] == "replied" and records["declared"]["state"]["verify_replay"] is True
 
     # The undeclared verify runs to its end (as in wait mode); then nothing blocks.
@@ -132,7 +132,7 @@ async def test_a_restored_episode_keeps_its_verifier_declaration(environment: An
     await run_to_verify(built, peers, DECLARED)
     await run_to_verify(built, peers, UNDECLARED)
     book: EpisodeBook = built.participant
-    exported = book.export("c1", None).records
+    exported = plain_records(book.export("c1", None).records)
     assert {r["boundary"] for r in exported} == {"replied"}
 
     # A fresh server (a restarted process) continues both from their boundary: no seed runs again,

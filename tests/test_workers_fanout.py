@@ -22,7 +22,7 @@ from nemo_gym_checkpoint_plugin._errors import AttemptRunning, ExportFailed, Inv
 from nemo_gym_checkpoint_plugin._identity import episode_id, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._storage.codec import decode_line
-from nemo_gym_checkpoint_plugin._types import RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord, Versioned
 
 
 @pytest.fixture
@@ -303,3 +303,29 @@ async def test_a_workers_plain_failure_fails_the_retire_naming_it(cluster: Clust
         await cluster.plane.retire("x", deadline(), _ids("r1"))
     for worker in cluster.workers.values():
         assert worker.marks.is_retired("r1", 0)  # the marks stay
+
+
+class VersionedVerifier(Verifier):
+    """The same verdicts exported as ``Versioned`` records (their functions never cross the link)."""
+
+    @hookimpl
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[Versioned]:
+        return [
+            Versioned(wire(key), 1, lambda key=key: {"episode_id": wire(key), "verdict": "pass"}) for key in self.keys
+        ]
+
+
+async def test_versioned_records_of_a_worker_are_built_before_they_cross_the_link(tmp_path: Path) -> None:
+    # The built-in participants export Versioned records: a worker sends each one's record, tagged as the
+    # writer would tag it, and the checkpoint holds it whole.
+    source = Cluster(2)
+    try:
+        await source.start()
+        await source.worker(101, named={"verifier": VersionedVerifier(("e1",))})
+        await source.worker(102, named={"verifier": VersionedVerifier()})
+        await _checkpoint(source, tmp_path, "e1")
+        records = [json.loads(line) for f in tmp_path.rglob("records-*.jsonl") for line in f.read_text().splitlines()]
+        verdicts = [r for r in records if r.get("plugin") == "verifier"]
+        assert verdicts == [{"episode_id": wire("e1"), "verdict": "pass", "plugin": "verifier"}]
+    finally:
+        await source.aclose()

@@ -23,6 +23,10 @@ installs it as the replacement attempt's session:
 Closed sessions (an episode past its agent step) are not exported: their close receipts
 only serve retries of a close that already happened.
 
+Each record is an ``api.Versioned``: a checkpoint written beside this server's previous one refers
+to a session's previous record while nothing it is made of changed (``export``: Gym replaces the
+objects it changes, so the version is made of those objects and the turn's ``changes``).
+
 With the wrapper's ``SimpleAgentTurns`` (``turn_loop.py``; mid-turn boundaries) each
 record also carries ``"turn"``: the session's turn so far (``turn_journal.Turn``: the model answers
 and tool results completed, in order), so a restored turn continues without resending them; the
@@ -42,16 +46,19 @@ refuses a ``/run`` naming no rollout with ``rollout_id_required``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import orjson
+from nemo_gym_checkpoint_plugin.builtin_participants.agent.session_record import session_record as build_record
 from nemo_gym_checkpoint_plugin.builtin_participants.agent.turn_journal import Turn, TurnBook
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import Same
 
 from nemo_gym_checkpoint_plugin._gc_pause import gc_paused
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import Readiness, RestoredRecord, Versioned
 from nemo_gym_checkpoint_plugin._wire import (
     AGENT_SESSION_CAPTURE,
     AGENT_SESSION_HEADER,
@@ -171,7 +178,15 @@ class SimpleAgentSessions:
         self._prune_at = max(_PRUNE_FLOOR, 2 * len(kept))
 
     @hookimpl
-    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[dict[str, Any]]:
+    def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> list[Versioned]:
+        """Each open session's record as a ``Versioned``, built (in the writer's thread) only when it changed.
+
+        Gym's session state is Gym's: this participant sees no write to it. Every change Gym (and the
+        turn loop) makes replaces an attribute's object (the state at a seed, ``observations``,
+        ``resources_cookies``) or an ``int`` (``activations``), so the version is made of those:
+        ``Same`` of each object, the values of the int and of the cookies, and the turn's ``changes``
+        (turn_journal.Turn). The parts the record is built from are taken now, as the record was.
+        """
         sessions = self._records()
         turns = self.turns.turns if self.turns is not None else None
         records = []
@@ -183,23 +198,25 @@ class SimpleAgentSessions:
             if scope is not None and episode_id.capture_key not in scope:
                 continue
             observations = getattr(state, "observations", None)
-            entry = {
-                "episode_id": episode_to_wire(episode_id),
-                "agent_session_id": session_id,
-                # Shared with later exports (never mutated: records are only read once exported).
-                "request": self._request_dump(session_id, state.request),
-                "resources_cookies": dict(getattr(state, "resources_cookies", {}) or {}),
-                "activations": int(getattr(state, "activations", 0)),
-            }
-            # No observations and no turn are left out rather than written as null (the install reads a
-            # missing one as None): a line without ``null`` skips the writer's NaN walk (codec.py).
-            if observations is not None:
-                entry["observations"] = observations.model_dump(mode="json")
-            if turns is not None:
-                turn = turns.get(session_id)
-                if turn is not None:
-                    entry["turn"] = turn.to_wire()
-            records.append(entry)
+            cookies = dict(getattr(state, "resources_cookies", {}) or {})
+            activations = int(getattr(state, "activations", 0))
+            turn = turns.get(session_id) if turns is not None else None
+            calls = list(turn.calls) if turn is not None else None
+            version = (
+                session_id,
+                Same(state),
+                Same(state.request),
+                activations,
+                tuple(cookies.items()),
+                Same(observations),
+                Same(turn),
+                turn.changes if turn is not None else None,
+            )
+            wire = episode_to_wire(episode_id)
+            # Shared with later exports (never mutated: records are only read once exported).
+            request = self._request_dump(session_id, state.request)
+            build = partial(build_record, wire, session_id, request, cookies, activations, observations, turn, calls)
+            records.append(Versioned(wire, version, build))
         self._prune_dumps(sessions)
         return records
 

@@ -76,14 +76,17 @@ class Turn:
     calls: list[dict[str, Any]] = field(default_factory=list)
     # Installed by a restore and not sent again yet: the next activation with this request continues it.
     restored: bool = False
+    # Raised on every change of ``calls`` (``TurnRun``): part of the agent record's version (open_sessions.py).
+    changes: int = field(default=0, compare=False)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The turn as its record holds it; ``calls``: a copy of ``self.calls`` taken earlier (else taken now)."""
         # A copy of the list: entries are never mutated once appended, so a later call changes no export.
         wire = {
             "activation": self.activation,
             "request_sha256": self.request_sha256,
             "cookies_before": dict(self.cookies_before),
-            "calls": list(self.calls),
+            "calls": list(self.calls) if calls is None else calls,
         }
         # None is left out, not written as null (from_wire reads a missing one as None): a line without
         # ``null`` skips the checkpoint writer's NaN walk.
@@ -297,11 +300,13 @@ class TurnRun:
             return entry
         # The continued turn asks something else than what was recorded: never splice, go live from here.
         del calls[self.cursor :]
+        self.turn.changes += 1
         return None
 
     def _record(self, entry: dict[str, Any]) -> None:
         # A boundary. Past the replayed calls: the next call is live too.
         self.turn.calls.append(entry)
+        self.turn.changes += 1
         self.cursor = len(self.turn.calls)
 
     async def model_call(self, send: Callable[[], Awaitable[Any]], payload: Any) -> Any:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import stamp
+
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 
 __all__ = ["Episode", "RestoredEpisode", "StepMode"]
@@ -30,11 +32,26 @@ class RestoredEpisode:
     # The digest of the task the checkpointed attempt ran (None: a record of an earlier version or of Gym's
     # own checkpoints, which continues whatever task its replacement carries).
     task_digest: str | None = None
+    # Its record's version (``shared.versions``): a restored episode never changes until its attempt begins.
+    version: int = field(default_factory=stamp, compare=False)
+
+
+# The fields an episode's record is made of (or whether it is exported at all): writing any of them
+# stamps the episode's record with a new version (``Episode.version``, see ``episode_records.py``).
+_RECORDED = frozenset(
+    {"episode_id", "key", "restored", "task_digest", "boundary", "state", "restart", "pending_restart", "retiring"}
+)
 
 
 @dataclass(eq=False)
 class Episode:
-    """One running episode attempt as the book sees it."""
+    """One running episode attempt as the book sees it.
+
+    ``version`` is its record's version: every write of a field the record is made of (``_RECORDED``)
+    stamps a new one, so a checkpoint refers to the previous record of the episode only while none
+    was written. ``state`` is replaced by ``EpisodeBook.reach``, never changed in place: a change made
+    inside the dict raises no version (run logic records its state with ``reach``).
+    """
 
     episode_id: EpisodeId
     key: str
@@ -55,3 +72,10 @@ class Episode:
     parked: bool = False
     # The episode's asyncio.Timeout, paused while parked (None: no deadline).
     deadline: asyncio.Timeout | None = None
+    # Set last by __init__: a stamp of its own, so no two Episode objects of one attempt share a version.
+    version: int = field(default_factory=stamp)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _RECORDED:
+            object.__setattr__(self, "version", stamp())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.environment.episode import Episode, RestoredEpisode, StepMode
@@ -24,7 +25,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import (
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._markers import hookimpl
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord, Versioned
 
 __all__ = ["EpisodeRecords"]
 
@@ -46,7 +47,10 @@ class EpisodeRecords:
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport:
-        records: list[dict[str, Any]] = []
+        # Versioned: a record is built (in the writer's thread) only when the episode changed since this
+        # server's previous checkpoint (``Episode.version``). Its parts are taken now: ``state`` is replaced
+        # by ``reach``, never changed in place, so the dict taken here is what the record holds.
+        records: list[Any] = []  # Versioned (ParticipantExport names plain records; the writer takes both)
         by_boundary: dict[str, int] = {}
         mode = self.step_mode.value
         for key, episode in self._episodes.items():
@@ -55,15 +59,26 @@ class EpisodeRecords:
             # A restart declared while this checkpoint was open cannot continue from its sessions.
             boundary = None if episode.pending_restart else episode.boundary
             episode_id = episode.episode_id
+            rollout_id, attempt = episode_id.rollout_id, episode_id.attempt
             records.append(
-                _record(episode_id.rollout_id, episode_id.attempt, boundary, episode.state, mode, episode.task_digest)
+                Versioned(
+                    {"rollout_id": rollout_id, "attempt": attempt},
+                    episode.version,
+                    partial(_record, rollout_id, attempt, boundary, episode.state, mode, episode.task_digest),
+                )
             )
             by_boundary[str(boundary)] = by_boundary.get(str(boundary), 0) + 1
         for key, restored in self._restored.items():
             if scope is None or key in scope:
                 rollout_id, attempt = split_key(key)
                 records.append(
-                    _record(rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest)
+                    Versioned(
+                        {"rollout_id": rollout_id, "attempt": attempt},
+                        restored.version,
+                        partial(
+                            _record, rollout_id, attempt, restored.boundary, restored.state, mode, restored.task_digest
+                        ),
+                    )
                 )
                 by_boundary[str(restored.boundary)] = by_boundary.get(str(restored.boundary), 0) + 1
         return ParticipantExport(

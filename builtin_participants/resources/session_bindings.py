@@ -51,6 +51,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from nemo_gym_checkpoint_plugin.builtin_participants.resources.checkpoint_modes import CheckpointMode, declared
@@ -66,12 +67,20 @@ from nemo_gym_checkpoint_plugin.builtin_participants.resources.tool_requests imp
 )
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempt_counts import AttemptCounts
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import Same
 
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._seeds import seeded_episode
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord, SeedDeclaration
+from nemo_gym_checkpoint_plugin._types import (
+    ParticipantExport,
+    Readiness,
+    RestoredRecord,
+    SeedDeclaration,
+    Versioned,
+    plain_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -194,18 +203,19 @@ class ResourcesSessions:
         answered = self._answered_tools.by_key()
         return ParticipantExport(records=self._records(scope), reply_extras={"answered_tool_calls": answered})
 
-    def _records(self, scope: frozenset[str] | None) -> list[dict[str, Any]]:
-        records: dict[str, dict[str, Any]] = {}
+    def _records(self, scope: frozenset[str] | None) -> list[Any]:
+        """A binding alone is a ``Versioned`` record: versioned by the binding itself (``Same``: Gym binds a
+        session with a new tuple, never changes one), so an unchanged binding is referred to, not written
+        again. A record holding session state is plain: the server changes that state in place, through
+        any request carrying the session's cookie, and no version here could follow it."""
+        records: dict[str, Any] = {}
         for session_id, binding in (self._table or {}).items():
             episode_id, task_id = binding
             key = episode_id.capture_key
             if key in self._restarts or (scope is not None and key not in scope):
                 continue
-            records[key] = {
-                "episode_id": episode_to_wire(episode_id),
-                "resources_session_id": session_id,
-                "task_id": task_id_to_wire(task_id),
-            }
+            wire = episode_to_wire(episode_id)
+            records[key] = Versioned(wire, (session_id, Same(binding)), partial(_binding, wire, session_id, task_id))
         if self.session_state is not None:
             for key, session_ids in self.session_state.sessions_of(scope).items():
                 if key in self._restarts:
@@ -214,8 +224,12 @@ class ResourcesSessions:
                     sessions = self.session_state.export_sessions(key, session_ids)
                 except UnsupportedSessionValue as exc:
                     raise ExportFailed(f"{type(self.server).__name__}: {exc}") from None
-                record = records.setdefault(key, {"episode_id": episode_to_wire(from_capture_key(key))})
+                bound = records.get(key)
+                record = (
+                    plain_record(bound) if bound is not None else {"episode_id": episode_to_wire(from_capture_key(key))}
+                )
                 record["session_state"] = sessions
+                records[key] = record
         return list(records.values())
 
     @hookimpl
@@ -324,6 +338,10 @@ class ResourcesSessions:
             "tool_calls_by_rollout": dict(self.tool_calls_by_rollout),
             "restart_warning": self.restart_warning,
         }
+
+
+def _binding(episode: dict[str, Any], session_id: str, task_id: Any) -> dict[str, Any]:
+    return {"episode_id": episode, "resources_session_id": session_id, "task_id": task_id_to_wire(task_id)}
 
 
 def _restart_warning(server: Any) -> str:

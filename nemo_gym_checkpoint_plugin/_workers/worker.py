@@ -42,6 +42,7 @@ from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._control.facade import Participants
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._types import plain_record
 
 from . import messages as m
 from .link import Link, LinkError, connect
@@ -291,7 +292,9 @@ class Worker:
             )
         exported = await self.participants.export(checkpoint_id, None if scope is None else frozenset(scope))
         # One message carries them: made in a thread (an export's iterator may be long), like the writer does.
-        records = await asyncio.to_thread(list, exported.records)
+        # A Versioned record is built here (a function does not cross processes): across workers, every
+        # checkpoint writes each record whole (the coordinator's writer sees plain records only).
+        records = await asyncio.to_thread(lambda: [plain_record(item) for item in exported.records])
         return {
             "records": records,
             "manifest_extras": dict(exported.manifest_extras),

@@ -179,11 +179,14 @@ async def run_scenario(
     say: Callable[[str], None] = lambda _m: None,
     timeout: float = 120.0,
     step_mode: str = "wait",
+    incremental: bool = False,
 ) -> ScenarioResult:
     """Run the scenario of the module docstring on a started ``deployment``; the deployment is left running.
 
     ``step_mode`` must be the deployment's; the scenario is the same in both (the agent step
-    is captured by the agent mid-turn, so it blocks neither).
+    is captured by the agent mid-turn, so it blocks neither). ``incremental``: the checkpoint is
+    resumed and a second one taken into ``<checkpoint_dir>-2`` (a sibling, nothing changed in
+    between: it refers to the first one's records), and the restore reads that second one.
     """
     from ..coordination import commit, discover, prepare, restore, resume, retire
 
@@ -233,6 +236,14 @@ async def run_scenario(
                 f"committed {len(env_reply['episode_ids'])} episodes to {checkpoint_dir} "
                 f"(boundaries {env_reply.get('boundaries')}); restarts {prepared.restarts()}"
             )
+            if incremental:
+                await resume(coordinator, "demo-checkpoint", timeout=timeout)
+                checkpoint_dir = checkpoint_dir.with_name(checkpoint_dir.name + "-2")
+                again = await prepare(coordinator, "demo-checkpoint-2", timeout=timeout)
+                if not again.ready:
+                    raise RuntimeError(f"the second prepare did not become ready: {again.to_json()}")
+                await commit(coordinator, "demo-checkpoint-2", str(checkpoint_dir), scope, timeout=timeout)
+                say(f"committed the same episodes again to {checkpoint_dir}, referring to the first checkpoint")
             seeds_before = (await status(resources))["seed_sessions_by_rollout"]
             completed_before = (await stats())["completed"]
 

@@ -21,6 +21,7 @@ from nemo_gym_checkpoint_plugin._types import (
     Readiness,
     RestoredRecord,
     merge_readiness,
+    plain_record,
 )
 from nemo_gym_checkpoint_plugin.testing.contracts import Harness, MakeHarness, call_hook
 
@@ -42,7 +43,8 @@ async def _export(harness: Harness, scope: Iterable[EpisodeId] | None, checkpoin
         return []
     if isinstance(answer, ParticipantExport):
         answer = answer.records
-    return list(answer)
+    # A Versioned record (docs/plugins.md) is what its writer would write: its record, built.
+    return [plain_record(item) for item in answer]
 
 
 def _exported_episodes(records: list[Any]) -> list[EpisodeId]:

@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord, plain_record
 from nemo_gym_checkpoint_plugin.testing.contracts import MakeHarness, call_hook
 
 __all__ = ["TestModelContract"]
@@ -60,7 +60,7 @@ async def _exported_keys(participant: Any, scope: frozenset[str] | None) -> set[
     if isinstance(answer, ParticipantExport):
         answer = answer.records
     keys = set()
-    for record in answer or ():
+    for record in map(plain_record, answer or ()):
         episode = record["episode_id"]
         keys.add(_episode(episode["rollout_id"], episode["attempt"]).capture_key)
     return keys
