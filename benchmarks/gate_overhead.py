@@ -14,7 +14,15 @@ same background load of a shared machine. The figure per variant is all its
 requests over all its seconds. Then the gate's own CPU cost per request, measured
 in-process around an app that does nothing. The last line is one JSON object.
 
+With ``--workers N`` (N > 1) each variant is one server with N uvicorn workers behind one port,
+the gated one run as a checkpointed server with ``num_workers: N`` runs: the coordinator in the
+supervisor's process, each worker's gate (and the rest of the worker side) attached by the
+plugin's own ``_workers`` code, the retired marks sent by a ``retire`` control call on the shared
+port (``gate_workers.py``). Everything else, the figures and the JSON line (with ``"workers"``),
+is the same.
+
     .venv/bin/python benchmarks/gate_overhead.py [--rounds 5] [--requests 4000] [--burst 1000] [--concurrency 32]
+        [--workers N]
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -39,6 +49,10 @@ from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._gate import install_gate
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
 from nemo_gym_checkpoint_plugin._telemetry.server import ServerTelemetry
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gate_workers import TOKEN_ENV, retire_others, serve_workers, wait_workers  # noqa: E402  (sibling scripts)
+from process_stats import cpu_seconds, with_children  # noqa: E402
 
 RETIRED_OTHER_ROLLOUTS = 200
 
@@ -88,6 +102,33 @@ def build_app(gated: bool) -> FastAPI:
     return app
 
 
+def _with_pid(app: FastAPI) -> FastAPI:
+    @app.get("/pid")
+    async def pid() -> dict[str, int]:
+        return {"pid": os.getpid()}
+
+    return app
+
+
+def gated_worker_app() -> FastAPI:
+    """One uvicorn worker's app of the gated server with several workers (uvicorn factory, ``gate_workers.py``).
+
+    The worker side exactly as ``_attach.attach_checkpointing`` installs it in a worker of an environment
+    server: this process's plugin manager (core plugins, the entry-point group) and ``attach_worker``.
+    """
+    from nemo_gym_checkpoint_plugin._plugins import make_plugin_manager
+    from nemo_gym_checkpoint_plugin._workers.attach import attach_worker
+
+    app = _with_pid(build_app(gated=False))
+    attach_worker(app, make_plugin_manager(), kind="environment")
+    return app
+
+
+def plain_worker_app() -> FastAPI:
+    """One uvicorn worker's app of the plain server with several workers (uvicorn factory)."""
+    return _with_pid(build_app(gated=False))
+
+
 def serve(gated: bool) -> None:
     """Child process: bind a free loopback port, report it on stdout, serve until killed."""
     import uvicorn
@@ -100,16 +141,32 @@ def serve(gated: bool) -> None:
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
 
 
-def start_server(gated: bool) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    flag = "--serve-gated" if gated else "--serve-plain"
-    proc = subprocess.Popen([sys.executable, __file__, flag], stdout=subprocess.PIPE, text=True, env=env)
+def start_server(gated: bool, workers: int = 1, token: str = "") -> tuple[subprocess.Popen[str], str]:
+    """The server process (its own process group: with workers, uvicorn's supervisor and its children)."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", TOKEN_ENV: token}
+    argv = [sys.executable, __file__, "--serve-gated" if gated else "--serve-plain", "--workers", str(workers)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     assert proc.stdout is not None
     port = proc.stdout.readline().strip()
     if not port.isdigit():
-        proc.kill()
+        stop_server(proc)
         raise RuntimeError(f"server did not report its port (got {port!r})")
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_server(proc: subprocess.Popen[str], grace: float = 15.0) -> None:
+    """SIGTERM (uvicorn's supervisor stops its workers, the coordinator's runtime directory goes), then SIGKILL
+    whatever of the process group is left."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 async def wait_ready(base: str, timeout: float = 60.0) -> None:
@@ -168,36 +225,57 @@ async def load(base: str, total: int, concurrency: int) -> float:
     return elapsed
 
 
-async def measure(args: argparse.Namespace, bases: dict[str, str]) -> tuple[int, dict[str, list[float]]]:
-    """Requests per round, and per variant the seconds each round took to serve them.
+async def measure(
+    args: argparse.Namespace, servers: dict[str, tuple[subprocess.Popen[str], str]], token: str = ""
+) -> tuple[int, dict[str, list[float]], dict[str, float]]:
+    """Requests per round, per variant the seconds each round took to serve them, and its servers' CPU seconds.
 
     A round is split into bursts that alternate between the variants (order flipped each burst),
-    so both see the same background load of a shared machine.
+    so both see the same background load of a shared machine. The CPU seconds are every process
+    of the variant's server (uvicorn's supervisor and its workers, with ``--workers``) over the
+    counted bursts: what serving those requests cost, whatever else the machine runs.
     """
+    bases = {name: base for name, (_, base) in servers.items()}
     for base in bases.values():
         await wait_ready(base)
+    checks = 1
+    if args.workers > 1:
+        for name, base in bases.items():
+            pids = await wait_workers(base, args.workers, gated=name == "with", token=token)
+            print(f"{name}: {len(pids)} uvicorn workers behind one port (pids {pids})", flush=True)
+        await retire_others(bases["with"], token, RETIRED_OTHER_ROLLOUTS)
+        checks = 8 * args.workers  # each on its own connection: whichever worker accepts it
+    processes = {name: with_children({name: proc.pid}) for name, (proc, _) in servers.items()}
     # Check the variants really differ: the gated server refuses a retired attempt, the plain one serves it.
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         for name, expected in (("with", 409), ("without", 200)):
-            async with session.post(f"{bases[name]}/ng-rollout/retired-0/verify", json={}) as reply:
-                if reply.status != expected:
-                    raise RuntimeError(f"{name}: a retired attempt got {reply.status}, expected {expected}")
+            for _ in range(checks):
+                async with session.post(f"{bases[name]}/ng-rollout/retired-0/verify", json={}) as reply:
+                    if reply.status != expected:
+                        raise RuntimeError(f"{name}: a retired attempt got {reply.status}, expected {expected}")
     for base in bases.values():
         await load(base, args.requests // 4, args.concurrency)  # warm-up, not counted
     bursts = max(1, args.requests // args.burst)
     per_burst = args.requests // bursts
     rounds: dict[str, list[float]] = {name: [] for name in bases}
+    cpu = dict.fromkeys(bases, 0.0)
     for index in range(args.rounds):
         seconds = dict.fromkeys(bases, 0.0)
         for burst in range(bursts):
             order = list(bases) if (index * bursts + burst) % 2 == 0 else list(reversed(bases))
             for name in order:
+                before = _server_cpu(processes[name])
                 seconds[name] += await load(bases[name], per_burst, args.concurrency)
+                cpu[name] += _server_cpu(processes[name]) - before
         for name in bases:
             rounds[name].append(seconds[name])
         figures = ", ".join(f"{name} {per_burst * bursts / seconds[name]:.0f} req/s" for name in bases)
         print(f"round {index + 1}: {figures}", flush=True)
-    return per_burst * bursts, rounds
+    return per_burst * bursts, rounds, cpu
+
+
+def _server_cpu(pids: dict[str, int]) -> float:
+    return sum(seconds for name, seconds in cpu_seconds(pids).items() if name != "controller")
 
 
 def gate_cost_us(calls: int = 20000) -> dict[str, float]:
@@ -257,20 +335,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4000, help="requests per round and variant")
     parser.add_argument("--burst", type=int, default=1000, help="requests per alternation inside a round")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="uvicorn workers per server (default 1: one process each)"
+    )
     parser.add_argument("--serve-gated", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-plain", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     if args.serve_gated or args.serve_plain:
-        serve(gated=args.serve_gated)
+        if args.workers > 1:
+            serve_workers(gated=args.serve_gated, workers=args.workers)
+        else:
+            serve(gated=args.serve_gated)
         return 0
 
-    servers = {"with": start_server(gated=True), "without": start_server(gated=False)}
+    token = secrets.token_urlsafe(24)
+    servers = {}
     try:
-        requests_per_round, rounds = asyncio.run(measure(args, {name: base for name, (_, base) in servers.items()}))
+        servers["with"] = start_server(gated=True, workers=args.workers, token=token)
+        servers["without"] = start_server(gated=False, workers=args.workers)
+        requests_per_round, rounds, cpu = asyncio.run(measure(args, servers, token))
     finally:
         for proc, _ in servers.values():
-            proc.kill()
-            proc.wait()
+            stop_server(proc)
     for name, cost in gate_cost_us().items():
         print(f"gate cost in-process, {name}: {cost:.2f} us/request")
     ratios = [wo / w for w, wo in zip(rounds["with"], rounds["without"], strict=True)]
@@ -285,11 +373,23 @@ def main(argv: list[str] | None = None) -> int:
     without_rps = count / sum(rounds["without"])
     ratio = with_rps / without_rps
     print(
-        f"all rounds: with gate {with_rps:.0f} req/s, without {without_rps:.0f} req/s, ratio {ratio:.3f} "
-        f"({(1 - ratio) * 100:.1f}% slower with the gate; target: under 5% slower, "
-        f"{'met' if ratio > 0.95 else 'NOT met'})"
+        f"all rounds, {args.workers} uvicorn worker(s) per server: with gate {with_rps:.0f} req/s, "
+        f"without {without_rps:.0f} req/s, ratio {ratio:.3f} ({(1 - ratio) * 100:.1f}% slower with the gate; "
+        f"target: under 5% slower, {'met' if ratio > 0.95 else 'NOT met'})"
     )
-    print(json.dumps({"with_plugin_rps": round(with_rps, 1), "without_plugin_rps": round(without_rps, 1)}))
+    cpu_us = {name: cpu[name] / count * 1e6 for name in cpu}
+    print(
+        f"server CPU per request (every process of the server): with gate {cpu_us['with']:.0f} us, "
+        f"without {cpu_us['without']:.0f} us ({cpu_us['with'] - cpu_us['without']:+.0f} us)"
+    )
+    figures = {
+        "with_plugin_rps": round(with_rps, 1),
+        "without_plugin_rps": round(without_rps, 1),
+        "workers": args.workers,
+        "with_plugin_cpu_us": round(cpu_us["with"], 1),
+        "without_plugin_cpu_us": round(cpu_us["without"], 1),
+    }
+    print(json.dumps(figures))
     return 0
 
 

@@ -15,6 +15,24 @@ from pathlib import Path
 _TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def with_children(pids: dict[str, int]) -> dict[str, int]:
+    """``pids`` and every live child of each (a server's uvicorn workers: ``"<name>/<child pid>"``).
+
+    A server with ``num_workers > 1`` serves from its workers, which uvicorn's supervisor (the pid the
+    deployment started) spawned: their memory, descriptors and CPU are theirs, not the supervisor's.
+    """
+    found = dict(pids)
+    for name, pid in pids.items():
+        children: set[int] = set()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    children.update(int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
+        for child in sorted(children):
+            found[f"{name}/{child}"] = child
+    return found
+
+
 def peak_rss_mb(pids: dict[str, int]) -> dict[str, float]:
     """Peak resident memory (VmHWM) of each live process, in MiB."""
     peaks = {}

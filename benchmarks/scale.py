@@ -39,6 +39,12 @@ this controller hold one descriptor per rollout in flight in all, so the total m
 L too (checked before starting: 16,000 fits, ~19,500 is the most on one controller).
 
     .venv/bin/python benchmarks/scale.py --rollouts 1000 8000 16000 [--step-mode replay] [--replicas K]
+        [--model-workers W]
+
+With ``--model-workers W`` every model server runs ``num_workers: W`` (uvicorn's supervisor and W
+workers behind its port, one participant: docs/protocol.md section 9a), as NeMo Gym's published
+16,000-row table ran its policy model; the per-process figures then name each worker
+``"<server>/<pid>"`` beside its supervisor.
 
 With ``--checkpoint-every S --duration D`` (``scale_periodic.py``): nothing is held or killed; N
 rollouts progress and a checkpoint is taken every S seconds for D seconds: each one's pause
@@ -67,7 +73,7 @@ from typing import Any
 import aiohttp
 
 from nemo_gym_checkpoint_plugin.coordination import Progress, commit, discover, prepare, restore, resume, retire
-from nemo_gym_checkpoint_plugin.testing.crash_scenario import run_body
+from nemo_gym_checkpoint_plugin.testing.crash_scenario import WORKER_HEALTHCHECK_SECONDS, run_body
 from nemo_gym_checkpoint_plugin.testing.deployment import (
     BACKEND,
     ENVIRONMENT,
@@ -87,6 +93,7 @@ from process_stats import (  # noqa: E402
     net_counters,
     open_fds,
     peak_rss_mb,
+    with_children,
 )
 from sampling import sampled, write_summaries  # noqa: E402  (sibling scripts, not a package)
 from scale_periodic import DEFAULT_RAMP_RATE, run_periodic  # noqa: E402
@@ -179,7 +186,8 @@ def plan(
 
 
 def _pids(deployment: Deployment) -> dict[str, int]:
-    return {name: proc.pid for name, proc in deployment.processes.items()}
+    """Every server's process, and its uvicorn workers when it has several (``"<name>/<pid>"``)."""
+    return with_children({name: proc.pid for name, proc in deployment.processes.items()})
 
 
 def _phase(deployment: Deployment, profile: Path | None, phase: str, rate: int) -> Any:
@@ -209,6 +217,7 @@ async def run_once(
     window: int = DEFAULT_DISPATCH_WINDOW,
     profile_rate: int = PROFILE_RATE,
     token_capture: bool = False,
+    model_workers: int = 1,
 ) -> dict[str, Any]:
     if profile is not None:
         profile = profile / (f"{rollouts}-capture" if token_capture else str(rollouts))
@@ -219,6 +228,12 @@ async def run_once(
     if token_capture:
         # Gym's run-wide capture directory, written by every model replica; the trainer's rebuild reads it.
         gym_settings["token_id_capture"] = {"enabled": True, "all_agents": True, "dir": str(captures)}
+    model: dict[str, Any] = {"return_token_id_information": True} if token_capture else {}
+    if model_workers > 1:
+        # Each model server (every replica) as one participant over several uvicorn workers (docs/protocol.md
+        # section 9a); its workers import Gym on these 2 cores before they answer uvicorn's health ping.
+        model["num_workers"] = model_workers
+        gym_settings["uvicorn_timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_SECONDS
     deployment = Deployment(
         free_port_base(port_span(replicas)),
         work,
@@ -230,7 +245,7 @@ async def run_once(
         gym_settings=gym_settings,
         replicas=replicas,
         environment=ENVIRONMENT_SETTINGS,
-        model={"return_token_id_information": True} if token_capture else None,
+        model=model or None,
     )
     _LIVE.append(deployment)
     ids = [f"scale-{i}" for i in range(rollouts)]
@@ -244,6 +259,7 @@ async def run_once(
         "max_in_flight": max_in_flight,
         "dispatch_window": window,
         "token_capture": token_capture,
+        "model_workers": model_workers,
     }
     env_names = [replica_name(ENVIRONMENT, i) for i in range(1, replicas + 1)]
     overflows_before = listen_overflows()
@@ -496,6 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         help="most rollouts started and not yet held at once, and most replacement /run calls "
         f"open at once (default {DEFAULT_DISPATCH_WINDOW})",
     )
+    parser.add_argument(
+        "--model-workers",
+        type=int,
+        default=1,
+        metavar="W",
+        help="uvicorn workers of each model server (default 1; NeMo Gym's published 16,000 table ran 2)",
+    )
     parser.add_argument("--step-mode", choices=("wait", "replay"), default="replay")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of each wait, seconds")
     parser.add_argument("--keep", action="store_true", help="keep each run's work directory (logs, checkpoint)")
@@ -547,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--profile-rate must be at least 1")
     if args.dispatch_window < 1:
         parser.error("--dispatch-window must be at least 1")
+    if args.model_workers < 1:
+        parser.error("--model-workers must be at least 1")
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _stop_on_signal)
     fd_limit = _raise_fd_limit()
@@ -560,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_every is not None:
         if args.checkpoint_every <= 0 or args.duration <= 0 or args.ramp_rate <= 0:
             parser.error("--checkpoint-every, --duration and --ramp-rate must be positive")
-        if args.token_capture or args.profile is not None:
-            parser.error("--checkpoint-every runs without --token-capture and --profile")
+        if args.token_capture or args.profile is not None or args.model_workers > 1:
+            parser.error("--checkpoint-every runs without --token-capture, --profile and --model-workers")
         for n in args.rollouts:
             _say(f"[{n}] periodic: {plans[n][0]} replica chain(s), a checkpoint every {args.checkpoint_every:g}s")
             run = asyncio.run(
@@ -590,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         for capture in (False, True) if args.token_capture else (False,):
             _say(
                 f"[{n}] {replicas} replica chain(s), at most {max_in_flight} rollouts in flight "
-                f"(file descriptor limit {fd_limit} per process), token capture {'on' if capture else 'off'}"
+                f"(file descriptor limit {fd_limit} per process), token capture {'on' if capture else 'off'}, "
+                f"{args.model_workers} uvicorn worker(s) per model server"
             )
             run = asyncio.run(
                 run_once(
@@ -604,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.dispatch_window,
                     args.profile_rate,
                     capture,
+                    args.model_workers,
                 )
             )
             runs.append(run)
