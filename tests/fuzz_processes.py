@@ -6,7 +6,7 @@ fourth) on one deployment each, forked from a zygote like the test suite's, with
 ``FUZZ_SEED + 1``, ... (a random start when unset, printed). Every violation is printed with its seed and
 its steps; ``FUZZ_SEED=<seed> FUZZ_SEQUENCES=1 make fuzz`` replays it (the same rules and arguments; the
 processes' timing may differ). ``FUZZ_STEPS`` bounds a deployment sequence (default 18). The last line is
-exactly ``fuzz: N sequences, K violations``; the exit status is 1 when K > 0.
+exactly ``fuzz: N sequences, K violations`` (also after Ctrl-C); the exit status is 1 when K > 0, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="ng-ckpt-fuzz-"))
     deployments: dict[str, Deployment] = {}
     violations = ran = 0
+    interrupted = False
     started = time.monotonic()
     try:
         for seed in range(base, base + sequences):
@@ -67,16 +68,26 @@ def main() -> int:
                 violations += 1
                 print(outcome.report(name), flush=True)
     except KeyboardInterrupt:
+        interrupted = True
         print("fuzz: interrupted", flush=True)
     finally:
-        for deployment in deployments.values():
-            deployment.stop()
-        use_zygote(None)
-        zygote.close()
-        reaper.sweep(run)
-    print(f"fuzz: {time.monotonic() - started:.0f}s, work in {work}", flush=True)
-    print(f"fuzz: {ran} sequences, {violations} violations", flush=True)
-    return 1 if violations else 0
+        # Ctrl-C (or `timeout -s INT`) reaches the whole process group, the zygote too, so a stop can be
+        # interrupted again: each clean-up step is tried on its own, the reaper sweeps what is left, and
+        # the last line is printed whatever happened.
+        try:
+            for step in [*(d.stop for d in deployments.values()), lambda: use_zygote(None), zygote.close]:
+                try:
+                    step()
+                except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported, the sweep follows
+                    interrupted = interrupted or isinstance(exc, KeyboardInterrupt)
+                    print(f"fuzz: clean-up: {type(exc).__name__}: {exc}", flush=True)
+            reaper.sweep(run)
+        finally:
+            print(f"fuzz: {time.monotonic() - started:.0f}s, work in {work}", flush=True)
+            print(f"fuzz: {ran} sequences, {violations} violations", flush=True)
+    if violations:
+        return 1
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":
