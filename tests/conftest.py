@@ -10,7 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from nemo_gym_checkpoint_plugin._telemetry import spans
 from nemo_gym_checkpoint_plugin.testing.s3_server import LocalS3Server
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -96,3 +100,13 @@ def lenient_store() -> Iterator[str]:
     finally:
         LenientMemoryFileSystem.store.clear()
         reset_filesystems()
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    """The checkpoint spans this test process records (an SDK provider with an in-memory exporter)."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    with spans.recording(provider):
+        yield memory

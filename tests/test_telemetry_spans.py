@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 import types
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,6 @@ from nemo_gym_checkpoint_plugin.coordination import (
     prepare,
     resume,
 )
-
-
-@pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    with spans.recording(provider):
-        yield memory
 
 
 @pytest.fixture

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from nemo_gym_checkpoint_plugin._telemetry import spans
@@ -34,15 +33,6 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "spans-process-token"
 STANDIN = Path(__file__).parent / "lens_standin"
-
-
-@pytest.fixture
-def controller_spans() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    with spans.recording(provider):
-        yield memory
 
 
 @pytest.fixture
@@ -81,7 +71,7 @@ def _hex(span: ReadableSpan) -> tuple[str, str]:
 async def test_server_spans_join_the_controllers_trace_across_a_crash(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    controller_spans: InMemorySpanExporter,
+    exporter: InMemorySpanExporter,
     plain_processes: None,
 ) -> None:
     span_dir = tmp_path / "spans"
@@ -128,7 +118,7 @@ async def test_server_spans_join_the_controllers_trace_across_a_crash(
     # What the killed processes ended before the SIGKILL is all there (exported as each span ended).
     assert before_crash <= {(s["pid"], s["name"]) for s in server}
     by_id = {s["span_id"]: s for s in server}
-    calls = {_hex(s)[1]: s for s in controller_spans.get_finished_spans() if s.name.endswith(" call") and s.attributes}
+    calls = {_hex(s)[1]: s for s in exporter.get_finished_spans() if s.name.endswith(" call") and s.attributes}
     for operation, checkpoint_id in (
         ("prepare", "sp-ckpt"),
         ("commit", "sp-ckpt"),
@@ -151,7 +141,7 @@ async def test_server_spans_join_the_controllers_trace_across_a_crash(
             assert _hex(call)[0] == s["trace_id"]
             assert s["attributes"][spans.OUTCOME] == "ok"
     # One trace per operation: every server's commit below the controller's one commit span.
-    (commit_op,) = [s for s in controller_spans.get_finished_spans() if s.name == "checkpoint commit"]
+    (commit_op,) = [s for s in exporter.get_finished_spans() if s.name == "checkpoint commit"]
     commit_trace = _hex(commit_op)[0]
     for s in server:
         if s["name"] in ("checkpoint export", "checkpoint write"):
