@@ -29,7 +29,7 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Message, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
-from nemo_gym_checkpoint_plugin._gate import json_as_gym_reads
+from nemo_gym_checkpoint_plugin._gate import RUN_BODY, json_as_gym_reads
 from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, make_episode_id
 
 __all__ = ["ExplicitAttemptIds", "decode_run_body"]
@@ -99,9 +99,12 @@ class ExplicitAttemptIds:
             await _refuse(send, exc)
             return
         if decoded is None:
+            scope[RUN_BODY] = body  # the gate and the claims read these bytes instead of buffering again
             await self._app(scope, replay, send)
             return
-        await self._app(_with_length(scope, len(decoded)), _receive_once(decoded, receive), send)
+        rewritten = _with_length(scope, len(decoded))
+        rewritten[RUN_BODY] = decoded
+        await self._app(rewritten, _receive_once(decoded, receive), send)
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

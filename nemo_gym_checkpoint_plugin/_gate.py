@@ -27,9 +27,10 @@ Attribution of a request to an episode attempt:
   or UTF-32 JSON, a UTF-8 BOM or ``NaN``, through the stdlib's ``json.loads`` like
   Starlette), so a body Gym would run is never left unattributed.
   Only that route's body is buffered, and only when the gate has something to decide;
-  the app then receives the very same ASGI messages. A body that is not JSON or names no
-  valid episode is not attributed and goes to the app, whose validation answers (422, or
-  400 for a body it cannot decode):
+  the app then receives the very same ASGI messages. A body another of the plugin's
+  middlewares already buffered or parsed for this request is reused (``run_body_attempt``).
+  A body that is not JSON or names no valid episode is not attributed and goes to the app,
+  whose validation answers (422, or 400 for a body it cannot decode):
   the gate never fails a request itself.
 
 Cost: while admission is open and no attempt is marked retired, a request costs one
@@ -65,6 +66,8 @@ __all__ = [
     "is_exempt",
     "attempt_from_path",
     "attempt_from_run_body",
+    "run_body_attempt",
+    "RUN_BODY",
     "episode_of_run_body",
     "json_as_gym_reads",
     "ROLLOUT_PATH_PREFIX",
@@ -164,6 +167,29 @@ def attempt_from_run_body(body: bytes) -> Attempt | None:
     return None if episode is None else (episode.rollout_id, episode.attempt)
 
 
+# Scope keys through which the plugin's middlewares on one request share a ``/run`` body: the bytes the
+# app will read (set by whichever middleware buffered them first) and the attempt they name, once parsed.
+RUN_BODY = "ng_checkpoint.run_body"
+RUN_ATTEMPT = "ng_checkpoint.run_attempt"
+
+
+async def run_body_attempt(scope: Scope, receive: Receive) -> tuple[Attempt | None, Receive]:
+    """The attempt a ``POST /run`` body names, buffered and parsed at most once per request.
+
+    The explicit-id decoding, the gate and a worker's restored-record claims all read the same body:
+    the first to need it buffers it (and records it in the scope), the first to need the attempt parses
+    it; the others reuse both. Returns the ``receive`` to hand on (a replay when this call buffered).
+    """
+    if RUN_ATTEMPT in scope:
+        return scope[RUN_ATTEMPT], receive
+    body = scope.get(RUN_BODY)
+    if body is None:
+        body, receive = await buffer_body(receive)
+        scope[RUN_BODY] = body
+    attempt = scope[RUN_ATTEMPT] = attempt_from_run_body(body)
+    return attempt, receive
+
+
 class AdmissionGate:
     """Pure ASGI middleware: park data requests while admission is closed, refuse retired attempts.
 
@@ -204,8 +230,7 @@ class AdmissionGate:
         path = scope["path"]
         attempt = attempt_from_path(path)
         if attempt is None and path == self._run_path and scope.get("method") == "POST":
-            body, receive = await buffer_body(receive)
-            attempt = attempt_from_run_body(body)
+            attempt, receive = await run_body_attempt(scope, receive)
         if attempt is not None and self._marks.is_retired(*attempt):
             await self._refuse(send, attempt)
             return

@@ -136,3 +136,66 @@ async def test_with_checkpointing_off_the_wrapped_environment_is_gyms_own(gym_de
     harness = gym_deployment_factory(checkpoint={"enabled": False}, entrypoints=wrapped_entrypoints())
     status, reply = await _post(harness.env_url + "/run", _episode_request_body(gym_row("r7-a2")))
     assert status == 422 and "reserved attempt suffix" in json.dumps(reply)
+
+
+async def test_the_gate_reuses_the_body_the_decoding_buffered_and_attributes_the_decoded_attempt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an environment's ``/run`` the body is buffered once, by the decoding outside the gate (issue 26's cost).
+
+    The gate, with marks present, must read the bytes the decoding handed on (the decoded ones when it
+    rewrote the body), not buffer the request a second time.
+    """
+    from nemo_gym_checkpoint_plugin import _gate
+    from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
+
+    buffered: list[bytes] = []
+    real_buffer = _gate.buffer_body
+
+    async def counting_buffer(receive: Any) -> Any:
+        body, replay = await real_buffer(receive)
+        buffered.append(body)
+        return body, replay
+
+    monkeypatch.setattr(_gate, "buffer_body", counting_buffer)
+    app = FastAPI()
+    seen: list[bytes] = []
+
+    @app.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        seen.append(await request.body())
+        return {}
+
+    marks = RetiredMarks()
+    marks.mark("r7", 2)
+    _gate.install_gate(app, Admission(), marks)
+    app.add_middleware(ExplicitAttemptIds)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        live = orjson.dumps({"episode_id": {"rollout_id": "r7", "attempt": 3}, "task": {"x": 1}})
+        assert (await client.post("/run", content=live)).status_code == 200
+        retired = await client.post("/run", content=orjson.dumps({"episode_id": {"rollout_id": "r7-a2"}}))
+        decoded_live = await client.post("/run", content=orjson.dumps({"episode_id": {"rollout_id": "r7-a4"}}))
+    assert retired.status_code == 409 and retired.json()["error"]["code"] == "stale_attempt"
+    assert decoded_live.status_code == 200
+    assert seen == [live, orjson.dumps({"episode_id": {"rollout_id": "r7", "attempt": 4}})]
+    assert buffered == []  # the gate never buffered a body of its own
+
+
+async def test_run_body_attempt_parses_a_body_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nemo_gym_checkpoint_plugin import _gate
+
+    parsed: list[bytes] = []
+    real_parse = _gate.attempt_from_run_body
+    monkeypatch.setattr(_gate, "attempt_from_run_body", lambda body: parsed.append(body) or real_parse(body))
+    body = orjson.dumps({"episode_id": {"rollout_id": "r1", "attempt": 5}})
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> Any:
+        return messages.pop(0)
+
+    scope: dict[str, Any] = {"type": "http", "path": "/run", "method": "POST"}
+    first, replay = await _gate.run_body_attempt(scope, receive)
+    second, same = await _gate.run_body_attempt(scope, replay)
+    assert first == second == ("r1", 5) and same is replay
+    assert parsed == [body]
+    assert (await replay())["body"] == body  # the app still reads the whole body

@@ -32,9 +32,9 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send, buffer_body
+from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send
 from nemo_gym_checkpoint_plugin._errors import CheckpointError
-from nemo_gym_checkpoint_plugin._gate import attempt_from_path, attempt_from_run_body, install_gate, is_exempt
+from nemo_gym_checkpoint_plugin._gate import attempt_from_path, install_gate, is_exempt, run_body_attempt
 from nemo_gym_checkpoint_plugin._identity import episode_id
 
 from .forward import ForwardControl
@@ -64,8 +64,7 @@ class ClaimRestored:
             return
         attempt = attempt_from_path(scope["path"])
         if attempt is None and scope["path"] == self._run_path and scope.get("method") == "POST":
-            body, receive = await buffer_body(receive)
-            attempt = attempt_from_run_body(body)
+            attempt, receive = await run_body_attempt(scope, receive)
         if attempt is not None:
             episode = episode_id(*attempt)
             if episode.capture_key in restorable:
