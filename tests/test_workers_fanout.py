@@ -329,3 +329,42 @@ async def test_versioned_records_of_a_worker_are_built_before_they_cross_the_lin
         assert verdicts == [{"episode_id": wire("e1"), "verdict": "pass", "plugin": "verifier"}]
     finally:
         await source.aclose()
+
+
+async def test_one_episodes_records_from_several_workers_are_one_record(tmp_path: Path) -> None:
+    # A model server's calls of one episode answered by two workers: each exports the capture rows it owns.
+    # The checkpoint holds one record of the episode (a restore refuses a capture key twice), rows of both.
+    source = Cluster(3)
+    target = Cluster(2)
+    try:
+        await source.start(101, 102, 103)
+        source.participants[101].episodes["e1"] = {"episode_id": wire("e1"), "token_rows": [["c1", "one"]]}
+        source.participants[102].episodes["e1"] = {
+            "episode_id": wire("e1"),
+            "token_rows": [["c2", "two"], ["c3", "three"]],
+            "generation_cut": {"digest": "d"},
+        }
+        source.participants[103].add("e2")
+        assert (await source.plane.prepare("c1", deadline()))["phase"] == "prepared"
+        reply = await source.plane.commit("c1", deadline(), str(tmp_path), _ids("e1", "e2"))
+        assert reply["episode_ids"] == ["e1", "e2"]
+        await source.plane.resume("c1", deadline())
+
+        await target.start(201, 202)
+        assert (await target.plane.restore("rs", deadline(), str(tmp_path), _ids("e1", "e2")))["restored"] == [
+            "e1-a1",
+            "e2-a1",
+        ]
+        assert await target.workers[202].claim(episode_id("e1", 1)) is True
+        (installed,) = target.participants[202].called("install")[0]["records"]
+        assert installed.record["token_rows"] == [["c1", "one"], ["c2", "two"], ["c3", "three"]]
+        assert installed.record["generation_cut"] == {"digest": "d"}
+
+        # Records of one episode that disagree fail the export, naming it: never a checkpoint a restore refuses.
+        source.participants[101].episodes["e1"]["generation_cut"] = {"digest": "other"}
+        assert (await source.plane.prepare("c2", deadline()))["phase"] == "prepared"
+        with pytest.raises(ExportFailed, match=r"e1.*generation_cut"):
+            await source.plane.commit("c2", deadline(), str(tmp_path / "c2"), _ids("e1"))
+    finally:
+        await source.aclose()
+        await target.aclose()
