@@ -198,7 +198,7 @@ class Worker:
             return False
         records = [m.restored_from_wire(record) for record in reply["records"]]
         try:
-            await self.participants.install(reply["checkpoint_id"], reply["manifest"], records, [episode])
+            await self.participants.install(reply["checkpoint_id"], reply["manifest"], records, [episode], claimed=True)
         except BaseException:
             try:
                 await self.link.call(
