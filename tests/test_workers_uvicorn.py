@@ -8,7 +8,9 @@ These tests start their own processes (not the test zygote: a zygote forks Gym s
 forked uvicorn supervisor spawning workers of its own is not what a real deployment runs).
 
 The ``make demo`` story with 4 workers on the model, resources and environment servers is
-``test_the_demo_story_with_four_workers`` (the demo's ``--num-workers``).
+``test_the_demo_story_with_four_workers`` (the demo's ``--num-workers``); the same with Gym's token
+capture on, checking the capture invariant with Gym's own rebuild, is
+``test_the_demo_story_with_four_workers_and_token_capture`` (``--token-capture``).
 """
 
 from __future__ import annotations
@@ -142,15 +144,50 @@ async def test_sigkill_mid_prepare_then_a_new_checkpoint_then_lost_after_readine
     assert set(status["workers"]["left"]) == {first, victim, lost}
 
 
-def test_the_demo_story_with_four_workers(tmp_path: Path) -> None:
-    """``make demo NUM_WORKERS=4``: nothing lost, nothing repeated, identical to the uninterrupted run."""
+def _demo(work: Path, *args: str) -> dict[str, Any]:
+    """Run the demo in ``work`` with 4 workers; its summary, once it exited 0 with the demo's guarantees."""
+    demo = [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.demo"]
     done = subprocess.run(
-        [sys.executable, "-m", "nemo_gym_checkpoint_plugin.testing.demo", "--num-workers", "4", "--dir", str(tmp_path)],
+        [*demo, "--num-workers", "4", "--dir", str(work), *args],
         capture_output=True,
         timeout=1800,
         env={**os.environ, "PORT_BASE": ""},
     )
     assert done.returncode == 0, done.stdout.decode()[-3000:] + done.stderr.decode()[-3000:]
-    summary = orjson.loads(done.stdout.splitlines()[-1])
+    summary: dict[str, Any] = orjson.loads(done.stdout.splitlines()[-1])
     assert summary["lost"] == 0 and summary["repeated_steps"] == 0 and summary["identical_to_uninterrupted"]
     assert summary["continued"] >= 1 and summary["finished"] == summary["rollouts"]
+    return summary
+
+
+def test_the_demo_story_with_four_workers(tmp_path: Path) -> None:
+    """``make demo NUM_WORKERS=4``: nothing lost, nothing repeated, identical to the uninterrupted run."""
+    _demo(tmp_path)
+
+
+def test_the_demo_story_with_four_workers_and_token_capture(tmp_path: Path) -> None:
+    """``make demo NUM_WORKERS=4 TOKEN_CAPTURE=1``: the same guarantees, and the capture invariant.
+
+    32 rows (the story's held rows and crash are the same; half the rows keep the run near the other's
+    time). Besides the demo's own check, every output row's finished attempt is rebuilt here with Gym's
+    ``trajectories_for_rollout`` from the capture directory: unmasked, complete, and with one call per
+    model call of the demo's turn (a tool call, then the answer). The continued rows finished as their
+    replacement attempt, whose rows the model workers' claims installed.
+    """
+    from nemo_gym.token_id_capture import trajectories_for_rollout
+
+    from nemo_gym_checkpoint_plugin.testing.crash_scenario import capture_dir
+
+    summary = _demo(tmp_path, "--token-capture", "--rollouts", "32")
+    assert summary["capture"] == {"rows": 32, "masked": [], "n_calls_wrong": {}}, summary["capture"]
+    rows = [orjson.loads(line) for line in (tmp_path / "collected" / "rollouts.jsonl").read_bytes().splitlines()]
+    assert sorted(row["_ng_task_index"] for row in rows) == list(range(32))
+    continued = 0
+    for row in rows:
+        attempt = row.get("_ng_attempt_index") or 0
+        continued += attempt == 1
+        key = f"{row['_ng_task_index']}-0" + (f"-a{attempt}" if attempt else "")
+        built = trajectories_for_rollout(key, [capture_dir(tmp_path)])
+        assert built is not None and built["mask_sample"] is False, (key, built)
+        assert built["metrics"]["n_calls"] == 2 and not built["metrics"].get("capture_incomplete"), (key, built)
+    assert continued == summary["continued"]
