@@ -15,6 +15,7 @@ capture on, checking the capture invariant with Gym's own rebuild, is
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -142,6 +143,54 @@ async def test_sigkill_mid_prepare_then_a_new_checkpoint_then_lost_after_readine
     status = (await control(env, "status")).json()
     assert status["phase"] == "idle" and status["retired_rollouts"] == 0
     assert set(status["workers"]["left"]) == {first, victim, lost}
+
+
+PARKED = "gym_checkpoint_parked_requests"
+PARKS = "gym_checkpoint_parked_duration_seconds_count"
+REFUSED = "gym_checkpoint_refused_requests_total"
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """The server's metrics (served by its coordinator, whichever worker the scrape reached) by series."""
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as http:
+        reply = await http.get(f"{CONTROL}/metrics", headers=AUTH)
+    assert reply.status_code == 200, reply.text
+    return {
+        series: float(value)
+        for series, _, value in (line.rpartition(" ") for line in reply.text.splitlines())
+        if series and not series.startswith("#")
+    }
+
+
+async def test_the_metrics_count_the_workers_parked_and_refused_requests(harness: GymHarness) -> None:
+    env = harness.urls[ENVIRONMENT]
+    await workers_when(env, lambda w: len(w["connected"]) == WORKERS, f"{WORKERS} workers")
+    before = await scrape(env)
+    assert before[PARKED] == 0
+    async with httpx.AsyncClient(base_url=env, trust_env=False, timeout=60) as http:
+        # Admission closed on every worker: a data request parks in whichever worker accepted it.
+        assert (await control(env, "prepare", checkpoint_id="m1")).json()["phase"] == "prepared"
+        parked = asyncio.ensure_future(http.get("/ng-rollout/metrics-parked/nothing-here"))
+
+        async def parked_now() -> dict[str, float] | None:
+            figures = await scrape(env)
+            return figures if figures[PARKED] == 1 else None
+
+        during = await wait_until_async(parked_now, 30, "the parked request in the metrics")
+        assert during[PARKS] == before[PARKS]  # a park is counted when it ends
+        assert (await control(env, "resume", checkpoint_id="m1")).json()["phase"] == "idle"
+        assert (await asyncio.wait_for(parked, 30)).status_code == 404  # it went on to the app
+        # A retired attempt's request is refused stale_attempt by whichever worker accepted it.
+        episode = {"rollout_id": "metrics-refused", "attempt": 0}
+        assert (await control(env, "retire", checkpoint_id="m2", episode_ids=[episode])).status_code == 200
+        refused = await http.get("/ng-rollout/metrics-refused/nothing-here")
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "stale_attempt", refused.text
+        await control(env, "forget", checkpoint_id="m2", rollout_ids=["metrics-refused"])
+    after = await scrape(env)
+    assert after[PARKED] == 0
+    assert after[PARKS] == before[PARKS] + 1
+    assert after[REFUSED] == before[REFUSED] + 1
+    assert after['gym_checkpoint_parked_duration_seconds_bucket{le="+Inf"}'] == after[PARKS]
 
 
 def _demo(work: Path, *args: str) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def attach_worker(app: Any, pm: Any, *, kind: str, call_timeout: float = 10.0) -
         _relay_closes(app, worker)
     run_path = "/run" if kind == "environment" else None
     app.add_middleware(ClaimRestored, worker=worker, run_path=run_path, shared=kind == "model")
-    counters = install_gate(app, worker.admission, worker.marks, run_path=run_path)
+    counters = install_gate(app, worker.admission, worker.marks, run_path=run_path, counters=worker.gate)
     if kind == "environment":
         from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
 
