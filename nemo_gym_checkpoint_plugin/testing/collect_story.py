@@ -45,7 +45,6 @@ from .._identity import capture_key
 from .._storage.location import Location, location
 from .._storage.reader import read_checkpoint
 from ..coordination._collector_state import CheckpointStore
-from ..coordination._gym_client import row_episode
 from .deployment import BACKEND, ENVIRONMENT, RESOURCES, TOKEN_ENV, Deployment, DeploymentError, rollout_body
 
 __all__ = ["run_collect_story"]
@@ -196,7 +195,10 @@ def _set_aside(captures: Path, into: Path) -> None:
 
 def _capture_check(captures: Path, reference_captures: Path, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Gym's rebuild of every output row's finished attempt: masked, incomplete or wrong call counts, by key."""
+    # Here, not at the top: both load Gym's modules, which the kit imports without (and without httpx).
     from nemo_gym.token_id_capture import trajectories_for_rollout
+
+    from ..coordination._gym_client import row_episode
 
     masked: list[str] = []
     wrong: dict[str, list[int]] = {}
