@@ -34,8 +34,10 @@ fuzz: setup
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 # NUM_WORKERS=N (the demo's --num-workers): the model, resources and environment servers with N uvicorn workers.
+# TOKEN_CAPTURE=1 (the demo's --token-capture): Gym's token capture on, and the capture invariant checked.
 demo: setup
-	$(if $(NUM_WORKERS),NUM_WORKERS=$(NUM_WORKERS)) exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
+	$(if $(NUM_WORKERS),NUM_WORKERS=$(NUM_WORKERS)) $(if $(TOKEN_CAPTURE),TOKEN_CAPTURE=$(TOKEN_CAPTURE)) \
+		exec $(PY) -m nemo_gym_checkpoint_plugin.testing.demo
 
 # The same story with every checkpoint in a local S3-compatible server (moto on 127.0.0.1, started for the run).
 demo-s3: setup

@@ -194,6 +194,12 @@ def install(
     ``InvalidCheckpointState`` (or ``ValueError``, reported as such) for a record this
     participant refuses; a raising install must leave nothing installed (the control
     plane also calls ``delete_restored`` for the replacement attempts).
+
+    On a server with several uvicorn workers (docs/protocol.md, "Several workers") a restore
+    installs nothing in the workers: a worker's install is called when its first request of a
+    replacement claims the records, with that one episode as ``scope``, after the restore
+    resumed, while the worker may be serving other episodes (the built-in model participant
+    tells the two apart with ``_control.facade.claim_install``).
     """
 
 

@@ -292,20 +292,28 @@ class AdmissionGate:
         await send({"type": "http.response.body", "body": body})
 
 
-def install_gate(app: Any, admission: Admission, marks: RetiredMarks, *, run_path: str | None = "/run") -> GateCounters:
+def install_gate(
+    app: Any,
+    admission: Admission,
+    marks: RetiredMarks,
+    *,
+    run_path: str | None = "/run",
+    counters: GateCounters | None = None,
+) -> GateCounters:
     """Add the admission gate to a Starlette/FastAPI ``app`` as its outermost middleware so far.
 
     Call it after the server's ``setup_webserver()`` added Gym's own middlewares, so that the
     gate sees the raw ``/ng-rollout/<key>/...`` path before Gym strips it; Gym's
     ``run_webserver`` then wraps exception and cancellation middleware around it.
     ``run_path`` is the route whose JSON body names the episode (None: attribute by path only).
-    Returns the counters the gate updates. Raises ``RuntimeError`` when the app already
+    Returns the counters the gate updates (``counters`` when given: a worker's, which its
+    coordinator reads for the metrics). Raises ``RuntimeError`` when the app already
     started (Starlette refuses new middleware then) or already has a gate: two gates over
     different state would disagree about admission.
     """
     if getattr(app.state, "ng_checkpoint_gate", None) is not None:
         raise RuntimeError("the admission gate is already installed on this app")
-    counters = GateCounters()
+    counters = GateCounters() if counters is None else counters
     app.add_middleware(AdmissionGate, admission=admission, marks=marks, counters=counters, run_path=run_path)
     app.state.ng_checkpoint_gate = counters
     return counters

@@ -191,6 +191,27 @@ async def test_parked_requests_are_current_and_timed(h: Harness) -> None:
         await client.aclose()
 
 
+async def test_refused_requests_are_counted(h: Harness) -> None:
+    data = FastAPI()
+
+    @data.get("/ng-rollout/{key}/data")
+    async def route(key: str) -> dict[str, bool]:
+        return {"ok": True}
+
+    h.plane.telemetry.metrics.watch_gate(install_gate(data, h.plane.admission, h.plane.marks))
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=data), base_url="http://data.test")
+    try:
+        assert (await client.get("/ng-rollout/r9/data")).status_code == 200
+        await h.call("retire", checkpoint_id="x", episode_ids=[wire("r9")])
+        for _ in range(2):
+            refused = await client.get("/ng-rollout/r9/data")
+            assert refused.status_code == 409 and refused.json()["error"]["code"] == "stale_attempt"
+        samples, _ = await scrape(h)
+        assert value(samples, "gym_checkpoint_refused_requests_total") == 2
+    finally:
+        await client.aclose()
+
+
 async def test_held_responses_come_from_the_ready_counts(tmp_path: Path) -> None:
     class Held:
         from nemo_gym_checkpoint_plugin._markers import hookimpl

@@ -329,3 +329,88 @@ async def test_versioned_records_of_a_worker_are_built_before_they_cross_the_lin
         assert verdicts == [{"episode_id": wire("e1"), "verdict": "pass", "plugin": "verifier"}]
     finally:
         await source.aclose()
+
+
+async def test_one_episodes_records_from_several_workers_are_one_record(tmp_path: Path) -> None:
+    # A model server's calls of one episode answered by two workers: each exports the capture rows it owns.
+    # The checkpoint holds one record of the episode (a restore refuses a capture key twice), rows of both.
+    source = Cluster(3)
+    target = Cluster(2)
+    try:
+        await source.start(101, 102, 103)
+        source.participants[101].episodes["e1"] = {"episode_id": wire("e1"), "token_rows": [["c1", "one"]]}
+        source.participants[102].episodes["e1"] = {
+            "episode_id": wire("e1"),
+            "token_rows": [["c2", "two"], ["c3", "three"]],
+            "generation_cut": {"digest": "d"},
+        }
+        source.participants[103].add("e2")
+        assert (await source.plane.prepare("c1", deadline()))["phase"] == "prepared"
+        reply = await source.plane.commit("c1", deadline(), str(tmp_path), _ids("e1", "e2"))
+        assert reply["episode_ids"] == ["e1", "e2"]
+        await source.plane.resume("c1", deadline())
+
+        await target.start(201, 202)
+        assert (await target.plane.restore("rs", deadline(), str(tmp_path), _ids("e1", "e2")))["restored"] == [
+            "e1-a1",
+            "e2-a1",
+        ]
+        assert await target.workers[202].claim(episode_id("e1", 1)) is True
+        (installed,) = target.participants[202].called("install")[0]["records"]
+        assert installed.record["token_rows"] == [["c1", "one"], ["c2", "two"], ["c3", "three"]]
+        assert installed.record["generation_cut"] == {"digest": "d"}
+
+        # Records of one episode that disagree fail the export, naming it: never a checkpoint a restore refuses.
+        source.participants[101].episodes["e1"]["generation_cut"] = {"digest": "other"}
+        assert (await source.plane.prepare("c2", deadline()))["phase"] == "prepared"
+        with pytest.raises(ExportFailed, match=r"e1.*generation_cut"):
+            await source.plane.commit("c2", deadline(), str(tmp_path / "c2"), _ids("e1"))
+    finally:
+        await source.aclose()
+        await target.aclose()
+
+
+def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text.decode())
+        for sample in family.samples
+    }
+
+
+async def test_the_metrics_are_the_workers_gates_summed_and_keep_what_a_lost_worker_counted(cluster: Cluster) -> None:
+    # The main process has no gate: its plane's metrics ask every worker for its gate's figures at each scrape.
+    cluster.coordinator.watch_metrics(cluster.plane.telemetry.metrics)
+
+    async def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return _samples(await cluster.plane.telemetry.scrape(lambda: cluster.plane.participants.ready(None)))
+
+    figures = {101: (1, 2, [0.004, 0.2]), 102: (2, 0, [7.0]), 103: (0, 1, [])}
+    for pid, (parked, refused, waits) in figures.items():
+        gate = cluster.workers[pid].gate
+        gate.parked, gate.refused = parked, refused
+        for seconds in waits:
+            gate.parks += 1
+            assert gate.observe_park is not None
+            gate.observe_park(seconds)
+    samples = await scrape()
+    assert samples[("gym_checkpoint_parked_requests", ())] == 3
+    assert samples[("gym_checkpoint_refused_requests_total", ())] == 3
+    assert samples[("gym_checkpoint_parked_duration_seconds_count", ())] == 3
+    assert samples[("gym_checkpoint_parked_duration_seconds_sum", ())] == pytest.approx(7.204)
+    buckets = {"0.005": 1, "0.25": 2, "5.0": 2, "10.0": 3, "+Inf": 3}
+    for bound, count in buckets.items():
+        assert samples[("gym_checkpoint_parked_duration_seconds_bucket", (("le", bound),))] == count, bound
+
+    # A worker that left: its requests parked are gone, what it counted stays (counters never go down).
+    await cluster.lose(102)
+    samples = await scrape()
+    assert samples[("gym_checkpoint_parked_requests", ())] == 1
+    assert samples[("gym_checkpoint_parked_duration_seconds_count", ())] == 3
+    # A worker whose answer is not understood counts with its last one.
+    cluster.workers[103].gate.refused = -1
+    cluster.workers[101].gate.refused = 5
+    samples = await scrape()
+    assert samples[("gym_checkpoint_refused_requests_total", ())] == 5 + 0 + 1

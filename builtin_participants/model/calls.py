@@ -22,7 +22,9 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   of a restored attempt (>= 1) first marks the attempt started, and at its response start drops
   the restored rows it answers again (a call whose answer had not reached the agent). Such a
   server refuses to restore once it has served a call (``invalid_phase``): its capture files may
-  belong to live episodes.
+  belong to live episodes. With several workers, a worker installs the rows of a replacement when
+  its first call claims them (``facade.claim_install``): the restore was refused by the coordinator
+  if any worker had served, so that install is not refused for the calls the worker serves since.
 - With ``checkpoint_generation_cuts`` on (``cut_book.py``): the server streams each cuttable
   generation from the worker, a commit exports each in-scope episode's cut (merged into its
   capture record, field ``generation_cut``), a prepare that finds cuts generating freezes the
@@ -48,7 +50,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import 
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempt_counts import AttemptCounts
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RETIRE_CONCURRENCY, stop_bounded
 
-from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS
+from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS, claim_install
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
@@ -384,16 +386,19 @@ class ModelCalls:
         # This release's rows (``token_rows``, ``ledger_rows``) and an earlier release's (``*_entries``).
         captured = [r for r in records if not _CAPTURE_FIELDS.isdisjoint(r.record)]
         cuts = self.cuts.checked(cut_records) if self.cuts is not None else {}  # a refused cut installs nothing
+        # A worker's claim of one replacement (several workers) comes after the restore, while other episodes run:
+        # its coordinator refused the restore itself if any worker had served a call.
+        claimed = claim_install()
         if self.book is None:
             if captured:
                 raise InvalidCheckpointState("the checkpoint holds token captures; token_id_capture is off here")
         else:
-            if self.served_total or self.in_flight:
+            if not claimed and (self.served_total or self.in_flight):
                 raise InvalidPhase(
                     f"this model server has served {self.served_total + self.in_flight} model calls: its token "
                     "capture files may belong to live episodes, so it cannot restore (restore into fresh processes)"
                 )
-            await self.book.install(checkpoint_id, captured, scope)
+            await self.book.install(checkpoint_id, captured, scope, claimed=claimed)
         if self.cuts is None:
             if cut_records:
                 # A cut only saves generating again: without cuts on here, those calls are generated from scratch.

@@ -128,13 +128,23 @@ class CaptureBook:
 
     # -- restore -----------------------------------------------------------------------------------
 
-    async def install(self, restore_id: str, records: Sequence[RestoredRecord], scope: Sequence[EpisodeId]) -> None:
-        """Check every record, then write their rows under the replacement attempts (a raising install writes none)."""
+    async def install(
+        self,
+        restore_id: str,
+        records: Sequence[RestoredRecord],
+        scope: Sequence[EpisodeId],
+        *,
+        claimed: bool = False,
+    ) -> None:
+        """Check every record, then write their rows under the replacement attempts (a raising install writes none).
+
+        ``claimed``: a worker's claim of the replacements in ``scope`` (``TokenCaptures.install``), not a restore.
+        """
         captures = self.captures
 
         def apply() -> tuple[list[Any], bool]:
             staged = [captures.stage(r.checkpointed.capture_key, r.replacement.capture_key, r.record) for r in records]
-            cleared = captures.install(restore_id, scope, staged)
+            cleared = captures.install(restore_id, scope, staged, claimed=claimed)
             return staged, cleared
 
         staged, cleared = await asyncio.to_thread(apply)

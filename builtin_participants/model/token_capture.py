@@ -18,7 +18,10 @@ the model servers sharing the directory wrote them (``capture_files.py`` has the
   was first recorded under (a token row's own ``rollout_id``; a ledger row's
   ``ng_checkpoint_restored_from``). First, once per restore for all servers sharing the
   directory, what dead executions left for attempt N+1 and later is removed; attempts up to N
-  are removed once the install succeeded (in the background: nothing reads them again);
+  are removed once the install succeeded (in the background: nothing reads them again). On a
+  server with several workers the worker that receives a replacement's first call installs its
+  rows then (its claim): the dead executions of that one replacement are cleared first, and its
+  attempts up to N removed after;
 - **a call sent again** (``supersede``): an answer that started reaching the agent is exported,
   since its row is complete before its first byte (Gym captures before it responds). If it did
   not reach the agent before its boundary, the continued turn sends the same request again; at
@@ -231,15 +234,24 @@ class TokenCaptures:
         ]
         return token_lines, ledger_lines
 
-    def install(self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows]) -> bool:
+    def install(
+        self, restore_id: str, scope: Sequence[EpisodeId], staged: Sequence[StagedRows], *, claimed: bool = False
+    ) -> bool:
         """Clear what dead executions left for the scope (once per restore), write ``staged``, sync once.
 
         True when this call did the clearing (the first model server of the restore to get here).
         A raising install removes the attempts it wrote to (their rows are of no use: the restore fails).
+
+        ``claimed``: a worker's claim of the replacements in ``scope`` (several workers), at the first
+        call of each, after the restore resumed: their dead executions are cleared now whatever other
+        claims did (no restore marker), and once the rows are written the attempts before them go (their
+        rows live on under the replacement), since no restore's end comes after a claim to remove them.
         """
         cleared = False
         with self.files.restore_locked():
-            if not self.files.cleared(restore_id):
+            if claimed:
+                self._clear_dead_executions(scope)
+            elif not self.files.cleared(restore_id):
                 self._clear_dead_executions(scope)
                 self.files.mark_cleared(restore_id)
                 cleared = True
@@ -254,6 +266,8 @@ class TokenCaptures:
             for key in written:
                 self.files.remove_attempt(key)
             raise
+        if claimed:
+            self.remove_continued(scope)
         return cleared
 
     def _clear_dead_executions(self, scope: Sequence[EpisodeId]) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import pluggy
@@ -41,6 +42,7 @@ __all__ = [
     "RELAY_ATTRIBUTE",
     "Participants",
     "RelayedExport",
+    "claim_install",
     "maybe_awaitable",
     "merge_exports",
     "third_party_names",
@@ -59,6 +61,22 @@ RELAY_ATTRIBUTE = "relays_worker_plugins"
 
 class RelayedExport(ParticipantExport):
     """A relay's export: records already owned (tagged by the facade of the process that made them)."""
+
+
+# True while the install hooks run for a worker's claim of one replacement (``Participants.install(claimed=True)``).
+_CLAIM_INSTALL: ContextVar[bool] = ContextVar("ng_checkpoint_claim_install", default=False)
+
+
+def claim_install() -> bool:
+    """Whether the ``install`` hook now running is a worker's claim rather than a restore's install.
+
+    On a server with several workers (docs/protocol.md, "Several workers") a restore installs nothing
+    in any worker: the worker that receives a replacement's first request claims its records and
+    installs them then, after the restore resumed, with that one episode as the scope, while the
+    worker may be serving other episodes. A participant whose install does restore-wide work (once
+    per restore, or only into a process that served nothing) tells the two apart with this.
+    """
+    return _CLAIM_INSTALL.get()
 
 
 # Without any wait_ready implementation, prepare re-asks ready this often (only while preparing).
@@ -272,16 +290,27 @@ class Participants:
         manifest: Mapping[str, Any],
         records: list[RestoredRecord],
         scope: Sequence[EpisodeId],
+        *,
+        claimed: bool = False,
     ) -> None:
-        """Hand each plugin its own records and the whole ``scope`` (replacement attempts)."""
+        """Hand each plugin its own records and the whole ``scope`` (replacement attempts).
+
+        ``claimed``: a worker's claim of one replacement, not a restore (``claim_install``).
+        """
         self.check_owners(records)
         mine: dict[str | None, list[RestoredRecord]] = {}
         for restored in records:
             # A relay (the participant's own plugin) takes every record, whoever owns it.
             owner = None if self._relays else restored.record.get(OWNER_FIELD)
             mine.setdefault(owner, []).append(restored)
-        for owner, caller in self._owners("install"):
-            await _all(caller(checkpoint_id=checkpoint_id, manifest=manifest, records=mine.get(owner, []), scope=scope))
+        token = _CLAIM_INSTALL.set(claimed)
+        try:
+            for owner, caller in self._owners("install"):
+                await _all(
+                    caller(checkpoint_id=checkpoint_id, manifest=manifest, records=mine.get(owner, []), scope=scope)
+                )
+        finally:
+            _CLAIM_INSTALL.reset(token)
 
     async def retire(self, episode_ids: list[EpisodeId]) -> None:
         await _all(self._hook.retire(episode_ids=episode_ids))

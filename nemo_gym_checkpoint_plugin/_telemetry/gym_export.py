@@ -105,6 +105,7 @@ class GymMeter:
             "gym.checkpoint.in_progress": in_progress,
             "gym.checkpoint.admission.closed": last(lambda: 0.0 if m.admission_open() else 1.0),
             "gym.checkpoint.parked.requests": last(lambda: float(m.gate.parked) if m.gate is not None else 0.0),
+            "gym.checkpoint.refused.requests": last(lambda: float(m.gate.refused) if m.gate is not None else 0.0),
             "gym.checkpoint.held.responses": last(lambda: float(m.held_responses)),
             "gym.checkpoint.last_success.time": last(lambda: m.last_success),
             "gym.checkpoint.size": last(lambda: m.last_size),

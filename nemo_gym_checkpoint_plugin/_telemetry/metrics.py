@@ -7,22 +7,30 @@ The names are OpenTelemetry-style ``gym.checkpoint.*`` with UCUM units (``METRIC
 its Prometheus exposition name, which adds ``_seconds``, ``_bytes``, ``_total``). No label ever
 carries a checkpoint id or an episode key: labels are bounded sets (operation, stage, error code).
 
-Values the plane already keeps (requests parked at the gate, the lease's self-resumes, the phase)
-are read at scrape time by a collector, so nothing on the data path changes for them. The held
-responses of a model server are refreshed from the participants' ``ready`` counts before each
-scrape (``refresh``), as ``status`` reads them.
+Values the plane already keeps (requests parked at the gate and refused by it, the lease's
+self-resumes, the phase) are read at scrape time by a collector, so nothing on the data path changes
+for them. The held responses of a model server are refreshed from the participants' ``ready`` counts
+before each scrape (``refresh``), as ``status`` reads them.
+
+A server with several workers has one gate per worker, none in the main process whose plane serves
+the metrics: ``watch_workers`` reads the workers' figures instead (``_workers/gates.py``: each worker
+keeps its gate's counters and its parks' waits as ``ParkTimes``, and the coordinator asks every worker
+for them before each scrape), so the parked requests, the refusals and the parked-duration histogram
+are the server's, summed over its workers.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .gym_export import GymMeter, gym_meter
 from .names import METRICS, MetricName
@@ -30,7 +38,17 @@ from .names import METRICS, MetricName
 if TYPE_CHECKING:
     from nemo_gym_checkpoint_plugin._gate import GateCounters
 
-__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "METRICS", "MetricName", "ServerMetrics", "error_code"]
+__all__ = [
+    "CONTENT_TYPE",
+    "DURATION_BUCKETS",
+    "METRICS",
+    "GateFigures",
+    "MetricName",
+    "ParkTimes",
+    "ServerMetrics",
+    "WorkersGateFigures",
+    "error_code",
+]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -42,6 +60,44 @@ HELD_RESPONSES_COUNT = "model_responses_held"
 
 
 _BY_OTEL = {metric.otel: metric for metric in METRICS}
+
+
+class ParkTimes:
+    """How long each parked request waited, as the plain figures of the parked-duration histogram.
+
+    For a process without a registry (a worker of a server with several workers): its gate's
+    ``observe_park`` feeds it, on the parked path only. ``counts[i]`` are the parks that waited at
+    most ``DURATION_BUCKETS[i]`` (and more than the bound before), the last those longer than every
+    bound; ``sum`` the seconds waited in all.
+    """
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(DURATION_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(DURATION_BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+
+class GateFigures(Protocol):
+    """What the metrics read of an admission gate at scrape time (``_gate.GateCounters`` is one)."""
+
+    @property
+    def parked(self) -> int: ...
+
+    @property
+    def refused(self) -> int: ...
+
+
+class WorkersGateFigures(GateFigures, Protocol):
+    """The gates of a server's workers as one (``_workers/gates.py``): their parks' waits too."""
+
+    def park_times(self) -> tuple[list[int], float]:
+        """Per-bucket counts (``ParkTimes.counts``) and the seconds, summed over the workers."""
+        ...
 
 
 def _help(otel: str) -> str:
@@ -91,6 +147,25 @@ class _Live(Collector):
             _help("gym.checkpoint.parked.requests"),
             value=float(gate.parked if gate is not None else 0),
         )
+        yield CounterMetricFamily(
+            "gym_checkpoint_refused_requests",
+            _help("gym.checkpoint.refused.requests"),
+            value=float(gate.refused if gate is not None else 0),
+        )
+        workers = m.workers_gate
+        if workers is not None:
+            counts, seconds = workers.park_times()
+            cumulative, buckets = 0, []
+            for bound, count in zip([*DURATION_BUCKETS, float("inf")], counts, strict=True):
+                cumulative += count
+                buckets.append((floatToGoString(bound), float(cumulative)))
+            yield HistogramMetricFamily(
+                "gym_checkpoint_parked_duration",
+                _help("gym.checkpoint.parked.duration"),
+                buckets=buckets,
+                sum_value=seconds,
+                unit="seconds",
+            )
         yield GaugeMetricFamily(
             "gym_checkpoint_held_responses", _help("gym.checkpoint.held.responses"), value=float(m.held_responses)
         )
@@ -168,7 +243,10 @@ class ServerMetrics:
             registry=r,
         )
         self.restarts = Counter("gym_checkpoint_restarts", _help("gym.checkpoint.restarts"), registry=r)
-        self.gate: GateCounters | None = None
+        self.gate: GateFigures | None = None
+        # A server with several workers: their gates' figures (``watch_workers``), asked for by ``refresh_gate``.
+        self.workers_gate: WorkersGateFigures | None = None
+        self.refresh_gate: Callable[[], Awaitable[None]] | None = None
         self.held_responses = 0
         self._closed_at: float | None = None
         # Unix time of the last published checkpoint; None until one (a 0 would say "in 1970").
@@ -184,9 +262,19 @@ class ServerMetrics:
     # -- what the plane reports ------------------------------------------------------------------
 
     def watch_gate(self, counters: GateCounters) -> None:
-        """Read the admission gate's parked requests at scrape time and time each park."""
+        """Read the admission gate's parked requests and refusals at scrape time and time each park."""
         self.gate = counters
         counters.observe_park = self._parked
+
+    def watch_workers(self, gates: WorkersGateFigures, refresh: Callable[[], Awaitable[None]]) -> None:
+        """A server with several workers: read their gates (``gates``, refreshed by ``refresh`` before each scrape).
+
+        The parked-duration histogram is then the workers' (``gates.park_times``): no park is timed here.
+        """
+        self.gate = gates
+        self.workers_gate = gates
+        self.refresh_gate = refresh
+        self.registry.unregister(self.parked_duration)
 
     def _parked(self, seconds: float) -> None:
         self.parked_duration.observe(seconds)

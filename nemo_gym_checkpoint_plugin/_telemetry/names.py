@@ -137,6 +137,14 @@ METRICS: tuple[MetricName, ...] = (
         "how long each parked data request waited at the admission gate",
     ),
     MetricName(
+        "gym.checkpoint.refused.requests",
+        "{request}",
+        "gym_checkpoint_refused_requests_total",
+        "counter",
+        (),
+        "data requests the admission gate refused stale_attempt (their attempt was retired)",
+    ),
+    MetricName(
         "gym.checkpoint.held.responses",
         "{response}",
         "gym_checkpoint_held_responses",

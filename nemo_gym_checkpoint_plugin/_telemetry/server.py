@@ -152,11 +152,18 @@ class ServerTelemetry:
         return {} if self.last_checkpoint is None else {"last_checkpoint": dict(self.last_checkpoint)}
 
     async def scrape(self, held_counts: Callable[[], Any]) -> bytes:
-        """The Prometheus text, after refreshing what only the participants know (held responses)."""
+        """The Prometheus text, after refreshing what only the participants know (held responses) and, on a
+        server with several workers, what only the workers' gates know."""
         try:
             report = await held_counts()
         except Exception:  # a participant's ready hook failing must not fail the scrape
             logger.debug("ready counts unavailable for the metrics scrape", exc_info=True)
         else:
             self.metrics.set_held_responses(dict(report.counts))
+        refresh = self.metrics.refresh_gate
+        if refresh is not None:
+            try:
+                await refresh()
+            except Exception:  # the workers' last figures are served instead
+                logger.warning("the workers' gate figures are unavailable for the metrics scrape", exc_info=True)
         return self.metrics.exposition()

@@ -10,7 +10,9 @@ what this worker's admission gate reads and answers the coordinator's calls. On 
   replies' hook;
 - ``ClaimRestored``, inside the gate: a request of a replacement attempt whose restored record
   the coordinator holds claims it first (installed here, one owner: a second worker's claim is
-  refused ``attempt_running``, as the reply says);
+  refused ``attempt_running``, as the reply says). On a model server the calls of one episode land
+  on any worker and what a claim installs (Gym's capture rows) is in the directory every worker
+  shares: a call whose replacement another worker claimed goes on;
 - the admission gate over the worker's ``admission`` and ``marks``;
 - on environments, the explicit ``"<id>-aN"`` decoding (outside the gate, as on one worker);
 - ``ForwardControl`` outermost: control routes go to the coordinator (``forward.py``).
@@ -33,7 +35,7 @@ from typing import Any
 import orjson
 
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send
-from nemo_gym_checkpoint_plugin._errors import CheckpointError
+from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError
 from nemo_gym_checkpoint_plugin._gate import attempt_from_path, install_gate, is_exempt, run_body_attempt
 from nemo_gym_checkpoint_plugin._identity import episode_id
 
@@ -50,12 +52,15 @@ class ClaimRestored:
     """Pure ASGI middleware: a replacement attempt's first request here claims its restored record first.
 
     Costs one ``len`` of an empty set per request unless a restore left records unclaimed.
+    ``shared``: what a claim installs is visible to every worker (a model server's capture rows), so
+    a request whose replacement another worker claimed goes on instead of being refused.
     """
 
-    def __init__(self, app: ASGIApp, *, worker: Worker, run_path: str | None) -> None:
+    def __init__(self, app: ASGIApp, *, worker: Worker, run_path: str | None, shared: bool = False) -> None:
         self._app = app
         self._worker = worker
         self._run_path = run_path
+        self._shared = shared
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         restorable = self._worker.restorable
@@ -71,8 +76,10 @@ class ClaimRestored:
                 try:
                     await self._worker.claim(episode)
                 except CheckpointError as error:
-                    await _reply_error(send, error)
-                    return
+                    if not (self._shared and isinstance(error, AttemptRunning)):
+                        await _reply_error(send, error)
+                        return
+                    restorable.discard(episode.capture_key)  # installed by the worker that claimed it
         await self._app(scope, receive, send)
 
 
@@ -127,8 +134,8 @@ def attach_worker(app: Any, pm: Any, *, kind: str, call_timeout: float = 10.0) -
         install_seed_hook(app, worker.participants)
         _relay_closes(app, worker)
     run_path = "/run" if kind == "environment" else None
-    app.add_middleware(ClaimRestored, worker=worker, run_path=run_path)
-    counters = install_gate(app, worker.admission, worker.marks, run_path=run_path)
+    app.add_middleware(ClaimRestored, worker=worker, run_path=run_path, shared=kind == "model")
+    counters = install_gate(app, worker.admission, worker.marks, run_path=run_path, counters=worker.gate)
     if kind == "environment":
         from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
 

@@ -14,7 +14,9 @@ out over the roster; ``bind`` hands the coordinator the plane's admission and ma
 - each worker's readiness, as it pushes it (``readiness``), so the participant's ``ready`` never
   waits on a worker; a control request a worker forwards (``forward.py``) runs through
   ``control_app``, the plane's control routes; a resources session one worker closed is relayed
-  to the others.
+  to the others;
+- the workers' admission gates for the plane's metrics (``watch_metrics``, ``gates.py``): asked for
+  their figures before each scrape.
 
 In a server, ``service.py`` runs it on its own event loop thread in Gym's main process.
 """
@@ -22,17 +24,24 @@ In a server, ``service.py`` runs it on its own event loop thread in Gym's main p
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 
 from . import messages as m
+from .gates import WorkerGates
 from .link import Link, serve
 from .restored import RestoredRecords
 from .roster import REGISTER_OP, Roster
 
+if TYPE_CHECKING:
+    from nemo_gym_checkpoint_plugin._telemetry.metrics import ServerMetrics
+
 __all__ = ["Coordinator"]
+
+logger = logging.getLogger(__name__)
 
 
 class Coordinator:
@@ -45,11 +54,20 @@ class Coordinator:
     """
 
     def __init__(
-        self, expected: int, *, call_timeout: float = 10.0, work_timeout: float = 600.0, poll_seconds: float = 1.0
+        self,
+        expected: int,
+        *,
+        call_timeout: float = 10.0,
+        work_timeout: float = 600.0,
+        poll_seconds: float = 1.0,
+        scrape_timeout: float = 2.0,
     ) -> None:
         from .fanout import WorkersParticipant
 
         self.roster = Roster(expected, snapshot=self.snapshot)
+        # The workers' admission gates as one, for the plane's metrics (``watch_metrics``, gates.py).
+        self.gates = WorkerGates()
+        self.scrape_timeout = scrape_timeout
         self.restored = RestoredRecords()
         self.call_timeout = call_timeout
         self.work_timeout = work_timeout
@@ -72,6 +90,19 @@ class Coordinator:
         self._admission = admission
         self._marks = marks
         self._refresh_refusals()
+
+    def watch_metrics(self, metrics: ServerMetrics) -> None:
+        """The plane's metrics read the workers' gates, asked for before each scrape (``refresh_gates``)."""
+        metrics.watch_workers(self.gates, self.refresh_gates)
+
+    async def refresh_gates(self) -> None:
+        """Ask every worker for its gate's figures; one that does not answer within ``scrape_timeout`` counts
+        with what it answered last (a metrics scrape waits at most that long)."""
+        answers = await self.roster.broadcast(m.GATE_FIGURES, None, timeout=self.scrape_timeout)
+        for name in self.gates.update(answers.replies, self.roster.connected):
+            logger.warning("%s answered its gate figures in a shape not understood here", name)
+        for name, failure in sorted(answers.failures.items()):
+            logger.info("%s did not answer its gate figures for the metrics (%s); its last are used", name, failure)
 
     async def serve(self, path: str) -> None:
         self._server = await serve(path, lambda _link: None, handler=self._handle)

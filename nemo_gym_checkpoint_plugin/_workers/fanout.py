@@ -10,8 +10,10 @@ makes the workers follow:
   worker: the hookspec), plus the roster's blockers and the workers that have not confirmed
   admission closed for this checkpoint, as ``worker_blockers`` (never capture keys); a worker
   whose report is missing or for another checkpoint blocks, naming it;
-- ``export`` is the union of every worker's records and the unclaimed restored ones;
-  ``export_failed`` when a worker was lost during the checkpoint or its export failed;
+- ``export`` is the union of every worker's records and the unclaimed restored ones, one record per
+  episode and owner (``merge_records``: a model server's calls of one episode answered by several
+  workers are exported by each); ``export_failed`` when a worker was lost during the checkpoint,
+  its export failed or two workers' records of one episode disagree;
 - ``install`` holds the restored records here until a worker claims one, and relays the
   restore's marks to every worker. This plugin is a relay (``_control.facade.RELAY_ATTRIBUTE``): the
   records of a worker's third-party plugins keep the owner the worker's facade tagged, a restore
@@ -41,7 +43,7 @@ from .roster import WorkerAnswers
 if TYPE_CHECKING:
     from .coordinator import Coordinator
 
-__all__ = ["WorkersParticipant", "merge_extras"]
+__all__ = ["WorkersParticipant", "merge_extras", "merge_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,52 @@ def merge_extras(extras: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def _number(value: Any) -> bool:
     return type(value) in (int, float)
+
+
+def merge_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One record per episode and owner: records several workers exported for one episode, merged.
+
+    A checkpoint holds one record per episode and owner (a restore refuses a capture key twice). Each
+    worker exports what it holds of an episode; only the model server's calls of one episode land on
+    several workers (its token capture rows: each worker owns the calls it answered). Their records
+    merge field by field: lists concatenated in the order given, objects merged, equal values kept;
+    any other difference is ``ValueError`` naming the episode and the field. A record without a valid
+    ``episode_id`` is left as it is (the writer refuses it). Order is kept: a merged record takes the
+    place of its episode's first.
+    """
+    first: dict[tuple[Any, Any, Any], int] = {}
+    out: list[Mapping[str, Any]] = []
+    for record in records:
+        episode = record.get("episode_id")
+        try:
+            key = (record.get(OWNER_FIELD), episode["rollout_id"], episode["attempt"])  # type: ignore[index]
+            hash(key)
+        except (TypeError, KeyError):
+            out.append(record)
+            continue
+        at = first.get(key)
+        if at is None:
+            first[key] = len(out)
+            out.append(record)
+        else:
+            out[at] = _merged(out[at], record, f"{key[1]}/{key[2]}")
+    return out
+
+
+def _merged(one: Mapping[str, Any], other: Mapping[str, Any], where: str) -> dict[str, Any]:
+    merged = dict(one)
+    for name, value in other.items():
+        if name not in merged:
+            merged[name] = value
+            continue
+        mine = merged[name]
+        if type(mine) is list and type(value) is list:
+            merged[name] = mine + value
+        elif isinstance(mine, Mapping) and isinstance(value, Mapping):
+            merged[name] = _merged(mine, value, f"{where}.{name}")
+        elif not (type(mine) is type(value) and mine == value):
+            raise ValueError(f"the workers' records of episode {where} disagree on {name!r}")
+    return merged
 
 
 def _refusal(answers: WorkerAnswers) -> CheckpointError | None:
@@ -206,6 +254,7 @@ class WorkersParticipant:
         records: list[Mapping[str, Any]] = [record for reply in replies for record in reply["records"]]
         records.extend(self._c.restored.exported(scope))
         try:
+            records = merge_records(records)
             manifest = merge_extras([reply["manifest_extras"] for reply in replies])
             extras = merge_extras([reply["reply_extras"] for reply in replies])
         except ValueError as exc:

@@ -21,6 +21,7 @@ __all__ = [
     "DELETE_RESTORED",
     "EXPORT",
     "FORGET",
+    "GATE_FIGURES",
     "MARK",
     "OPEN_ADMISSION",
     "PREPARING",
@@ -57,6 +58,8 @@ RETIRE = "retire"
 FORGET = "forget"
 CHECK_OWNERS = "check_owners"
 STATUS_FIELDS = "status_fields"
+# The worker's admission gate: its counters and its parks' waits (``gates.py``), asked before a metrics scrape.
+GATE_FIGURES = "gate_figures"
 # Worker -> coordinator (besides ``register``, roster.py).
 CLAIM = "claim"
 UNCLAIM = "unclaim"

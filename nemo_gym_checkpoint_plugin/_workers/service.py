@@ -12,7 +12,8 @@ app is built, before uvicorn starts) therefore runs the participant apart from i
   coordinator's participant (``fanout.py``) and no other participant (the core plugins, storage
   backends and lease policy, stay; third-party participant plugins run in the workers only),
   the control routes' ASGI app over that plane (``_routes.attach``: the forwarded requests run
-  through it, ``forward.py``), and serves the coordinator's socket;
+  through it, ``forward.py``), its metrics reading the workers' gates (``gates.py``), and serves
+  the coordinator's socket;
 - it puts the socket's path in the environment (``SOCKET_ENV``), which uvicorn's spawned workers
   inherit, and returns once the socket listens (or raises what failed).
 """
@@ -94,6 +95,7 @@ def start_coordinator(
             main_plugin_manager(coordinator.participant), kind=kind, instance=instance, settings=settings
         )
         coordinator.bind(plane.admission, plane.marks)
+        coordinator.watch_metrics(plane.telemetry.metrics)
         control_app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
         attach_routes(control_app, plane, token)
         coordinator.control_app = control_app

@@ -41,10 +41,13 @@ import pluggy
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._control.facade import Participants
 from nemo_gym_checkpoint_plugin._errors import ExportFailed
+from nemo_gym_checkpoint_plugin._gate import GateCounters
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
+from nemo_gym_checkpoint_plugin._telemetry.metrics import ParkTimes
 from nemo_gym_checkpoint_plugin._types import plain_record
 
 from . import messages as m
+from .gates import figures_to_wire
 from .link import Link, LinkError, connect
 from .roster import REGISTER_OP
 
@@ -89,6 +92,10 @@ class Worker:
         self.participants = Participants(pm)
         self.admission: Admission = ReportingAdmission(self._report_served)
         self.marks = RetiredMarks()
+        # What this worker's gate counts and how long its parks waited (the coordinator's metrics ask, gates.py).
+        self.gate = GateCounters()
+        self.park_times = ParkTimes()
+        self.gate.observe_park = self.park_times.observe
         self.call_timeout = call_timeout
         # The checkpoint (or restore) admission is closed for; None while open.
         self.closed_for: str | None = None
@@ -198,7 +205,7 @@ class Worker:
             return False
         records = [m.restored_from_wire(record) for record in reply["records"]]
         try:
-            await self.participants.install(reply["checkpoint_id"], reply["manifest"], records, [episode])
+            await self.participants.install(reply["checkpoint_id"], reply["manifest"], records, [episode], claimed=True)
         except BaseException:
             try:
                 await self.link.call(
@@ -328,6 +335,8 @@ class Worker:
             return None
         if op == m.STATUS_FIELDS:
             return await self.participants.status_fields()
+        if op == m.GATE_FIGURES:
+            return figures_to_wire(self.gate, self.park_times)
         if op == m.CHECK_OWNERS:
             return self.participants.missing_owners(str(owner) for owner in args["owners"])
         if op == m.RESTORED_PENDING:

@@ -13,6 +13,14 @@ On a started deployment (``crash_scenario.new_deployment``: every server a parti
    and the steps continued rows had completed before the checkpoint counted again at the
    servers (seeds at the resources server, completed calls at the fake backend).
 
+With ``captures`` (Gym's capture directory of a deployment with token capture on,
+``crash_scenario.new_deployment(..., token_capture=True)``), the capture invariant too: the
+reference's rows are moved out of the directory before the checkpointed run (``<work>/captures-
+uninterrupted``: both runs send the same rollout ids), and after the resume, for every row of the
+output, Gym's own rebuild of the attempt that finished it (``trajectories_for_rollout``, as a
+trainer reads it) must be unmasked and complete with one captured call per model call its turn
+made (the model answers in its output, which the reference's rebuild of the row must match).
+
 Each collector is its own process (``python -m nemo_gym_checkpoint_plugin.cli collect``), its
 output in ``<work>/logs/collect-*.log``; a cancelled story kills it before returning. The
 checkpoints go under ``<work>`` or, with ``checkpoint_root``, under that directory or object-store
@@ -33,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._identity import capture_key
 from .._storage.location import Location, location
 from .._storage.reader import read_checkpoint
 from ..coordination._collector_state import CheckpointStore
@@ -171,6 +180,43 @@ async def _held_checkpoint(store: CheckpointStore, collector: _Collector, timeou
     return None
 
 
+def _turn_calls(record: dict[str, Any]) -> int:
+    """The model calls a row's turn made: each answer of the fake backend is one message or one tool call."""
+    return sum(1 for item in record["response"]["output"] if item.get("type") in ("message", "function_call"))
+
+
+def _set_aside(captures: Path, into: Path) -> None:
+    """Move the capture rows out of ``captures`` (Gym's lock files stay: its writers keep locking those inodes)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for path in captures.iterdir():
+        if path.is_file() and not path.name.endswith(".lock"):
+            path.rename(into / path.name)
+
+
+def _capture_check(captures: Path, reference_captures: Path, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Gym's rebuild of every output row's finished attempt: masked, incomplete or wrong call counts, by key."""
+    # Here, not at the top: both load Gym's modules, which the kit imports without (and without httpx).
+    from nemo_gym.token_id_capture import trajectories_for_rollout
+
+    from ..coordination._gym_client import row_episode
+
+    masked: list[str] = []
+    wrong: dict[str, list[int]] = {}
+    for index in sorted(got):
+        record = got[index]
+        episode = row_episode(record)
+        key = capture_key(episode["rollout_id"], episode["attempt"])
+        calls = _turn_calls(record)
+        built = trajectories_for_rollout(key, [captures]) or {}
+        reference = trajectories_for_rollout(f"{episode['rollout_id']}", [reference_captures]) or {}
+        if built.get("mask_sample") is not False or built.get("metrics", {}).get("capture_incomplete"):
+            masked.append(key)
+        counted = [built.get("metrics", {}).get("n_calls"), reference.get("metrics", {}).get("n_calls")]
+        if counted != [calls, calls]:
+            wrong[key] = [calls, *counted]
+    return {"rows": len(got), "masked": masked, "n_calls_wrong": wrong}
+
+
 async def run_collect_story(
     deployment: Deployment,
     work: Path,
@@ -182,8 +228,10 @@ async def run_collect_story(
     say: Callable[[str], None] = lambda _m: None,
     timeout: float = 600.0,
     checkpoint_root: str | None = None,
+    captures: Path | None = None,
 ) -> dict[str, Any]:
-    """The story of the module docstring on a started ``deployment``; the demo's summary."""
+    """The story of the module docstring on a started ``deployment``; the demo's summary (``capture`` too
+    with ``captures``: rows checked, and the keys masked or with a wrong call count)."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     deployment.write_config(work / "gym_config.yaml")
     _write_inputs(work / "in.jsonl", rows)
@@ -199,6 +247,9 @@ async def run_collect_story(
     try:
         say(f"collecting {rows} rows without interruption (the reference), with Gym's rollout collection")
         await start("uninterrupted", reference_out, root / "uninterrupted-ckpt").wait(timeout)
+        if captures is not None:
+            # Both runs send the same rollout ids: the checkpointed run's rows must not land beside these.
+            _set_aside(captures, work / "captures-uninterrupted")
         hold = _held_rows(rows, parallel)
         for index in hold:
             # The row's second model call (its answer after the tool call) waits at the backend until the crash.
@@ -256,6 +307,14 @@ async def run_collect_story(
         and all(_comparable(got[i]) == _comparable(reference[i]) for i in got)
     )
     say(f"the output holds {len(got)} rows ({twice} twice); identical to the uninterrupted run: {identical}")
+    extra: dict[str, Any] = {}
+    if captures is not None:
+        capture = await asyncio.to_thread(_capture_check, captures, work / "captures-uninterrupted", got)
+        say(
+            f"Gym's rebuild of every row's token capture: {len(capture['masked'])} masked, "
+            f"{len(capture['n_calls_wrong'])} with a call count other than its turn's, of {capture['rows']}"
+        )
+        extra["capture"] = capture
     return {
         "rollouts": rows,
         "finished": len(got),
@@ -269,4 +328,5 @@ async def run_collect_story(
         "prepare_s": (state.timings.get("prepare_s", 0.0) if state is not None else 0.0),
         "commit_s": (state.timings.get("commit_s", 0.0) if state is not None else 0.0),
         "restore_s": summary["restore_s"],
+        **extra,
     }

@@ -40,7 +40,7 @@ import aiohttp
 from .deployment import BACKEND, ENVIRONMENT, RESOURCES, Deployment, free_port_base, rollout_body
 from .gym_config import DEFAULT_CHECKPOINT_BLOCK, TOKEN_ENV, wrapped_entrypoints
 
-__all__ = ["ScenarioResult", "new_deployment", "run_scenario", "run_body"]
+__all__ = ["ScenarioResult", "capture_dir", "new_deployment", "run_scenario", "run_body"]
 
 RESTART_TASK_DATA = {"ng_checkpoint": "restart"}
 _STATUS = "/ng-control/v1/checkpoint/status"
@@ -66,11 +66,17 @@ def new_deployment(
     storage: dict[str, Any] | None = None,
     extra_env: dict[str, str] | None = None,
     num_workers: int = 1,
+    token_capture: bool = False,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
     ``num_workers`` > 1 runs the model, resources and environment servers with that many uvicorn
     workers each (the agent stays single-worker: Gym's rule for agent sessions).
+
+    ``token_capture`` turns Gym's training-token capture on for every agent: its local file store in
+    ``capture_dir(work_dir)``, the model asked for token ids (``return_token_id_information``) and
+    ``rebuild_response: false`` (the collection leaves the rows to the trainer, which rebuilds them with
+    ``trajectories_for_rollout``).
 
     ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block;
     ``storage`` is the ``checkpoint.storage`` block (``{"backend": "fsspec"}`` for an object store);
@@ -83,7 +89,11 @@ def new_deployment(
     # uvicorn kills a worker that has not answered its health ping within this many seconds, and a
     # spawned worker answers only once it imported Gym: a dozen of them starting on two cores need more
     # than Gym's default 30 s.
-    slow_start = {"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else None
+    settings: dict[str, Any] = {"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else {}
+    if token_capture:
+        capture = {"enabled": True, "all_agents": True, "dir": str(capture_dir(work_dir)), "rebuild_response": False}
+        settings["token_id_capture"] = capture
+        model = {**(model or {}), "return_token_id_information": True}
     deployment = Deployment(
         free_port_base() if port_base is None else port_base,
         work_dir,
@@ -95,10 +105,15 @@ def new_deployment(
         model={**(model or {}), **workers} or None,
         resources=workers or None,
         environment=workers or None,
-        gym_settings=slow_start,
+        gym_settings=settings or None,
     )
     deployment.start_timeout = start_timeout(num_workers)
     return deployment
+
+
+def capture_dir(work_dir: Path) -> Path:
+    """Gym's capture directory of a ``new_deployment(work_dir, ..., token_capture=True)``."""
+    return Path(work_dir) / "captures"
 
 
 def run_body(rollout_id: str, attempt: int = 0, *, restart: bool = False) -> dict[str, Any]:

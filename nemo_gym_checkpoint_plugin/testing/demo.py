@@ -36,6 +36,13 @@ checkpoints into it; it is stopped at the end.
 resources and environment servers with N uvicorn workers each (docs/protocol.md section 9a): the
 same story, the same guarantees.
 
+``--token-capture`` (or ``TOKEN_CAPTURE=1``, as ``make demo TOKEN_CAPTURE=1`` passes it) turns Gym's
+training-token capture on for every agent (its local file store under the work directory) and adds
+the capture invariant to the guarantees: after the resume, Gym's rebuild of every row's finished
+attempt (``trajectories_for_rollout``, as a trainer reads it) is unmasked and holds one captured call
+per model call of its turn. The summary then adds ``"capture": {"rows", "masked", "n_calls_wrong"}``
+(the keys that fail), and the exit status is 0 only when both lists are empty.
+
 Ports: ``PORT_BASE`` when set (five consecutive ports from it; busy or invalid is exit 2
 before anything starts), else free ports picked at random.
 
@@ -70,7 +77,7 @@ import orjson
 
 from .._storage.objstore import is_url, normalize_url
 from .collect_story import run_collect_story
-from .crash_scenario import new_deployment
+from .crash_scenario import capture_dir, new_deployment
 from .deployment import Deployment, DeploymentAborted, DeploymentError, parse_port_base, port_is_free
 from .gym_config import PORT_OFFSETS
 from .s3_server import LocalS3Server, S3ServerError
@@ -129,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="uvicorn workers of the model, resources and environment servers (default 1, or NUM_WORKERS)",
     )
+    parser.add_argument(
+        "--token-capture",
+        action="store_true",
+        default=os.environ.get("TOKEN_CAPTURE", "") not in ("", "0"),
+        help="Gym's token capture on, and the capture invariant checked (also TOKEN_CAPTURE=1)",
+    )
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
@@ -147,7 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _checkpoint_store(args, work) as (checkpoint_root, store_env):
             summary = _run(
-                work, args.rollouts, args.checkpoint_every, port_base, checkpoint_root, store_env, args.num_workers
+                work,
+                args.rollouts,
+                args.checkpoint_every,
+                port_base,
+                checkpoint_root,
+                store_env,
+                args.num_workers,
+                args.token_capture,
             )
     except (DeploymentError, S3ServerError) as failed:
         print(f"demo: {failed}; work directory kept: {work}", file=sys.stderr, flush=True)
@@ -161,7 +181,14 @@ def main(argv: list[str] | None = None) -> int:
         left = f"work directory kept: {work}" if keep else f"removed {work}"
         print(f"[demo] interrupted: every server stopped; {left}", file=sys.stderr, flush=True)
         return 130
-    ok = summary["lost"] == 0 and summary["repeated_steps"] == 0 and summary["identical_to_uninterrupted"]
+    capture = summary.get("capture") or {}
+    ok = (
+        summary["lost"] == 0
+        and summary["repeated_steps"] == 0
+        and summary["identical_to_uninterrupted"]
+        and not capture.get("masked")
+        and not capture.get("n_calls_wrong")
+    )
     # A failed run keeps its work directory: the logs say why.
     if ok and not keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -206,6 +233,7 @@ def _run(
     checkpoint_root: str | None = None,
     store_env: dict[str, str] | None = None,
     num_workers: int = 1,
+    token_capture: bool = False,
 ) -> dict[str, Any] | None:
     """Start the deployment, run the scenario, stop every server; the summary, or None after Ctrl-C/SIGTERM.
 
@@ -223,11 +251,18 @@ def _run(
     token = secrets.token_urlsafe(24)
     storage = {"backend": "fsspec"} if checkpoint_root is not None and is_url(checkpoint_root) else None
     deployment = new_deployment(
-        work, token, port_base=port_base, storage=storage, extra_env=store_env, num_workers=num_workers
+        work,
+        token,
+        port_base=port_base,
+        storage=storage,
+        extra_env=store_env,
+        num_workers=num_workers,
+        token_capture=token_capture,
     )
+    captures = capture_dir(work) if token_capture else None
     try:
         # asyncio.run returns only once its worker threads are done (a start under way included).
-        return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop, checkpoint_root))
+        return asyncio.run(_scenario(deployment, work, token, rollouts, every, stop, checkpoint_root, captures))
     finally:
         # Closing the loop reset the handlers; nothing may cut the stop short (servers have their own groups).
         for sig in _STOP_SIGNALS:
@@ -243,6 +278,7 @@ async def _scenario(
     every: float,
     stop: threading.Event,
     checkpoint_root: str | None = None,
+    captures: Path | None = None,
 ) -> dict[str, Any] | None:
     task = asyncio.current_task()
     assert task is not None
@@ -266,7 +302,7 @@ async def _scenario(
             f"{', '.join(sorted(deployment.urls))}"
         )
         return await run_collect_story(
-            deployment, work, token, rollouts, every=every, say=_say, checkpoint_root=checkpoint_root
+            deployment, work, token, rollouts, every=every, say=_say, checkpoint_root=checkpoint_root, captures=captures
         )
     except (asyncio.CancelledError, DeploymentAborted):
         if stop.is_set():
