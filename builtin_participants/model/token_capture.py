@@ -13,7 +13,9 @@ the model servers sharing the directory wrote them (``capture_files.py`` has the
   reaching their caller from this process, and rows it installed. A call held, generating or
   parked is owned by no one, so nobody exports it; a sibling server never exports another's rows.
   One record per episode: ``{"episode_id", "token_rows": [[id, line], ...]}`` plus ``"ledger_rows"``
-  with external staging, each row its line on disk as JSON text (never parsed or encoded again);
+  with external staging, each row its line on disk as JSON text (never parsed or encoded again),
+  exported as an ``api.Versioned`` record whose version names the owned calls and the files'
+  fingerprints (``model_records.py``): an unchanged episode's files are not read again;
 - **install**: the rows go under the replacement attempt's key, each keeping the capture key it
   was first recorded under (a token row's own ``rollout_id``; a ledger row's
   ``ng_checkpoint_restored_from``). First, once per restore for all servers sharing the
@@ -151,9 +153,10 @@ class TokenCaptures:
     def export(
         self, keys: Iterable[str], owned: Mapping[str, set[str]], staging: StagingKeys | None = None
     ) -> Iterator[dict[str, Any]]:
-        """One record per key with rows whose model call id ``owned[key]`` names (``record``).
+        """One record per key with rows whose model call id ``owned[key]`` names (``record``), as plain records.
 
-        Lazy: the storage writer advances it in its worker thread, one episode's rows in memory at a time.
+        Lazy: one episode's rows in memory at a time. The model participant exports them as
+        ``Versioned`` records instead (``model_records.py``), from the same ``owned_rows`` and ``record``.
         """
         for key in keys:
             ids = owned.get(key)
