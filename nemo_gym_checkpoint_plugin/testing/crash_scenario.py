@@ -66,6 +66,7 @@ def new_deployment(
     storage: dict[str, Any] | None = None,
     extra_env: dict[str, str] | None = None,
     num_workers: int = 1,
+    gym_settings: dict[str, Any] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
@@ -74,7 +75,8 @@ def new_deployment(
 
     ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block;
     ``storage`` is the ``checkpoint.storage`` block (``{"backend": "fsspec"}`` for an object store);
-    ``extra_env`` reaches every server (an object store's standard variables, e.g. ``AWS_*``).
+    ``extra_env`` reaches every server (an object store's standard variables, e.g. ``AWS_*``);
+    ``gym_settings`` are top-level Gym settings (e.g. ``token_id_capture``).
     """
     block: dict[str, Any] = {**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}
     if storage:
@@ -83,7 +85,7 @@ def new_deployment(
     # uvicorn kills a worker that has not answered its health ping within this many seconds, and a
     # spawned worker answers only once it imported Gym: a dozen of them starting on two cores need more
     # than Gym's default 30 s.
-    slow_start = {"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else None
+    slow_start = {"uvicorn_timeout_worker_healthcheck": WORKER_HEALTHCHECK_SECONDS} if workers else {}
     deployment = Deployment(
         free_port_base() if port_base is None else port_base,
         work_dir,
@@ -95,7 +97,7 @@ def new_deployment(
         model={**(model or {}), **workers} or None,
         resources=workers or None,
         environment=workers or None,
-        gym_settings=slow_start,
+        gym_settings={**slow_start, **(gym_settings or {})} or None,
     )
     deployment.start_timeout = start_timeout(num_workers)
     return deployment
