@@ -46,6 +46,7 @@ __all__ = ["ModelRecords"]
 class _Seen:
     """What an export found at one version of an episode's record."""
 
+    episode: Mapping[str, Any]  # its episode_id (shared by its records: never changed)
     version: Any
     record: bool  # whether it made a record
     staged: tuple[str, ...]  # the staged keys its ledger rows refer to (external staging)
@@ -57,8 +58,6 @@ class ModelRecords:
     def __init__(self, captures: TokenCaptures | None) -> None:
         self.captures = captures
         self._seen: dict[str, _Seen] = {}  # by capture key: the last export's (replaced at its end)
-        self.read_total = 0  # episodes whose files an export read
-        self.unread_total = 0  # episodes exported (or left out) at an unchanged version, unread
 
     def export(
         self,
@@ -70,21 +69,23 @@ class ModelRecords:
         calls) or ``cuts`` (``{key: (cut source, its version)}``), sorted by key; runs in the writer's thread."""
         seen = self._seen
         found: dict[str, _Seen] = {}
+        captures = self.captures
         for key in sorted(owned.keys() | cuts.keys()):
-            try:
-                episode = episode_to_wire(from_capture_key(key))
-            except ValueError:
-                continue  # not an episode attempt's key
+            before = seen.get(key)
+            if before is not None:
+                episode = before.episode
+            else:
+                try:
+                    episode = episode_to_wire(from_capture_key(key))
+                except ValueError:
+                    continue  # not an episode attempt's key
             stamp, ids = owned.get(key, (None, None))
             source, cut_version = cuts.get(key, (None, None))
-            captured = self.captures is not None and bool(ids)
-            files = self.captures.fingerprints(key) if captured and self.captures is not None else None
-            if files is not None and all(f is None for f in files) and source is None:
+            files = captures.fingerprints(key) if captures is not None and ids else None
+            if files is not None and not any(files) and source is None:
                 continue  # no row file: no row to export
             version = (stamp, files, cut_version)
-            before = seen.get(key)
             if before is not None and before.version == version:
-                self.unread_total += 1
                 found[key] = before
                 if not before.record:
                     continue
@@ -93,11 +94,10 @@ class ModelRecords:
                 # Built only when the writer cannot refer to the previous checkpoint's line (then read now).
                 yield Versioned(episode, version, partial(self._record, key, episode, ids, source, staging))
                 continue
-            self.read_total += 1
             record, files = self._build(key, episode, ids, source, staging)
             version = (stamp, files, cut_version)  # the fingerprints of what was read
             staged = tuple(staging.by_episode.get(key, ())) if staging is not None else ()
-            found[key] = _Seen(version, record is not None, staged)
+            found[key] = _Seen(episode, version, record is not None, staged)
             if record is not None:
                 yield Versioned(episode, version, record)
         self._seen = found
