@@ -17,11 +17,11 @@ A model record (``calls.py``) holds an episode attempt's captured rows that this
 
 Unchanged records cost one ``open`` and ``fstat`` per row file (two with external staging): the
 files are not read. The export runs in the storage writer's thread (the records are an iterator):
-per episode, the files' fingerprints are taken first; when the version equals the one this
-participant exported last time, the record is yielded unbuilt (the writer refers to the previous
-checkpoint's line, or builds it when it cannot); otherwise the rows are read now, and the version
-is made of the fingerprints of the very bytes read (a file that changed while it was read gets a
-version nothing equals). What was found at each version is kept (whether it made a record, the
+per episode whose owned calls and cut are those this participant exported last time, the files'
+fingerprints are taken; when the version is the same, the record is yielded unbuilt (the writer
+refers to the previous checkpoint's line, or builds it when it cannot). Otherwise the rows are
+read now, and the version is made of the fingerprints of the very bytes read (a file that changed
+while it was read gets a version nothing equals). What was found at each version is kept (whether it made a record, the
 staged keys it refers to), so a version that made no record (no owned row left in the files) makes
 none again without a read, and the commit reply's ``staging_keys`` name a referred record's keys.
 """
@@ -81,19 +81,19 @@ class ModelRecords:
                     continue  # not an episode attempt's key
             stamp, ids = owned.get(key, (None, None))
             source, cut_version = cuts.get(key, (None, None))
-            files = captures.fingerprints(key) if captures is not None and ids else None
-            if files is not None and not any(files) and source is None:
-                continue  # no row file: no row to export
-            version = (stamp, files, cut_version)
-            if before is not None and before.version == version:
-                found[key] = before
-                if not before.record:
+            # Fingerprints (no read) only when nothing else changed: else the rows are read below anyway.
+            if before is not None and before.version[0] == stamp and before.version[2] == cut_version:
+                files = captures.fingerprints(key) if captures is not None and ids else None
+                version = (stamp, files, cut_version)
+                if before.version == version:
+                    found[key] = before
+                    if not before.record:
+                        continue
+                    if staging is not None and before.staged:
+                        staging.by_episode[key] = list(before.staged)
+                    # Built only when the writer cannot refer to the previous checkpoint's line (then read now).
+                    yield Versioned(episode, version, partial(self._record, key, episode, ids, source, staging))
                     continue
-                if staging is not None and before.staged:
-                    staging.by_episode[key] = list(before.staged)
-                # Built only when the writer cannot refer to the previous checkpoint's line (then read now).
-                yield Versioned(episode, version, partial(self._record, key, episode, ids, source, staging))
-                continue
             record, files = self._build(key, episode, ids, source, staging)
             version = (stamp, files, cut_version)  # the fingerprints of what was read
             staged = tuple(staging.by_episode.get(key, ())) if staging is not None else ()
