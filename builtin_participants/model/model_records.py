@@ -21,9 +21,10 @@ per episode whose owned calls and cut are those this participant exported last t
 fingerprints are taken; when the version is the same, the record is yielded unbuilt (the writer
 refers to the previous checkpoint's line, or builds it when it cannot). Otherwise the rows are
 read now, and the version is made of the fingerprints of the very bytes read (a file that changed
-while it was read gets a version nothing equals). What was found at each version is kept (whether it made a record, the
-staged keys it refers to), so a version that made no record (no owned row left in the files) makes
-none again without a read, and the commit reply's ``staging_keys`` name a referred record's keys.
+while it was read gets a version nothing equals). What was found at each version is kept (whether
+it made a record, the staged keys it refers to), so a version that made no record (no owned row
+left in the files) makes none again without a read, and the commit reply's ``staging_keys`` name a
+referred record's keys.
 """
 
 from __future__ import annotations
