@@ -11,11 +11,20 @@ install, reply. No sockets, so the figures are the route's own CPU (``time.proce
 thread), without the contention of seven servers on two cores.
 
     .venv/bin/python benchmarks/control_routes.py [--kinds agent,environment,model,resources]
-        [--episodes 8000] [--others 8000] [--token-capture] [--profile [--top 30]]
+        [--episodes 8000] [--others 8000] [--token-capture [--prompt-tokens 120]]
+        [--second [--changed 0.0]] [--profile [--top 30]]
 
 ``--token-capture`` turns Gym's token capture on (its file store in the run's directory): each model
 episode then holds one captured row (its first call, answered) that the commit exports and the restore
 installs under the replacement attempt; the figures add the wall seconds (file creation is I/O).
+``--prompt-tokens`` sets that row's prompt length (a real turn's prompt is thousands of tokens).
+
+``--second`` commits again after the first commit's resume, into a sibling directory (the first
+checkpoint's, ``-2``): an incremental checkpoint that refers to the records that did not change
+(``Versioned`` ones, docs/protocol.md "Incremental checkpoints"), ``--changed`` of the episodes
+changed in between (for the model with token capture: one more call captured and answered; for the
+other kinds nothing is changed). Adds ``second_commit_s``, its wall seconds and ``second_written``
+(the records it wrote itself); the restore still reads the first checkpoint.
 
 ``--profile`` prints a cProfile top-N (event loop thread only) of each route. Last line: one JSON
 object ``{kind: {"commit_s", "restore_s", "exported", "restored"}}``.
@@ -78,8 +87,8 @@ async def _timed(
     return elapsed, wall, reply
 
 
-def _capture_rows(server: Any, plugin: Any, ids: list[Any]) -> None:
-    """Each episode's first model call captured by Gym's store and answered (owned by this server)."""
+def _capture_rows(server: Any, plugin: Any, ids: list[Any], prompt_tokens: int = 120) -> None:
+    """A model call of each episode captured by Gym's store and answered (owned by this server)."""
     from nemo_gym.token_id_capture.records import TokenEntry
 
     store = plugin.captures.store
@@ -90,7 +99,7 @@ def _capture_rows(server: Any, plugin: Any, ids: list[Any]) -> None:
             TokenEntry(
                 rollout_id=episode.capture_key,
                 model_call_id=call_id,
-                prompt_token_ids=[random.randrange(150_000) for _ in range(120)],
+                prompt_token_ids=[random.randrange(150_000) for _ in range(prompt_tokens)],
                 generation_token_ids=[random.randrange(150_000) for _ in range(24)],
                 generation_log_probs=[-random.random() for _ in range(24)],
                 output_items=[{"type": "function_call", "name": "get_weather", "arguments": "{}", "call_id": "c"}],
@@ -101,7 +110,16 @@ def _capture_rows(server: Any, plugin: Any, ids: list[Any]) -> None:
         plugin.book.delivered(episode.capture_key, call_id)
 
 
-async def run_kind(kind: str, episodes: int, others: int, top: int | None, capture: bool = False) -> dict[str, Any]:
+async def run_kind(
+    kind: str,
+    episodes: int,
+    others: int,
+    top: int | None,
+    capture: bool = False,
+    second: bool = False,
+    changed: float = 0.0,
+    prompt_tokens: int = 120,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as directory:
         servers = participants.Servers(Path(directory), token_capture=capture)
         try:
@@ -118,7 +136,7 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
             if inspect.isawaitable(done):
                 await done
             if capture and kind == "model":
-                _capture_rows(server, plugin, ids)
+                _capture_rows(server, plugin, ids, prompt_tokens)
             scope = [episode_to_wire(e) for e in ids]
             scope += [{"rollout_id": f"elsewhere-{i:06d}", "attempt": 0} for i in range(others)]
             checkpoint_dir = str(Path(directory) / "checkpoint")
@@ -140,6 +158,29 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
                 profiles["commit"],
             )
             await _post(app, "resume", {"checkpoint_id": "c1", "deadline_ts": deadline()})
+            again: dict[str, Any] = {}
+            if second:
+                if capture and kind == "model" and changed > 0:
+                    _capture_rows(server, plugin, ids[: round(len(ids) * changed)], prompt_tokens)
+                await _post(app, "prepare", {"checkpoint_id": "c2", "deadline_ts": deadline()})
+                second_s, second_wall, _reply = await _timed(
+                    app,
+                    "commit",
+                    {
+                        "checkpoint_id": "c2",
+                        "deadline_ts": deadline(),
+                        "checkpoint_dir": checkpoint_dir + "-2",
+                        "episode_ids": scope,
+                    },
+                    None,
+                )
+                await _post(app, "resume", {"checkpoint_id": "c2", "deadline_ts": deadline()})
+                manifest = next((Path(checkpoint_dir + "-2") / "gym").glob("*/*/manifest.json"))
+                again = {
+                    "second_commit_s": round(second_s, 3),
+                    "second_commit_wall_s": round(second_wall, 3),
+                    "second_written": orjson.loads(manifest.read_bytes())["record_count"],
+                }
             servers.build(kind)  # a restarted process
             restore_s, restore_wall, restored = await _timed(
                 servers.last_app,
@@ -171,6 +212,7 @@ async def run_kind(kind: str, episodes: int, others: int, top: int | None, captu
                 "exported": len(committed["episode_ids"]),
                 "restored": len(restored["restored"]),
                 "token_capture": capture and kind == "model",
+                **again,
             }
         finally:
             await servers.aclose()
@@ -193,6 +235,11 @@ def main() -> None:
         action="store_true",
         help="Gym's token capture on: each model episode holds a captured row to export and install",
     )
+    parser.add_argument("--prompt-tokens", type=int, default=120, help="prompt token ids per captured row")
+    parser.add_argument(
+        "--second", action="store_true", help="commit again into a sibling directory (an incremental checkpoint)"
+    )
+    parser.add_argument("--changed", type=float, default=0.0, help="share of episodes changed before --second")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top-N of each route")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
@@ -207,13 +254,28 @@ def main() -> None:
         episodes = args.episodes if args.episodes is not None else SHAPES[kind][0]
         others = args.others if args.others is not None else SHAPES[kind][1]
         figures[kind] = run = asyncio.run(
-            run_kind(kind, episodes, others, args.top if args.profile else None, args.token_capture)
+            run_kind(
+                kind,
+                episodes,
+                others,
+                args.top if args.profile else None,
+                args.token_capture,
+                args.second,
+                args.changed,
+                args.prompt_tokens,
+            )
         )
         print(
             f"{kind:<12}{episodes:>9}{run['scope']:>7}{run['commit_s']:>16.3f}{run['restore_s']:>17.3f}"
             f"{run['commit_wall_s']:>17.3f}{run['restore_wall_s']:>18.3f}",
             flush=True,
         )
+        if args.second:
+            print(
+                f"{'':<12}second commit: {run['second_commit_s']:.3f} CPU s, {run['second_commit_wall_s']:.3f} wall s, "
+                f"{run['second_written']} records written",
+                flush=True,
+            )
     print(json.dumps(figures))
 
 

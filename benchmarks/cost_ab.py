@@ -11,7 +11,10 @@ baseline is ``git archive <ref>`` of this repository laid out as the installed p
 first on ``PYTHONPATH``, so the same script and the same venv import the baseline's code instead.
 
     .venv/bin/python benchmarks/cost_ab.py [--baseline main] [--kinds agent,environment,resources,model]
-        [--rounds 3] [--token-capture | --hooks [--episodes 8000] | --storage]
+        [--rounds 3] [--token-capture] [--second] | --hooks [--episodes 8000] | --storage]
+
+``--second`` passes ``--second`` to ``control_routes.py``: each run also commits a second
+checkpoint, nothing changed, into a sibling directory (phase ``second_commit``).
 
 With ``--storage``, ``benchmarks/storage_cost.py`` instead (the storage benchmark's 1,000 x 350 KB
 commit and restore through the built-in backend, and their floors, wall and CPU seconds), once per
@@ -56,7 +59,9 @@ def baseline_tree(ref: str, into: Path) -> Path:
     return into / "path"
 
 
-def one(kind: str, python_path: str | None, token_capture: bool, hooks: int | None = None) -> dict[str, Any]:
+def one(
+    kind: str, python_path: str | None, token_capture: bool, hooks: int | None = None, second: bool = False
+) -> dict[str, Any]:
     """One run of the kind (``hooks``: participants.py with that many episodes), its figures by phase."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -68,6 +73,8 @@ def one(kind: str, python_path: str | None, token_capture: bool, hooks: int | No
         command = [sys.executable, str(HERE / "control_routes.py"), "--kinds", kind]
         if token_capture:
             command.append("--token-capture")
+        if second:
+            command.append("--second")
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{kind} ({'baseline' if python_path else 'this tree'}): {done.stderr[-2000:]}")
@@ -119,6 +126,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="agent,environment,resources,model")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side per kind; each phase's best is kept")
     parser.add_argument("--token-capture", action="store_true", help="Gym's token capture on (the model's rows)")
+    parser.add_argument("--second", action="store_true", help="also a second commit, nothing changed (incremental)")
     parser.add_argument("--hooks", action="store_true", help="the participant's hooks alone (participants.py)")
     parser.add_argument("--episodes", type=int, default=8000, help="episodes held with --hooks")
     parser.add_argument("--storage", action="store_true", help="the storage backend's commit and restore")
@@ -126,7 +134,7 @@ def main() -> None:
     if args.storage:
         storage_ab(args.baseline, args.rounds)
         return
-    phases = HOOKS if args.hooks else PHASES
+    phases = HOOKS if args.hooks else (*PHASES, "second_commit_s") if args.second else PHASES
     best: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="cost-ab-") as directory:
         base_path = str(baseline_tree(args.baseline, Path(directory)))
@@ -137,7 +145,7 @@ def main() -> None:
                 order = [("before", base_path), ("after", None)]
                 # Which side runs first alternates: a run that leaves the disk or caches busy hits both alike.
                 for side, path in order if round_ % 2 == 0 else order[::-1]:
-                    run = one(kind, path, args.token_capture, args.episodes if args.hooks else None)
+                    run = one(kind, path, args.token_capture, args.episodes if args.hooks else None, args.second)
                     episodes = run["episodes"]
                     for phase in phases:
                         sides[side][phase] = min(run[phase], sides[side].get(phase, run[phase]))
@@ -155,6 +163,7 @@ def main() -> None:
         "baseline": args.baseline,
         "rounds": args.rounds,
         "token_capture": args.token_capture,
+        "second": args.second,
         "hooks": args.hooks,
     }
     print(json.dumps({**summary, **best}))

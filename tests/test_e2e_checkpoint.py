@@ -13,6 +13,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from nemo_gym.token_id_capture import trajectories_for_rollout
 
 from nemo_gym_checkpoint_plugin.testing.crash_scenario import ScenarioResult, new_deployment, run_scenario
 
@@ -23,8 +24,18 @@ CONTINUED = [f"cont-{i}" for i in range(4)]
 RESTARTS = [f"rest-{i}" for i in range(2)]
 
 
-def _scenario(tmp_path: Path, step_mode: str, *, incremental: bool = False) -> ScenarioResult:
-    deployment = new_deployment(tmp_path, TOKEN, step_mode=step_mode)
+def _scenario(
+    tmp_path: Path, step_mode: str, *, incremental: bool = False, token_capture: bool = False
+) -> ScenarioResult:
+    capture = {"enabled": True, "all_agents": True, "dir": str(tmp_path / "captures")}
+    deployment = new_deployment(
+        tmp_path,
+        TOKEN,
+        step_mode=step_mode,
+        # Gym's token capture: each model call's row in the run's capture directory, which the model server exports.
+        model={"return_token_id_information": True} if token_capture else None,
+        gym_settings={"token_id_capture": capture} if token_capture else None,
+    )
     deployment.start()
     try:
         return asyncio.run(
@@ -96,16 +107,24 @@ def test_a_restore_from_an_incremental_checkpoint_of_the_built_in_participants_c
     tmp_path: Path,
 ) -> None:
     # Issue 31: the second checkpoint (a sibling, nothing changed since the first) writes no record of the
-    # agent, the environment or the resources server (each refers to the first's); restored from it after the
-    # SIGKILL, every rollout continues exactly as from a full checkpoint.
-    result = _scenario(tmp_path, "replay", incremental=True)
+    # agent, the environment, the resources server or the model server, whose records hold Gym's token capture
+    # rows here (each refers to the first's); restored from it after the SIGKILL, every rollout continues
+    # exactly as from a full checkpoint, and the capture Gym's trainer reads holds each call once.
+    result = _scenario(tmp_path, "replay", incremental=True, token_capture=True)
     assert result.checkpoint_dir == str(tmp_path / "ckpt-2")
     manifests = {
         path.parent.parent.name: orjson.loads(path.read_bytes())
         for path in (tmp_path / "ckpt-2" / "gym").glob("*/*/manifest.json")
     }
-    for kind in ("agent", "environment", "resources"):
+    first = orjson.loads(next((tmp_path / "ckpt" / "gym" / "model").glob("*/manifest.json")).read_bytes())
+    assert first["record_count"] == len(CONTINUED)  # each continued rollout's first call, answered
+    for kind in ("agent", "environment", "resources", "model"):
         manifest = manifests[kind]
         assert manifest["schema_version"] == 2 and manifest["depends_on"] == ["ckpt"], (kind, manifest)
         assert manifest["record_count"] == 0, (kind, manifest)
     _assert_continued_inside_their_turn(result)
+    for rollout in CONTINUED + RESTARTS:
+        # The restored first call's row and the call sent after the crash, each once (restarts: both again).
+        built = trajectories_for_rollout(f"{rollout}-a1", [tmp_path / "captures"])
+        assert built is not None and built["mask_sample"] is False, (rollout, built)
+        assert built["metrics"]["n_calls"] == 2 and not built["metrics"].get("capture_incomplete"), (rollout, built)

@@ -30,6 +30,9 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   capture record, field ``generation_cut``), a prepare that finds cuts generating freezes the
   workers within its share of the deadline (readiness waits for that, never for a generation),
   and the agent's re-sent call continues its restored cut.
+- Each record is an ``api.Versioned`` (``model_records.py``): a checkpoint written beside this
+  server's previous one refers to an episode's record while its owned calls, its capture files
+  and its cut are unchanged, without reading the files.
 
 One registry per model server process; used from its event loop only.
 """
@@ -45,14 +48,19 @@ from typing import Any
 from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_book import CaptureBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_book import CUT_FIELD, CutBook
 from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_settings import cut_settings
+from nemo_gym_checkpoint_plugin.builtin_participants.model.model_records import ModelRecords
 from nemo_gym_checkpoint_plugin.builtin_participants.model.output_tokens import UsageScan
-from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures, token_captures_for
+from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import (
+    StagingKeys,
+    TokenCaptures,
+    token_captures_for,
+)
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempt_counts import AttemptCounts
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RETIRE_CONCURRENCY, stop_bounded
 
 from nemo_gym_checkpoint_plugin._control.facade import POLL_SECONDS, claim_install
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState, InvalidPhase
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key, episode_to_wire, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, capture_key
 from nemo_gym_checkpoint_plugin._markers import hookimpl
 from nemo_gym_checkpoint_plugin._types import ParticipantExport, Readiness, RestoredRecord
 
@@ -135,6 +143,7 @@ class ModelCalls:
         self.server: Any = None
         self.captures = captures
         self.book = CaptureBook(captures) if captures is not None else None
+        self.records = ModelRecords(captures)
         self.cuts: CutBook | None = None
         if server is not None:
             self._bind(server, captures)
@@ -157,6 +166,7 @@ class ModelCalls:
         if captures is None:
             self.captures = captures = token_captures_for(server)
             self.book = CaptureBook(captures) if captures is not None else None
+            self.records = ModelRecords(captures)
         if getattr(server, "server_client", None) is not None:
             settings = cut_settings(server.server_client.global_config_dict, str(server.config.name))
             if settings.enabled:
@@ -360,19 +370,24 @@ class ModelCalls:
 
     @hookimpl
     def export(self, checkpoint_id: str, scope: frozenset[str] | None) -> ParticipantExport | None:
+        """One ``Versioned`` record per in-scope episode with owned rows or a cut (``model_records.py``)."""
         cuts = self.cuts.snapshot(self._calls(), scope) if self.cuts is not None else {}
-        captured = None
+        # Versions taken now, with the snapshots: a generation goes on streaming while the records are written.
+        versioned_cuts = {key: (source, CutBook.version(source)) for key, source in cuts.items()}
+        owned: dict[str, tuple[int, set[str]]] = {}
         if self.book is not None:
             # Calls held or still generating are owned by no one: their rows are never exported. None can
             # start while the checkpoint is open, so ownership cannot change during the export.
             running = {call.key for call in self._calls() if call.key is not None}
-            captured = self.book.export(scope, running)
-        records = captured.records if captured is not None else ()
-        return ParticipantExport(
-            records=_with_cuts(records, cuts) if cuts else records,
-            manifest_extras=captured.manifest_extras if captured is not None else {},
-            reply_extras={**(captured.reply_extras if captured is not None else {}), **self.ledger_extras()},
+            owned = self.book.owned_in(scope, running)
+        staging = StagingKeys() if self.captures is not None and self.captures.ledger else None
+        # Staging keys: filled as the records are written; the commit replies once the write is done.
+        extras = (
+            {} if staging is None else {"staging_keys": staging.keys, "staging_keys_by_episode": staging.by_episode}
         )
+        # Versioned (ParticipantExport names plain records; the writer takes both).
+        records: Iterable[Any] = self.records.export(owned, versioned_cuts, staging)
+        return ParticipantExport(records=records, reply_extras={**extras, **self.ledger_extras()})
 
     @hookimpl
     async def install(
@@ -442,21 +457,6 @@ class ModelCalls:
 
 
 _CAPTURE_FIELDS = frozenset({"token_rows", "ledger_rows", "token_entries", "ledger_entries"})
-
-
-def _with_cuts(records: Iterable[Mapping[str, Any]], cuts: dict[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """The capture records with each episode's cut added, then a record for each cut left (in the writer's thread)."""
-    left = dict(cuts)
-    for record in records:
-        episode = record["episode_id"]
-        rollout, attempt = episode["rollout_id"], episode["attempt"]
-        source = left.pop(capture_key(rollout, attempt), None)
-        cut = CutBook.record(source) if source is not None else None
-        yield record if cut is None else {**record, CUT_FIELD: cut}
-    for key in sorted(left):
-        cut = CutBook.record(left[key])
-        if cut is not None:
-            yield {"episode_id": episode_to_wire(from_capture_key(key)), CUT_FIELD: cut}
 
 
 def install_model_calls(app: Any, calls: ModelCalls) -> None:

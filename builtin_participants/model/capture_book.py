@@ -19,11 +19,12 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import StagingKeys, TokenCaptures
+from nemo_gym_checkpoint_plugin.builtin_participants.model.token_capture import TokenCaptures
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy, split_key
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import stamp
 
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_id
-from nemo_gym_checkpoint_plugin._types import ParticipantExport, RestoredRecord
+from nemo_gym_checkpoint_plugin._types import RestoredRecord
 
 __all__ = ["CaptureBook"]
 
@@ -60,6 +61,9 @@ class CaptureBook:
     def __init__(self, captures: TokenCaptures) -> None:
         self.captures = captures
         self.owned: dict[str, set[str]] = {}
+        # A stamp per owned attempt (shared/versions.py), new whenever the calls it owns change: part of its
+        # record's version (model_records.py), with the fingerprints of its capture files.
+        self.stamps: dict[str, int] = {}
         # Installed capture keys no call has used on this server yet.
         self.restored: set[str] = set()
         self._settled = _Recent()  # attempt keys with no restored row left that a call could answer again
@@ -99,12 +103,16 @@ class CaptureBook:
     def delivered(self, key: str, call_id: str | None) -> None:
         """The call's answer started reaching its caller: its row is this server's to export."""
         if call_id is not None:
-            self.owned.setdefault(key, set()).add(call_id)
+            ids = self.owned.setdefault(key, set())
+            if call_id not in ids:
+                ids.add(call_id)
+                self.stamps[key] = stamp()
 
     # -- export ------------------------------------------------------------------------------------
 
-    def export(self, scope: frozenset[str] | None, running: Collection[str]) -> ParticipantExport:
-        """The owned rows of the episodes in ``scope`` (all when None); owned episodes outside it are forgotten.
+    def owned_in(self, scope: frozenset[str] | None, running: Collection[str]) -> dict[str, tuple[int, set[str]]]:
+        """``{key: (its stamp, the calls it owns)}`` of the episodes in ``scope`` (all when None), copies; owned
+        episodes outside it are forgotten.
 
         Episodes outside a scope that have no call ``running`` here have finished or are not
         continued: their ownership is of no further use.
@@ -114,17 +122,13 @@ class CaptureBook:
         else:
             keys = sorted(scope.intersection(self.owned))
             for key in [key for key in self.owned if key not in scope and key not in running]:
-                del self.owned[key]
-        # A copy: the writer's thread reads it while the event loop goes on.
-        owned = {key: set(self.owned[key]) for key in keys}
-        if not self.captures.ledger:
-            return ParticipantExport(records=self.captures.export(keys, owned))
-        staging = StagingKeys()
-        return ParticipantExport(
-            records=self.captures.export(keys, owned, staging),
-            # Filled as the records are written; the commit replies once the write is done.
-            reply_extras={"staging_keys": staging.keys, "staging_keys_by_episode": staging.by_episode},
-        )
+                self._forget(key)
+        # Copies: the writer's thread reads them while the event loop goes on.
+        return {key: (self.stamps[key], set(self.owned[key])) for key in keys}
+
+    def _forget(self, key: str) -> None:
+        self.owned.pop(key, None)
+        self.stamps.pop(key, None)
 
     # -- restore -----------------------------------------------------------------------------------
 
@@ -151,6 +155,7 @@ class CaptureBook:
         for rows in staged:
             self.restored.add(rows.key)
             self.owned.setdefault(rows.key, set()).update(rows.call_ids)
+            self.stamps[rows.key] = stamp()
         if cleared:
             # Kept as given (never changed once parsed): a copy would make every EpisodeId of the scope.
             self._cleared[restore_id] = scope
@@ -181,7 +186,7 @@ class CaptureBook:
         await asyncio.to_thread(self.captures.delete, doomed)
         for key in doomed:
             self.restored.discard(key)
-            self.owned.pop(key, None)
+            self._forget(key)
 
     def retired(self, episode_ids: list[EpisodeId]) -> list[EpisodeId]:
         """Forget what the retired attempts owned; the restored ones among them, for the caller to delete.
@@ -196,7 +201,7 @@ class CaptureBook:
             for attempt in range(last + 1)
         ]
         for episode in named:
-            self.owned.pop(episode.capture_key, None)
+            self._forget(episode.capture_key)
         return [episode for episode in named if episode.capture_key in self.restored]
 
     def _spawn(self, work: Any, what: str) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import orjson
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import split_key
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import stamp
 
 __all__ = [
     "ATTEMPT_FILES",
@@ -44,6 +45,7 @@ __all__ = [
     "STARTED",
     "TOKEN_ROWS",
     "CaptureDir",
+    "Fingerprint",
 ]
 
 TOKEN_ROWS = ".tokens.jsonl"
@@ -55,6 +57,8 @@ _LOCK = ".tokens.lock"
 # keep locking one inode).
 ATTEMPT_FILES = (TOKEN_ROWS, ".tokens.intents", ".tokens.incomplete", TOKEN_STATE, LEDGER_ROWS, STARTED)
 _DIRECTORY_LOCK = ".ng-checkpoint.lock"
+# What a file's content is known by without reading it (``CaptureDir.fingerprint``).
+Fingerprint = tuple[int, int, int, int, int]
 _CLEARED = ".ng-checkpoint-restore-"
 
 
@@ -170,19 +174,45 @@ class CaptureDir:
             return []
         return rows_of(data)
 
-    def read_lines(self, key: str, suffix: str) -> list[bytes]:
-        """The complete lines of ``<key><suffix>`` (none when absent), newlines cut; an unfinished last line is not one.
+    def read_lines(self, key: str, suffix: str) -> tuple[list[bytes], Fingerprint | None]:
+        """The complete lines of ``<key><suffix>`` (none when absent), newlines cut, and the file's fingerprint.
 
-        Gym ends every row it appends with a newline: a last line without one is a write in progress or torn.
+        Gym ends every row it appends with a newline: a last line without one is a write in progress or torn,
+        not a line. The fingerprint is the file's as read (None when absent): when it changed while it was
+        read (a row appended meanwhile), one that no fingerprint equals (``fingerprint``).
         """
         try:
-            with open(self.path(key, suffix), "rb") as handle:
-                data = handle.read()
+            handle = open(self.path(key, suffix), "rb")
         except FileNotFoundError:
-            return []
+            return [], None
+        with handle:
+            before = os.fstat(handle.fileno())
+            data = handle.read()
+            after = os.fstat(handle.fileno())
+        found = _fingerprint(before)
+        if found != _fingerprint(after) or len(data) != before.st_size:
+            found = _changing()
         lines = data.split(b"\n")
         lines.pop()  # what follows the last newline: nothing, or an unfinished line
-        return [line for line in lines if line.strip()]
+        return [line for line in lines if line.strip()], found
+
+    def fingerprint(self, key: str, suffix: str) -> Fingerprint | None:
+        """``(device, inode, size, mtime, ctime)`` of ``<key><suffix>`` now (nanoseconds), None when absent.
+
+        Equal fingerprints mean the same content: Gym appends rows (size and mtime change), cuts a torn
+        tail (size), and this plugin replaces a file with a new one (inode) or appends. Opened, then
+        ``fstat``: on NFS an open revalidates the file's attributes (close-to-open), a bare ``stat``
+        may answer from the client's cache. A file rewritten in place to the same size within one
+        timestamp tick would look unchanged: no writer of the directory does that.
+        """
+        try:
+            descriptor = os.open(self.path(key, suffix), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return _fingerprint(os.fstat(descriptor))
+        finally:
+            os.close(descriptor)
 
     def append(self, key: str, suffix: str, rows: list[tuple[str, bytes]]) -> None:
         """Append ``rows`` (``(model call id, line)``) to ``<key><suffix>`` in one write, creating it; no sync.
@@ -278,6 +308,15 @@ def rows_of(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
         if isinstance(row, dict):
             found.append((line + b"\n", row))
     return found
+
+
+def _fingerprint(status: os.stat_result) -> Fingerprint:
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+def _changing() -> Fingerprint:
+    """A fingerprint no other equals: for a file that changed while it was read (its content is no one state)."""
+    return (-1, -1, -1, -1, stamp())
 
 
 def _write_all(descriptor: int, data: bytes) -> None:

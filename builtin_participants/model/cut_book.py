@@ -10,7 +10,8 @@ when its block says ``checkpoint_generation_cuts`` (``cut_settings.py``).
   the worker as before. Gym's own code is not touched.
 - **Export**: one cut per in-scope episode whose call is generating here (the worker gave its
   prompt's token ids), and every restored cut not yet continued (an episode restored earlier and
-  not started). A snapshot costs list lengths in the event loop; the record is built in the writer.
+  not started). A snapshot costs list lengths in the event loop; the record is built in the writer,
+  only when the cut's ``version`` changed since the last checkpoint (``model_records.py``).
 - **Continue**: the first call of a restored attempt whose request digest and sampling match its
   cut continues it (``cut_continue.py``); a call whose digest differs is generated from scratch
   (the cut waits for its own call); a continuation that fails is generated from scratch.
@@ -41,6 +42,7 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model.cut_stream import (
     stream_chat,
 )
 from nemo_gym_checkpoint_plugin.builtin_participants.shared.attempts import RetiredBy
+from nemo_gym_checkpoint_plugin.builtin_participants.shared.versions import Same
 
 from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId
@@ -172,6 +174,34 @@ class CutBook:
             found[key] = (generation, generation.snapshot())
         self.exported_total += len(found)
         return found
+
+    @staticmethod
+    def version(source: Any) -> Any:
+        """The version of one ``snapshot`` entry's record (``api.Versioned``), taken with the snapshot.
+
+        A restored cut is a dict never changed: itself. A generation's cut is made of its lists (only
+        ever grown, or replaced by a continuation) up to the snapshot's lengths and the snapshot's
+        small fields: the generation, its lists and those.
+        """
+        if not isinstance(source, tuple):
+            return Same(source)
+        generation, snapshot = source
+        return (
+            Same(generation),
+            Same(generation.prompt_token_ids),
+            Same(generation.token_ids),
+            Same(generation.logprobs),
+            snapshot.tokens,
+            Same(snapshot.content),
+            snapshot.content_parts,
+            Same(snapshot.reasoning),
+            snapshot.reasoning_parts,
+            snapshot.tool_calls,
+            snapshot.finish_reason,
+            snapshot.stop_reason,
+            snapshot.response,
+            snapshot.reasoning_field,
+        )
 
     @staticmethod
     def record(source: Any) -> dict[str, Any] | None:

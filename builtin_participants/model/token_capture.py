@@ -13,7 +13,9 @@ the model servers sharing the directory wrote them (``capture_files.py`` has the
   reaching their caller from this process, and rows it installed. A call held, generating or
   parked is owned by no one, so nobody exports it; a sibling server never exports another's rows.
   One record per episode: ``{"episode_id", "token_rows": [[id, line], ...]}`` plus ``"ledger_rows"``
-  with external staging, each row its line on disk as JSON text (never parsed or encoded again);
+  with external staging, each row its line on disk as JSON text (never parsed or encoded again),
+  exported as an ``api.Versioned`` record whose version names the owned calls and the files'
+  fingerprints (``model_records.py``): an unchanged episode's files are not read again;
 - **install**: the rows go under the replacement attempt's key, each keeping the capture key it
   was first recorded under (a token row's own ``rollout_id``; a ledger row's
   ``ng_checkpoint_restored_from``). First, once per restore for all servers sharing the
@@ -44,7 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_files import LEDGER_ROWS, TOKEN_ROWS, CaptureDir
+from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_files import (
+    LEDGER_ROWS,
+    TOKEN_ROWS,
+    CaptureDir,
+    Fingerprint,
+)
 from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_rows import (
     LEDGER,
     RESTORED_FROM,
@@ -61,7 +68,7 @@ from nemo_gym_checkpoint_plugin._errors import InvalidCheckpointState
 from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_to_wire, from_capture_key
 from nemo_gym_checkpoint_plugin._types import rollout_attempts
 
-__all__ = ["StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
+__all__ = ["OwnedRows", "StagedRows", "StagingKeys", "TokenCaptures", "token_captures_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,15 @@ class StagingKeys:
 
 
 @dataclass
+class OwnedRows:
+    """The rows of one episode attempt a model server owns, and the fingerprints of the files they were read from."""
+
+    tokens: list[tuple[str, bytes]]
+    ledger: list[tuple[str, bytes]]
+    files: tuple[Fingerprint | None, ...]
+
+
+@dataclass
 class StagedRows:
     """One restored record, checked: the replacement attempt's key and the lines to write under it."""
 
@@ -140,42 +156,67 @@ class TokenCaptures:
     def export(
         self, keys: Iterable[str], owned: Mapping[str, set[str]], staging: StagingKeys | None = None
     ) -> Iterator[dict[str, Any]]:
-        """One record per key with rows whose model call id ``owned[key]`` names.
+        """One record per key with rows whose model call id ``owned[key]`` names (``record``), as plain records.
 
-        A row goes into the record as it is on disk, ``[model call id, its line]`` (the line as JSON
-        text): never parsed or encoded again (a row holds its prompt's and generation's token ids). Lazy: the
-        storage writer advances it in its worker thread, one episode's rows in memory at a time.
+        Lazy: one episode's rows in memory at a time. The model participant exports them as
+        ``Versioned`` records instead (``model_records.py``), from the same ``owned_rows`` and ``record``.
         """
         for key in keys:
             ids = owned.get(key)
             if not ids:
                 continue
             try:
-                episode = from_capture_key(key)
+                episode = episode_to_wire(from_capture_key(key))
             except ValueError:
                 continue  # not an episode attempt's key
-            # No lock: an owned row was complete before its answer started, and a row Gym appends now (a call
-            # finishing generation while admission is closed) is owned by no one; an unfinished last line is skipped.
-            tokens = self._owned_lines(key, TOKEN_ROWS, ids)
-            ledger = self._owned_lines(key, LEDGER_ROWS, ids) if self.ledger else []
-            if not tokens and not ledger:
-                continue
-            record: dict[str, Any] = {
-                "episode_id": episode_to_wire(episode),
-                "token_rows": [[call_id, line.decode()] for call_id, line in tokens],
-            }
-            if ledger:
-                record["ledger_rows"] = [[call_id, line.decode()] for call_id, line in ledger]
-                if staging is not None:
-                    staging.add(key, [orjson.loads(line) for _call_id, line in ledger])
-            yield record
+            record = self.record(key, episode, self.owned_rows(key, ids), staging)
+            if record is not None:
+                yield record
         if staging is not None:
             staging.finish()
 
-    def _owned_lines(self, key: str, suffix: str, ids: set[str]) -> list[tuple[str, bytes]]:
-        """``(model call id, line without its newline)`` of the owned rows of ``<key><suffix>``, in file order."""
+    def fingerprints(self, key: str) -> tuple[Fingerprint | None, ...]:
+        """The fingerprints of ``key``'s row files now (``CaptureDir.fingerprint``): equal, the same rows."""
+        tokens = self.files.fingerprint(key, TOKEN_ROWS)
+        return (tokens, self.files.fingerprint(key, LEDGER_ROWS)) if self.ledger else (tokens,)
+
+    def owned_rows(self, key: str, ids: set[str]) -> OwnedRows:
+        """The rows of ``key`` that ``ids`` name, in file order, and the fingerprints of the files as read."""
+        # No lock: an owned row was complete before its answer started, and a row Gym appends now (a call
+        # finishing generation while admission is closed) is owned by no one; an unfinished last line is skipped.
+        tokens, token_file = self._owned_lines(key, TOKEN_ROWS, ids)
+        if not self.ledger:
+            return OwnedRows(tokens, [], (token_file,))
+        ledger, ledger_file = self._owned_lines(key, LEDGER_ROWS, ids)
+        return OwnedRows(tokens, ledger, (token_file, ledger_file))
+
+    @staticmethod
+    def record(
+        key: str, episode: Mapping[str, Any], rows: OwnedRows, staging: StagingKeys | None
+    ) -> dict[str, Any] | None:
+        """The record of ``rows``: ``{"episode_id", "token_rows"}`` (and ``"ledger_rows"``); None without rows.
+
+        A row goes into the record as it is on disk, ``[model call id, its line]`` (the line as JSON
+        text): never parsed or encoded again (a row holds its prompt's and generation's token ids).
+        """
+        if not rows.tokens and not rows.ledger:
+            return None
+        record: dict[str, Any] = {
+            "episode_id": episode,
+            "token_rows": [[call_id, line.decode()] for call_id, line in rows.tokens],
+        }
+        if rows.ledger:
+            record["ledger_rows"] = [[call_id, line.decode()] for call_id, line in rows.ledger]
+            if staging is not None:
+                staging.add(key, [orjson.loads(line) for _call_id, line in rows.ledger])
+        return record
+
+    def _owned_lines(self, key: str, suffix: str, ids: set[str]) -> tuple[list[tuple[str, bytes]], Fingerprint | None]:
+        """``(model call id, line without its newline)`` of the owned rows of ``<key><suffix>``, in file order; the
+        file's fingerprint as read."""
         found = []
-        for line in self.files.read_lines(key, suffix):
+        lines, fingerprint = self.files.read_lines(key, suffix)
+        for line in lines:
             call_id = row_id_of(line)
             if call_id is None or call_id not in ids:
                 # Not the usual shape (the id not where Gym writes it): the line itself says.
@@ -183,7 +224,7 @@ class TokenCaptures:
                 call_id = row.get("model_call_id") if isinstance(row, dict) else None
             if call_id in ids:
                 found.append((call_id, line))
-        return found
+        return found, fingerprint
 
     # -- install -----------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ def new_deployment(
     extra_env: dict[str, str] | None = None,
     num_workers: int = 1,
     token_capture: bool = False,
+    gym_settings: dict[str, Any] | None = None,
 ) -> Deployment:
     """The demo deployment: every server wrapped (a participant), own process groups, logs in ``work_dir``.
 
@@ -80,7 +81,8 @@ def new_deployment(
 
     ``port_base`` None picks free ports; ``model`` adds keys to the policy model's config block;
     ``storage`` is the ``checkpoint.storage`` block (``{"backend": "fsspec"}`` for an object store);
-    ``extra_env`` reaches every server (an object store's standard variables, e.g. ``AWS_*``).
+    ``extra_env`` reaches every server (an object store's standard variables, e.g. ``AWS_*``);
+    ``gym_settings`` are top-level Gym settings (e.g. ``token_id_capture``).
     """
     block: dict[str, Any] = {**DEFAULT_CHECKPOINT_BLOCK, "step_mode": step_mode}
     if storage:
@@ -94,6 +96,7 @@ def new_deployment(
         capture = {"enabled": True, "all_agents": True, "dir": str(capture_dir(work_dir)), "rebuild_response": False}
         settings["token_id_capture"] = capture
         model = {**(model or {}), "return_token_id_information": True}
+    settings.update(gym_settings or {})
     deployment = Deployment(
         free_port_base() if port_base is None else port_base,
         work_dir,
