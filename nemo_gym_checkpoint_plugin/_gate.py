@@ -56,7 +56,7 @@ import orjson
 from nemo_gym_checkpoint_plugin._admission import Admission, RetiredMarks
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._errors import StaleAttempt
-from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire, from_capture_key
+from nemo_gym_checkpoint_plugin._identity import EpisodeId, episode_from_wire, from_capture_key, is_plain_episode
 from nemo_gym_checkpoint_plugin._wire import CONTROL_PATH_PREFIX, ROLLOUT_PATH_PREFIX
 
 __all__ = [
@@ -81,6 +81,7 @@ _EXACT_EXEMPT = frozenset({"/", "/livez", "/readyz", "/ng-control"})
 _KEY_START = len(ROLLOUT_PATH_PREFIX)
 
 Attempt = tuple[str, int]
+_WIRE_KEYS = frozenset({"rollout_id", "attempt"})
 
 
 @dataclass
@@ -163,6 +164,18 @@ def json_as_gym_reads(body: bytes) -> Any:
 
 def attempt_from_run_body(body: bytes) -> Attempt | None:
     """``(rollout_id, attempt)`` of ``episode_of_run_body``; None for anything malformed or unnamed."""
+    try:
+        data = orjson.loads(body)
+    except ValueError:
+        data = None
+    if type(data) is dict:
+        # The usual body, an exact {"rollout_id": str, "attempt": int} that EpisodeId takes as it is: the
+        # pair without building an EpisodeId (every /run while marks are present or admission is closed).
+        wire = data.get("episode_id")
+        if type(wire) is dict and wire.keys() <= _WIRE_KEYS:
+            rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt", 0)
+            if is_plain_episode(rollout_id, attempt):
+                return rollout_id, attempt
     episode = episode_of_run_body(body)
     return None if episode is None else (episode.rollout_id, episode.attempt)
 
