@@ -231,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
     parser.add_argument("--parent", type=int, required=True, help="exit once this process has exited")
     args = parser.parse_args(argv)
+    # A Ctrl-C reaches the whole process group, this process too: it ends with its parent instead, so the
+    # parent's clean-up after the interrupt can still ask it to reap the servers it forked.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     base_path = list(sys.path)  # started with -P and no PYTHONPATH: the interpreter's own entries only
     for module in PRELOAD:
         __import__(module)
