@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import runpy
 import select
@@ -241,6 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads != 1 or threading.active_count() != 1:
         print(f"zygote: {threads} threads after the preload; a process that forks must have one", file=sys.stderr)
         return 3
+    # The preload leaves a heap whose young generations are full and whose oldest generation is owed a full
+    # collection: each child paid for it (a full collection walks the whole inherited heap, and writing the
+    # objects' GC headers copies every page it touches), about half a server's start. Collected once here,
+    # every child starts with all of it in the oldest generation and nothing owed, as a fresh interpreter
+    # would after a collection. Not frozen: the plugin's own heap holds (``_gc_pause``) must see an
+    # unfrozen heap, as in production.
+    gc.collect()
     child = _serve(args.socket, args.parent)
     if child is None:
         return 0
