@@ -120,8 +120,11 @@ def ready(checkpoint_id: str | None) -> Readiness | None:
 
 @hookspec
 def wait_ready(checkpoint_id: str) -> None:
-    """Return (or finish awaiting) when this participant's blockers may have changed.
+    """Return (or finish awaiting) when this participant's blockers may have changed since this call.
 
+    Since this call, not since the awaitable first runs: the control plane awaits it as a task, which
+    starts on a later turn of the event loop, and a blocker that clears in between must still wake it
+    (take what a change is measured against in the call itself, not inside a coroutine's body).
     Called while ``preparing`` after a ``ready`` answer with blockers; the control plane
     re-asks ``ready`` when any implementation returns and cancels the others, and cancels
     all at the prepare's deadline or on resume. Without any implementation the control

@@ -3,6 +3,7 @@ still restores the records of earlier releases, which kept the answer as parsed 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -70,3 +71,19 @@ async def test_a_record_of_an_earlier_release_still_replays_its_answer() -> None
 def test_a_malformed_call_is_refused_naming_it(call: Any) -> None:
     with pytest.raises(ValueError, match=r"turn\.calls\[0\]"):
         Turn.from_wire(_wire(call))
+
+
+async def test_wait_change_wakes_for_a_change_made_before_it_first_runs() -> None:
+    """The agent's ``wait_ready`` answer: the control plane awaits it as a task, which first runs on a later
+    turn of the loop; the last blocker clearing in between (the turn's callback ran first) must still wake
+    it. It waited for a change after that one, which never came: the prepare stayed not ready, with no
+    blocker, until its deadline (a collector's checkpoint paused the deployment 60 s, make fuzz seed 7027)."""
+    book = TurnBook("policy_model")
+    book.close()
+    busy = book.busy("r0-a0")
+    busy.__enter__()
+    assert book.blockers() == ["r0-a0"]
+    waiting = asyncio.ensure_future(book.wait_change())
+    busy.__exit__(None, None, None)
+    assert book.blockers() == []
+    await asyncio.wait_for(waiting, 1.0)

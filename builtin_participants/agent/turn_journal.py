@@ -37,7 +37,7 @@ import asyncio
 import base64
 import hashlib
 import json
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -228,8 +228,12 @@ class TurnBook:
     def blockers(self) -> list[str]:
         return [key for key, count in self._busy.items() if count > 0]
 
-    async def wait_change(self) -> None:
-        seen = self._generation
+    def wait_change(self) -> Coroutine[Any, Any, None]:
+        """Awaitable: done once anything changed since this call (not since it first runs: the control plane
+        awaits it as a task, and a blocker that clears before that task starts must still wake it)."""
+        return self._wait_change(self._generation)
+
+    async def _wait_change(self, seen: int) -> None:
         while self._generation == seen:
             await self._changed.wait()
 

@@ -7,7 +7,12 @@ import socket
 
 from .gym_config import HOST, PORT_SPAN
 
-__all__ = ["free_port_base", "parse_port_base", "port_is_free"]
+__all__ = ["PORT_RANGE", "free_port_base", "parse_port_base", "port_is_free"]
+
+# Where ``free_port_base`` draws from: below the kernel's ephemeral range (32768+), so outgoing connections
+# never take a server's port. Processes that start deployments side by side can give each one its own slice
+# (``make fuzz``'s lanes do), so two of them never draw the same ports between a check and a bind.
+PORT_RANGE: tuple[int, int] = (20000, 32000)
 
 
 def port_is_free(port: int) -> bool:
@@ -36,9 +41,9 @@ def parse_port_base(raw: str) -> int:
 def free_port_base(span: int = PORT_SPAN, tries: int = 200) -> int:
     """A random base port whose ``span`` consecutive ports on 127.0.0.1 are free now."""
     rng = random.Random()
+    low, high = PORT_RANGE
     for _ in range(tries):
-        # Below the kernel's ephemeral range (32768+), so outgoing connections never take a server's port.
-        base = rng.randrange(20000, 32000 - span)
+        base = rng.randrange(low, high - span)
         if all(port_is_free(base + offset) for offset in range(span)):
             return base
     raise RuntimeError(f"no {span} consecutive free ports found in {tries} tries")

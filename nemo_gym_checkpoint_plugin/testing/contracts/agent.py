@@ -17,6 +17,7 @@ harness counts what those servers completed across every server ``make_harness``
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -194,6 +195,37 @@ class TestAgentContract(ParticipantContract):
                     await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
             calls = _turn(_round_trip(await _export(harness, None)), episode)["calls"]
             assert [c["call"] for c in calls] == ["model", "tool"]
+        finally:
+            await call_hook(harness.participant, "open_admission", checkpoint_id="ck-1")
+        assert harness.turn_result_ok(await asyncio.wait_for(turn, _BOUND_SECONDS))
+
+    async def test_mid_turn_wait_ready_wakes_for_a_change_made_before_its_answer_is_awaited(
+        self, make_harness: MakeHarness
+    ) -> None:
+        # The control plane calls wait_ready right after a ready answer with blockers and awaits what it
+        # returned later (a task that first runs on a later turn of the loop): a blocker that cleared in
+        # between is a change, and must wake it, or the prepare waits out its whole deadline for nothing.
+        harness = await self._mid_turn(make_harness)
+        episode = _episode("cleared-early")
+        await harness.start(episode)
+        harness.hold_tools()
+        turn = harness.begin_turn(episode)
+        await _until(lambda: harness.tools_in_flight() == 1 or turn.done(), "a tool call in flight")
+        await call_hook(harness.participant, "close_admission", checkpoint_id="ck-1")
+        try:
+            readiness = await call_hook(harness.participant, "ready", checkpoint_id="ck-1")
+            assert list(readiness.blockers) == [episode.capture_key]
+            answer = harness.participant.wait_ready(checkpoint_id="ck-1")
+            harness.release_tools()
+
+            async def unblocked() -> bool:
+                return not list((await call_hook(harness.participant, "ready", checkpoint_id="ck-1")).blockers)
+
+            async with asyncio.timeout(_BOUND_SECONDS):
+                while not await unblocked():
+                    await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+            if inspect.isawaitable(answer):
+                await asyncio.wait_for(answer, _BOUND_SECONDS)
         finally:
             await call_hook(harness.participant, "open_admission", checkpoint_id="ck-1")
         assert harness.turn_result_ok(await asyncio.wait_for(turn, _BOUND_SECONDS))
