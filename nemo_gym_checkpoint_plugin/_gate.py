@@ -173,7 +173,8 @@ def attempt_from_run_body(body: bytes) -> Attempt | None:
         # pair without building an EpisodeId (every /run while marks are present or admission is closed).
         wire = data.get("episode_id")
         if type(wire) is dict and wire.keys() <= _WIRE_KEYS:
-            rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt", 0)
+            rollout_id: Any = wire.get("rollout_id")
+            attempt: Any = wire.get("attempt", 0)
             if is_plain_episode(rollout_id, attempt):
                 return rollout_id, attempt
     episode = episode_of_run_body(body)
