@@ -27,6 +27,7 @@ PROPERTY_TESTS := tests/test_attempts.py tests/test_control_stateful.py tests/te
 # driven through the coordination library, and ng-checkpoint collect killed at random); each violation is
 # printed with its seed (FUZZ_SEED=<seed> FUZZ_SEQUENCES=1 make fuzz replays it). The last line is
 # `fuzz: N sequences, K violations`; the status is non-zero when the property tests or a sequence failed.
+# FUZZ_JOBS=N runs the sequences in N lanes side by side (each its own zygote, deployments and ports; default 1).
 FUZZ_SEQUENCES ?= 1000
 fuzz: setup
 	@status=0; HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS) || status=1; \
