@@ -174,7 +174,7 @@ async def test_retired_attempt_that_got_past_the_gate_never_begins(
     harness = SingleAgentTurnHarness(servers.build(EpisodeBook))
     try:
         # A gate that cannot attribute any /run body: the request reaches the run logic.
-        monkeypatch.setattr(gate_module, "episode_of_run_body", lambda _body: None)
+        monkeypatch.setattr(gate_module, "attempt_from_run_body", lambda _body: None)
         harness.built.control.marks.mark("r", 0)
         reply = await asyncio.wait_for(harness.built.post("/run", rollout_body("r", attempt=0)), _BOUND_SECONDS)
         assert reply.status_code == 409, reply.text

@@ -23,7 +23,7 @@ docs/protocol.md, "Mid-turn boundaries": a checkpoint never waits for a generati
   the restored rows it answers again (a call whose answer had not reached the agent). Such a
   server refuses to restore once it has served a call (``invalid_phase``): its capture files may
   belong to live episodes. With several workers, a worker installs the rows of a replacement when
-  its first call claims them (``facade.claim_install``): the restore was refused by the coordinator
+  its first call claims them (``_control.facade.claim_install``): the restore was refused by the coordinator
   if any worker had served, so that install is not refused for the calls the worker serves since.
 - With ``checkpoint_generation_cuts`` on (``cut_book.py``): the server streams each cuttable
   generation from the worker, a commit exports each in-scope episode's cut (merged into its

@@ -269,7 +269,7 @@ class ServerMetrics:
     def watch_workers(self, gates: WorkersGateFigures, refresh: Callable[[], Awaitable[None]]) -> None:
         """A server with several workers: read their gates (``gates``, refreshed by ``refresh`` before each scrape).
 
-        The parked-duration histogram is then the workers' (``gates.park_times``): no park is timed here.
+        The parked-duration histogram is then the workers' (their gates' park times): no park is timed here.
         """
         self.gate = gates
         self.workers_gate = gates
