@@ -27,11 +27,13 @@ PROPERTY_TESTS := tests/test_attempts.py tests/test_control_stateful.py tests/te
 # driven through the coordination library, and ng-checkpoint collect killed at random); each violation is
 # printed with its seed (FUZZ_SEED=<seed> FUZZ_SEQUENCES=1 make fuzz replays it). The last line is
 # `fuzz: N sequences, K violations`; the status is non-zero when the property tests or a sequence failed.
-# FUZZ_JOBS=N runs the sequences in N lanes side by side (each its own zygote, deployments and ports; default 1).
+# FUZZ_JOBS lanes run sequences side by side, each a process with its own zygote, deployments and ports;
+# 2 by default, the fastest measured on this 2-core machine (docs/development.md).
 FUZZ_SEQUENCES ?= 1000
+FUZZ_JOBS ?= 2
 fuzz: setup
 	@status=0; HYPOTHESIS_PROFILE=explore $(PY) -m pytest -m "not slow" $(PROPERTY_TESTS) || status=1; \
-	FUZZ_SEQUENCES=$(FUZZ_SEQUENCES) $(PY) tests/fuzz_processes.py || status=1; exit $$status
+	FUZZ_SEQUENCES=$(FUZZ_SEQUENCES) FUZZ_JOBS=$(FUZZ_JOBS) $(PY) tests/fuzz_processes.py || status=1; exit $$status
 
 # PORT_BASE reaches the demo only when set (environment or `make demo PORT_BASE=N`); unset, it picks free ports.
 # NUM_WORKERS=N (the demo's --num-workers): the model, resources and environment servers with N uvicorn workers.
