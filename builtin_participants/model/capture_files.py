@@ -46,6 +46,8 @@ __all__ = [
     "TOKEN_ROWS",
     "CaptureDir",
     "Fingerprint",
+    "capture_frozen",
+    "reindex_capture",
 ]
 
 TOKEN_ROWS = ".tokens.jsonl"
@@ -324,3 +326,29 @@ def _write_all(descriptor: int, data: bytes) -> None:
     while view:
         written = os.write(descriptor, view)
         view = view[written:]
+
+
+def capture_frozen(store: Any, key: str) -> bool:
+    """Whether Gym's consumer froze (or retired) ``key``'s capture: its rows are the trainer's now."""
+    state = store.state_path_for(key)
+    try:
+        value = orjson.loads(state.read_bytes())
+    except FileNotFoundError:
+        return False
+    except orjson.JSONDecodeError:
+        return True  # unreadable: never delete what might be the trainer's
+    return isinstance(value, dict) and bool(value.get("frozen") or value.get("retired"))
+
+
+def reindex_capture(store: Any, key: str) -> None:
+    """After rows were dropped from ``key``'s file: Gym's state re-reads its index from the file (flags kept).
+
+    The caller holds the key's lock. Gym rebuilds ``entry_digests`` from offset 0 on its next use.
+    """
+    if not store.state_path_for(key).exists():
+        return
+    state = store._read_state(key)  # Gym's own reader and writer of its state file (0.7.x)
+    state["entry_digests"] = {}
+    state["indexed_size"] = 0
+    state["version"] = int(state.get("version", 0)) + 1
+    store._write_state(key, state)

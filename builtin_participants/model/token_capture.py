@@ -51,6 +51,8 @@ from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_files import 
     TOKEN_ROWS,
     CaptureDir,
     Fingerprint,
+    capture_frozen,
+    reindex_capture,
 )
 from nemo_gym_checkpoint_plugin.builtin_participants.model.capture_rows import (
     LEDGER,
@@ -356,7 +358,7 @@ class TokenCaptures:
         """
         for key in keys:
             with self.files.locked(key):
-                if not self.files.started(key) and not _frozen(self.store, key):
+                if not self.files.started(key) and not capture_frozen(self.store, key):
                     self.files.remove_attempt(key)
         self.files.fsync()
 
@@ -378,7 +380,7 @@ class TokenCaptures:
                     kept = [line for line, row in rows if row.get("model_call_id") not in victims]
                     self.files.replace(key, suffix, kept)
                     if suffix == TOKEN_ROWS:
-                        _reindex(self.store, key)
+                        reindex_capture(self.store, key)
                 settled = settled and not unconfirmed
         return settled
 
@@ -393,29 +395,3 @@ def _list(key: str, record: Mapping[str, Any], field: str) -> list[Any]:
 def _token_line(key: str, row: Any) -> tuple[str, bytes]:
     """A token row of an earlier release's record (a JSON object): checked, encoded as Gym writes it."""
     return token_row_id(key, row), orjson.dumps(row, option=orjson.OPT_SORT_KEYS) + b"\n"
-
-
-def _frozen(store: Any, key: str) -> bool:
-    """Whether Gym's consumer froze (or retired) ``key``'s capture: its rows are the trainer's now."""
-    state = store.state_path_for(key)
-    try:
-        value = orjson.loads(state.read_bytes())
-    except FileNotFoundError:
-        return False
-    except orjson.JSONDecodeError:
-        return True  # unreadable: never delete what might be the trainer's
-    return isinstance(value, dict) and bool(value.get("frozen") or value.get("retired"))
-
-
-def _reindex(store: Any, key: str) -> None:
-    """After rows were dropped from ``key``'s file: Gym's state re-reads its index from the file (flags kept).
-
-    The caller holds the key's lock. Gym rebuilds ``entry_digests`` from offset 0 on its next use.
-    """
-    if not store.state_path_for(key).exists():
-        return
-    state = store._read_state(key)  # Gym's own reader and writer of its state file (0.7.x)
-    state["entry_digests"] = {}
-    state["indexed_size"] = 0
-    state["version"] = int(state.get("version", 0)) + 1
-    store._write_state(key, state)

@@ -174,11 +174,7 @@ class TestAgentContract(ParticipantContract):
 
     async def test_mid_turn_a_tool_call_in_flight_blocks_until_it_is_recorded(self, make_harness: MakeHarness) -> None:
         harness = await self._mid_turn(make_harness)
-        episode = _episode("tooling")
-        await harness.start(episode)
-        harness.hold_tools()
-        turn = harness.begin_turn(episode)
-        await _until(lambda: harness.tools_in_flight() == 1 or turn.done(), "a tool call in flight")
+        episode, turn = await _tool_call_in_flight(harness, "tooling")
         await call_hook(harness.participant, "close_admission", checkpoint_id="ck-1")
         try:
             readiness = await call_hook(harness.participant, "ready", checkpoint_id="ck-1")
@@ -186,13 +182,7 @@ class TestAgentContract(ParticipantContract):
             waiting = asyncio.ensure_future(call_hook(harness.participant, "wait_ready", checkpoint_id="ck-1"))
             harness.release_tools()
             await asyncio.wait_for(waiting, _BOUND_SECONDS)
-
-            async def unblocked() -> bool:
-                return not list((await call_hook(harness.participant, "ready", checkpoint_id="ck-1")).blockers)
-
-            async with asyncio.timeout(_BOUND_SECONDS):
-                while not await unblocked():
-                    await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+            await _until_unblocked(harness)
             calls = _turn(_round_trip(await _export(harness, None)), episode)["calls"]
             assert [c["call"] for c in calls] == ["model", "tool"]
         finally:
@@ -206,24 +196,14 @@ class TestAgentContract(ParticipantContract):
         # returned later (a task that first runs on a later turn of the loop): a blocker that cleared in
         # between is a change, and must wake it, or the prepare waits out its whole deadline for nothing.
         harness = await self._mid_turn(make_harness)
-        episode = _episode("cleared-early")
-        await harness.start(episode)
-        harness.hold_tools()
-        turn = harness.begin_turn(episode)
-        await _until(lambda: harness.tools_in_flight() == 1 or turn.done(), "a tool call in flight")
+        episode, turn = await _tool_call_in_flight(harness, "cleared-early")
         await call_hook(harness.participant, "close_admission", checkpoint_id="ck-1")
         try:
             readiness = await call_hook(harness.participant, "ready", checkpoint_id="ck-1")
             assert list(readiness.blockers) == [episode.capture_key]
             answer = harness.participant.wait_ready(checkpoint_id="ck-1")
             harness.release_tools()
-
-            async def unblocked() -> bool:
-                return not list((await call_hook(harness.participant, "ready", checkpoint_id="ck-1")).blockers)
-
-            async with asyncio.timeout(_BOUND_SECONDS):
-                while not await unblocked():
-                    await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
+            await _until_unblocked(harness)
             if inspect.isawaitable(answer):
                 await asyncio.wait_for(answer, _BOUND_SECONDS)
         finally:
@@ -263,3 +243,24 @@ class TestAgentContract(ParticipantContract):
         assert not harness.available(episode)
         assert not harness.turn_result_ok(await asyncio.wait_for(turn, _BOUND_SECONDS))
         assert harness.model_completed(episode).get(1) is None
+
+
+async def _tool_call_in_flight(harness: Any, name: str) -> tuple[EpisodeId, asyncio.Task[Any]]:
+    """A started episode ``name`` whose turn is held in its first tool call; the episode and its turn."""
+    episode = _episode(name)
+    await harness.start(episode)
+    harness.hold_tools()
+    turn = harness.begin_turn(episode)
+    await _until(lambda: harness.tools_in_flight() == 1 or turn.done(), "a tool call in flight")
+    return episode, turn
+
+
+async def _until_unblocked(harness: Any) -> None:
+    """Wait (bounded) until the participant's readiness names no blocker."""
+
+    async def unblocked() -> bool:
+        return not list((await call_hook(harness.participant, "ready", checkpoint_id="ck-1")).blockers)
+
+    async with asyncio.timeout(_BOUND_SECONDS):
+        while not await unblocked():
+            await asyncio.sleep(0.005)  # wait-ok: poll interval of a bounded wait on a condition
