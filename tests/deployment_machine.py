@@ -647,9 +647,14 @@ class DeploymentMachine(RuleBasedStateMachine):
                 (manifest,) = (source / "gym" / "environment").rglob("manifest.json")
                 manifest.unlink()
         result, error = await self.control(restore, restore_id, str(source), scope)
-        for capture in scope:
-            episode = from_capture_key(capture)
-            self.mark(episode.rollout_id, episode.attempt)
+        if damage == "partial":
+            # A participant its index lists is missing: refused before any participant is asked
+            # (Coordinator.restore), so nothing marks the scope (seed 309263148 of the 1,000 run).
+            assert error is not None and error.codes == {"(checkpoint)": "invalid_checkpoint_state"}, error
+        else:
+            for capture in scope:
+                episode = from_capture_key(capture)
+                self.mark(episode.rollout_id, episode.attempt)
         if damage != "none":
             assert error is not None and "invalid_checkpoint_state" in error.codes.values(), error
             statuses = await self.statuses()
