@@ -20,13 +20,32 @@ async def buffer_body(receive: Receive) -> tuple[bytes, Receive]:
     Returns the body and a ``receive`` that hands the buffered messages over first, then the
     live channel (so the app still sees a later disconnect).
     """
-    messages: list[Message] = []
+    first = await receive()
+    if first["type"] == "http.request" and not first.get("more_body", False):
+        # The usual request: its whole body in one message (no list, join or deque to build).
+        handed = False
+
+        async def replay_one() -> Message:
+            nonlocal handed
+            if handed:
+                return await receive()
+            handed = True
+            return first
+
+        return first.get("body", b""), replay_one
+    messages: list[Message] = [first]
+    if first["type"] != "http.request":
+        return b"", _replay(messages, receive)
     while True:
         message = await receive()
         messages.append(message)
         if message["type"] != "http.request" or not message.get("more_body", False):
             break
     body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+    return body, _replay(messages, receive)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
     pending = deque(messages)
 
     async def replay() -> Message:
@@ -34,4 +53,4 @@ async def buffer_body(receive: Receive) -> tuple[bytes, Receive]:
             return pending.popleft()
         return await receive()
 
-    return body, replay
+    return replay

@@ -32,7 +32,7 @@ from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
 from nemo_gym_checkpoint_plugin._gate import RUN_BODY, json_as_gym_reads
 from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, make_episode_id
 
-__all__ = ["ExplicitAttemptIds", "decode_run_body"]
+__all__ = ["ExplicitAttemptIds", "decode_explicit", "decode_run_body"]
 
 _SUFFIX_MARK = b"-a"
 # A UTF-8 body starts with one of these (JSON text after optional whitespace); anything else (a BOM,
@@ -92,19 +92,29 @@ class ExplicitAttemptIds:
         if scope["type"] != "http" or scope["path"] != self._run_path or scope.get("method") != "POST":
             await self._app(scope, receive, send)
             return
-        body, replay = await buffer_body(receive)
-        try:
-            decoded = decode_run_body(body)
-        except AmbiguousEpisode as exc:
-            await _refuse(send, exc)
-            return
-        if decoded is None:
-            scope[RUN_BODY] = body  # the gate and the claims read these bytes instead of buffering again
-            await self._app(scope, replay, send)
-            return
-        rewritten = _with_length(scope, len(decoded))
-        rewritten[RUN_BODY] = decoded
-        await self._app(rewritten, _receive_once(decoded, receive), send)
+        decoded = await decode_explicit(scope, receive, send)
+        if decoded is not None:
+            await self._app(decoded[0], decoded[1], send)
+
+
+async def decode_explicit(scope: Scope, receive: Receive, send: Send) -> tuple[Scope, Receive] | None:
+    """One ``POST /run``: the scope and ``receive`` to hand on (decoded when explicit), or None when refused.
+
+    None: answered here with 422 ``ambiguous_episode_id``. The body is buffered once and recorded in
+    the scope (``RUN_BODY``), so the gate and the claims read these bytes instead of buffering again.
+    """
+    body, replay = await buffer_body(receive)
+    try:
+        decoded = decode_run_body(body)
+    except AmbiguousEpisode as exc:
+        await _refuse(send, exc)
+        return None
+    if decoded is None:
+        scope[RUN_BODY] = body
+        return scope, replay
+    rewritten = _with_length(scope, len(decoded))
+    rewritten[RUN_BODY] = decoded
+    return rewritten, _receive_once(decoded, receive)
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

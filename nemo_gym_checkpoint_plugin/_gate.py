@@ -238,25 +238,33 @@ class AdmissionGate:
         if scope["type"] != "http" or is_exempt(scope["path"]):
             await self._app(scope, receive, send)
             return
-        await self._gate(scope, receive, send)
+        admitted = await self.admit(scope, receive, send)
+        if admitted is not None:
+            await self._app(scope, admitted, send)
 
-    async def _gate(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def admit(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """The gate's decision for one data request past the fast path: the ``receive`` to hand on, or None.
+
+        None: the request was answered here (refused ``stale_attempt``). Parks while admission is
+        closed. ``__call__`` hands the request on at once; a worker's front (``_workers.front``) runs
+        its restored-record claim first, as the claims middleware inside the gate did.
+        """
         path = scope["path"]
         attempt = attempt_from_path(path)
         if attempt is None and path == self._run_path and scope.get("method") == "POST":
             attempt, receive = await run_body_attempt(scope, receive)
         if attempt is not None and self._marks.is_retired(*attempt):
             await self._refuse(send, attempt)
-            return
+            return None
         if not self._admission.is_open:
             if not await self._park(send, attempt):
-                return
+                return None
             # Nothing is awaited between this check and the call: admission is still open and the
             # mark cannot have risen in between.
             if attempt is not None and self._marks.is_retired(*attempt):
                 await self._refuse(send, attempt)
-                return
-        await self._app(scope, receive, send)
+                return None
+        return receive
 
     async def _park(self, send: Send, attempt: Attempt | None) -> bool:
         """Wait for admission to open; False when the attempt was retired meanwhile (refused then)."""

@@ -8,14 +8,14 @@ what this worker's admission gate reads and answers the coordinator's calls. On 
 
 - every plugin's ``serving`` middleware with the worker's marks; on resources servers the seed
   replies' hook;
-- ``ClaimRestored``, inside the gate: a request of a replacement attempt whose restored record
+- outermost, one ``WorkerFront`` (``front.py``) running in order: control routes forwarded to the
+  coordinator (``forward.py``); on environments, the explicit ``"<id>-aN"`` decoding (outside the
+  gate, as on one worker); the admission gate over the worker's ``admission`` and ``marks``;
+  ``ClaimRestored``, inside the gate: a request of a replacement attempt whose restored record
   the coordinator holds claims it first (installed here, one owner: a second worker's claim is
   refused ``attempt_running``, as the reply says). On a model server the calls of one episode land
   on any worker and what a claim installs (Gym's capture rows) is in the directory every worker
-  shares: a call whose replacement another worker claimed goes on;
-- the admission gate over the worker's ``admission`` and ``marks``;
-- on environments, the explicit ``"<id>-aN"`` decoding (outside the gate, as on one worker);
-- ``ForwardControl`` outermost: control routes go to the coordinator (``forward.py``).
+  shares: a call whose replacement another worker claimed goes on.
 
 The worker registers with the coordinator at the app's startup (the socket's path is in
 ``SOCKET_ENV``): a worker that cannot register fails its startup, and uvicorn then stops the
@@ -32,62 +32,13 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send
-from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError
-from nemo_gym_checkpoint_plugin._gate import attempt_from_path, install_gate, is_exempt, run_body_attempt
-from nemo_gym_checkpoint_plugin._identity import episode_id
-
-from .forward import ForwardControl
+from .front import ClaimRestored, WorkerFront
 from .service import SOCKET_ENV
 from .worker import Worker
 
 __all__ = ["ClaimRestored", "WorkerAttachment", "attach_worker"]
 
 logger = logging.getLogger(__name__)
-
-
-class ClaimRestored:
-    """Pure ASGI middleware: a replacement attempt's first request here claims its restored record first.
-
-    Costs one ``len`` of an empty set per request unless a restore left records unclaimed.
-    ``shared``: what a claim installs is visible to every worker (a model server's capture rows), so
-    a request whose replacement another worker claimed goes on instead of being refused.
-    """
-
-    def __init__(self, app: ASGIApp, *, worker: Worker, run_path: str | None, shared: bool = False) -> None:
-        self._app = app
-        self._worker = worker
-        self._run_path = run_path
-        self._shared = shared
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        restorable = self._worker.restorable
-        if not restorable or scope["type"] != "http" or is_exempt(scope["path"]):
-            await self._app(scope, receive, send)
-            return
-        attempt = attempt_from_path(scope["path"])
-        if attempt is None and scope["path"] == self._run_path and scope.get("method") == "POST":
-            attempt, receive = await run_body_attempt(scope, receive)
-        if attempt is not None:
-            episode = episode_id(*attempt)
-            if episode.capture_key in restorable:
-                try:
-                    await self._worker.claim(episode)
-                except CheckpointError as error:
-                    if not (self._shared and isinstance(error, AttemptRunning)):
-                        await _reply_error(send, error)
-                        return
-                    restorable.discard(episode.capture_key)  # installed by the worker that claimed it
-        await self._app(scope, receive, send)
-
-
-async def _reply_error(send: Send, error: CheckpointError) -> None:
-    body = orjson.dumps(error.to_body())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _relay_closes(app: Any, worker: Worker) -> None:
@@ -133,14 +84,18 @@ def attach_worker(app: Any, pm: Any, *, kind: str, call_timeout: float = 10.0) -
 
         install_seed_hook(app, worker.participants)
         _relay_closes(app, worker)
-    run_path = "/run" if kind == "environment" else None
-    app.add_middleware(ClaimRestored, worker=worker, run_path=run_path, shared=kind == "model")
-    counters = install_gate(app, worker.admission, worker.marks, run_path=run_path, counters=worker.gate)
-    if kind == "environment":
-        from nemo_gym_checkpoint_plugin._explicit_ids import ExplicitAttemptIds
-
-        app.add_middleware(ExplicitAttemptIds)
-    app.add_middleware(ForwardControl, link=lambda: worker.link)
+    if getattr(app.state, "ng_checkpoint_gate", None) is not None:
+        raise RuntimeError("the admission gate is already installed on this app")
+    # Outermost: the front sees the raw prefixed path before any Gym middleware (as install_gate's gate).
+    app.add_middleware(
+        WorkerFront,
+        worker=worker,
+        counters=worker.gate,
+        run_path="/run" if kind == "environment" else None,
+        explicit_ids=kind == "environment",
+        shared_claims=kind == "model",
+    )
+    app.state.ng_checkpoint_gate = worker.gate
 
     stopping = False
 
@@ -163,4 +118,4 @@ def attach_worker(app: Any, pm: Any, *, kind: str, call_timeout: float = 10.0) -
 
     app.router.on_startup.append(start)
     app.router.on_shutdown.append(stop)
-    return WorkerAttachment(worker=worker, gate_counters=counters, socket_path=socket_path)
+    return WorkerAttachment(worker=worker, gate_counters=worker.gate, socket_path=socket_path)

@@ -29,7 +29,7 @@ from nemo_gym_checkpoint_plugin._wire import CONTROL_PATH_PREFIX
 from . import messages as m
 from .link import Link, LinkError
 
-__all__ = ["FORWARD_TIMEOUT_SECONDS", "ForwardControl", "answer_forwarded"]
+__all__ = ["FORWARD_TIMEOUT_SECONDS", "ForwardControl", "answer_forwarded", "forward_control", "is_control_path"]
 
 # A control call's deadline is at most 24 hours ahead (the routes refuse more); its reply comes by then.
 FORWARD_TIMEOUT_SECONDS = 24 * 3600 + 60.0
@@ -37,7 +37,7 @@ FORWARD_TIMEOUT_SECONDS = 24 * 3600 + 60.0
 _MAX_READ = 64 * 1024 * 1024
 
 
-def _control_path(path: str) -> bool:
+def is_control_path(path: str) -> bool:
     return path == "/ng-control" or path.startswith(CONTROL_PATH_PREFIX)
 
 
@@ -73,42 +73,46 @@ class ForwardControl:
         self._link = link
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _control_path(scope["path"]):
+        if scope["type"] != "http" or not is_control_path(scope["path"]):
             await self._app(scope, receive, send)
             return
-        headers = list(scope.get("headers") or [])
-        declared = _content_length(headers)
-        body = b"" if declared is not None and declared > _MAX_READ else await _read_body(receive, _MAX_READ)
-        request = {
-            "method": scope.get("method", "GET"),
-            "path": scope["path"],
-            "query_string": bytes(scope.get("query_string") or b"").decode("latin-1"),
-            "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers],
-            "body": base64.b64encode(body).decode("ascii"),
-        }
-        link = self._link()
-        try:
-            if link is None:
-                raise LinkError("this worker has not registered with its coordinator yet", op=m.CONTROL)
-            reply = await link.call(m.CONTROL, request, timeout=FORWARD_TIMEOUT_SECONDS)
-            status = int(reply["status"])
-            out_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply["headers"]]
-            out_body = base64.b64decode(reply["body"])
-        except LinkError as exc:
-            status, out_body = (
-                503,
-                orjson.dumps(
-                    {
-                        "error": {
-                            "code": "coordinator_unreachable",
-                            "detail": f"this server's coordinator did not answer the control call: {exc}",
-                        }
+        await forward_control(self._link(), scope, receive, send)
+
+
+async def forward_control(link: Link | None, scope: Scope, receive: Receive, send: Send) -> None:
+    """Send one control request over ``link`` to the coordinator and reply its answer (503 when unreachable)."""
+    headers = list(scope.get("headers") or [])
+    declared = _content_length(headers)
+    body = b"" if declared is not None and declared > _MAX_READ else await _read_body(receive, _MAX_READ)
+    request = {
+        "method": scope.get("method", "GET"),
+        "path": scope["path"],
+        "query_string": bytes(scope.get("query_string") or b"").decode("latin-1"),
+        "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers],
+        "body": base64.b64encode(body).decode("ascii"),
+    }
+    try:
+        if link is None:
+            raise LinkError("this worker has not registered with its coordinator yet", op=m.CONTROL)
+        reply = await link.call(m.CONTROL, request, timeout=FORWARD_TIMEOUT_SECONDS)
+        status = int(reply["status"])
+        out_headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply["headers"]]
+        out_body = base64.b64decode(reply["body"])
+    except LinkError as exc:
+        status, out_body = (
+            503,
+            orjson.dumps(
+                {
+                    "error": {
+                        "code": "coordinator_unreachable",
+                        "detail": f"this server's coordinator did not answer the control call: {exc}",
                     }
-                ),
-            )
-            out_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out_body)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": out_body})
+                }
+            ),
+        )
+        out_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out_body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": out_headers})
+    await send({"type": "http.response.body", "body": out_body})
 
 
 async def answer_forwarded(app: ASGIApp, request: Mapping[str, Any]) -> dict[str, Any]:
