@@ -29,10 +29,12 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Message, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
-from nemo_gym_checkpoint_plugin._gate import RUN_BODY, json_as_gym_reads
-from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, make_episode_id
+from nemo_gym_checkpoint_plugin._gate import RUN_ATTEMPT, RUN_BODY, json_as_gym_reads
+from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, is_plain_episode, make_episode_id
 
-__all__ = ["ExplicitAttemptIds", "decode_explicit", "decode_run_body"]
+__all__ = ["ExplicitAttemptIds", "decode_attributed", "decode_explicit", "decode_run_body"]
+
+_WIRE_KEYS = frozenset({"rollout_id", "attempt"})
 
 _SUFFIX_MARK = b"-a"
 # A UTF-8 body starts with one of these (JSON text after optional whitespace); anything else (a BOM,
@@ -97,6 +99,30 @@ class ExplicitAttemptIds:
             await self._app(decoded[0], decoded[1], send)
 
 
+async def decode_attributed(scope: Scope, receive: Receive, send: Send) -> tuple[Scope, Receive] | None:
+    """``decode_explicit``, and the attempt the body names recorded for the gate (``RUN_ATTEMPT``), one parse.
+
+    For a worker whose gate will read the attempt (retired marks present, or admission closed). The usual
+    body, an exact ``{"rollout_id", "attempt"}`` that ``EpisodeId`` takes as it is, has no explicit suffix
+    to decode (a reserved ``-aN`` suffix is not a plain id), so its pair is the attempt; anything else goes
+    through ``decode_explicit`` and the gate's own parse, as before.
+    """
+    body, replay = await buffer_body(receive)
+    try:
+        data = orjson.loads(body)
+    except ValueError:
+        data = None
+    if type(data) is dict:
+        wire = data.get("episode_id")
+        if type(wire) is dict and wire.keys() <= _WIRE_KEYS:
+            rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt", 0)
+            if is_plain_episode(rollout_id, attempt):
+                scope[RUN_BODY] = body
+                scope[RUN_ATTEMPT] = (rollout_id, attempt)
+                return scope, replay
+    return await _decode_buffered(scope, body, replay, receive, send)
+
+
 async def decode_explicit(scope: Scope, receive: Receive, send: Send) -> tuple[Scope, Receive] | None:
     """One ``POST /run``: the scope and ``receive`` to hand on (decoded when explicit), or None when refused.
 
@@ -104,6 +130,12 @@ async def decode_explicit(scope: Scope, receive: Receive, send: Send) -> tuple[S
     the scope (``RUN_BODY``), so the gate and the claims read these bytes instead of buffering again.
     """
     body, replay = await buffer_body(receive)
+    return await _decode_buffered(scope, body, replay, receive, send)
+
+
+async def _decode_buffered(
+    scope: Scope, body: bytes, replay: Receive, receive: Receive, send: Send
+) -> tuple[Scope, Receive] | None:
     try:
         decoded = decode_run_body(body)
     except AmbiguousEpisode as exc:

@@ -254,7 +254,7 @@ class AdmissionGate:
         if attempt is None and path == self._run_path and scope.get("method") == "POST":
             attempt, receive = await run_body_attempt(scope, receive)
         if attempt is not None and self._marks.is_retired(*attempt):
-            await self._refuse(send, attempt)
+            await self.refuse(send, attempt)
             return None
         if not self._admission.is_open:
             if not await self._park(send, attempt):
@@ -262,7 +262,7 @@ class AdmissionGate:
             # Nothing is awaited between this check and the call: admission is still open and the
             # mark cannot have risen in between.
             if attempt is not None and self._marks.is_retired(*attempt):
-                await self._refuse(send, attempt)
+                await self.refuse(send, attempt)
                 return None
         return receive
 
@@ -285,7 +285,7 @@ class AdmissionGate:
                     await self._admission.wait_open_or(parked.woken)
                 if parked.retired:
                     # Refused even if the rollout was forgotten since: the mark rose while it was parked.
-                    await self._refuse(send, attempt)
+                    await self.refuse(send, attempt)
                     return False
                 return True
         finally:
@@ -293,7 +293,8 @@ class AdmissionGate:
             if counters.observe_park is not None:
                 counters.observe_park(time.monotonic() - parked_at)
 
-    async def _refuse(self, send: Send, attempt: Attempt) -> None:
+    async def refuse(self, send: Send, attempt: Attempt) -> None:
+        """Answer 409 ``stale_attempt`` for ``attempt`` and count it."""
         rollout_id, number = attempt
         up_to = self._marks.retired_up_to(rollout_id)
         since = "its mark was forgotten since" if up_to is None else f"retired up to attempt {up_to}"

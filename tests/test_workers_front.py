@@ -190,3 +190,61 @@ async def test_buffer_body_joins_chunks_and_keeps_an_early_disconnect() -> None:
 
     body, replay = await buffer_body(gone)
     assert body == b"" and await replay() == {"type": "http.disconnect"}
+
+
+async def test_with_marks_an_environment_run_body_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The usual body: decode_attributed's one parse attributes it; neither the explicit-id scan nor the
+    # gate's parse runs. An explicit "<id>-aN" still goes the decoding's way and is judged as decoded.
+    from nemo_gym_checkpoint_plugin import _explicit_ids, _gate
+
+    scans: list[bytes] = []
+    parses: list[bytes] = []
+    real_scan, real_parse = _explicit_ids.decode_run_body, _gate.attempt_from_run_body
+    monkeypatch.setattr(_explicit_ids, "decode_run_body", lambda body: scans.append(body) or real_scan(body))
+    monkeypatch.setattr(_gate, "attempt_from_run_body", lambda body: parses.append(body) or real_parse(body))
+    app, worker, seen = _attached("environment", monkeypatch)
+    worker.marks.mark("gone", 3)
+    usual_live = orjson.dumps({"episode_id": {"rollout_id": "live", "attempt": 0}, "task": {"x": "-a1"}})
+    usual_gone = orjson.dumps({"episode_id": {"rollout_id": "gone", "attempt": 3}})
+    explicit_gone = orjson.dumps({"episode_id": {"rollout_id": "gone-a2"}})
+    async with _client(app) as http:
+        assert (await http.post("/run", content=usual_live)).status_code == 200
+        refused = await http.post("/run", content=usual_gone)
+        assert scans == [] and parses == []
+        explicit = await http.post("/run", content=explicit_gone)
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "stale_attempt"
+    assert explicit.status_code == 409 and scans == [explicit_gone]  # decoded to gone/2: retired
+    assert seen == [("/run", usual_live)] and worker.gate.refused == 2
+
+
+async def test_decode_attributed_records_the_pair_and_leaves_other_bodies_to_the_decoding() -> None:
+    from nemo_gym_checkpoint_plugin._explicit_ids import decode_attributed
+    from nemo_gym_checkpoint_plugin._gate import RUN_ATTEMPT, RUN_BODY
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def run(body: bytes) -> tuple[Any, bytes | None]:
+        async def receive() -> Any:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope: dict[str, Any] = {"type": "http", "method": "POST", "path": "/run", "headers": []}
+        decoded = await decode_attributed(scope, receive, send)
+        if decoded is None:
+            return None, None
+        message = await decoded[1]()
+        return decoded[0], message["body"]
+
+    plain = orjson.dumps({"episode_id": {"rollout_id": "my-app", "attempt": 2}})
+    scope, body = await run(plain)
+    assert scope[RUN_ATTEMPT] == ("my-app", 2) and scope[RUN_BODY] == plain and body == plain
+    explicit = orjson.dumps({"episode_id": {"rollout_id": "r-a4", "attempt": 0}, "k": 1})
+    scope, body = await run(explicit)
+    assert RUN_ATTEMPT not in scope and body == orjson.dumps({"episode_id": {"rollout_id": "r", "attempt": 4}, "k": 1})
+    scope, _ = await run(orjson.dumps({"episode_id": {"rollout_id": "r-a4", "attempt": 1}}))
+    assert scope is None and sent[0]["status"] == 422
+    odd = orjson.dumps({"episode_id": {"rollout_id": "r", "attempt": 1, "extra": True}})
+    scope, body = await run(odd)
+    assert RUN_ATTEMPT not in scope and body == odd  # not the usual shape: the gate parses it as before

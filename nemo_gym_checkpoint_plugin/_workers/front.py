@@ -24,8 +24,9 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Receive, Scope, Send
 from nemo_gym_checkpoint_plugin._errors import AttemptRunning, CheckpointError
-from nemo_gym_checkpoint_plugin._explicit_ids import decode_explicit
+from nemo_gym_checkpoint_plugin._explicit_ids import decode_attributed, decode_explicit
 from nemo_gym_checkpoint_plugin._gate import (
+    RUN_ATTEMPT,
     AdmissionGate,
     GateCounters,
     attempt_from_path,
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 __all__ = ["ClaimRestored", "WorkerFront"]
+
+_UNREAD = object()  # a /run whose body no step parsed yet
 
 
 class ClaimRestored:
@@ -102,6 +105,7 @@ class WorkerFront:
         self._app = app
         self._worker = worker
         self._explicit_ids = explicit_ids
+        self._run_path = run_path
         self._admission = worker.admission
         self._marks = worker.marks
         # The gate's and the claims' own code, called below instead of stacked (their ``app`` is never called).
@@ -118,17 +122,31 @@ class WorkerFront:
         if is_control_path(path):
             await forward_control(self._worker.link, scope, receive, send)
             return
+        admission, marks = self._admission, self._marks
         if self._explicit_ids and path == "/run" and scope.get("method") == "POST":
-            decoded = await decode_explicit(scope, receive, send)
+            # While the gate will need the attempt, one parse serves the decoding and the gate.
+            decode = decode_attributed if marks or not admission.is_open else decode_explicit
+            decoded = await decode(scope, receive, send)
             if decoded is None:
                 return
             scope, receive = decoded
-        admission = self._admission
-        if (not admission.served or not admission.is_open or self._marks) and not is_exempt(path):
+        if (not admission.served or not admission.is_open or marks) and not is_exempt(path):
             if not admission.served:
                 admission.served = True  # once per process: from the first data request on, no restore here
-            # Past the gate's fast path (admission open, nothing retired) only.
-            if not admission.is_open or self._marks:
+            if admission.is_open:
+                if marks:
+                    # Open with marks present: only a marked attempt is refused, nothing parks; the attempt
+                    # is the path's or the one parsed above (else the gate's own path reads the body).
+                    attempt = scope.get(RUN_ATTEMPT, _UNREAD) if path == self._run_path else attempt_from_path(path)
+                    if attempt is _UNREAD:
+                        admitted = await self._gate.admit(scope, receive, send)
+                        if admitted is None:
+                            return
+                        receive = admitted
+                    elif attempt is not None and marks.is_retired(*attempt):
+                        await self._gate.refuse(send, attempt)
+                        return
+            else:
                 admitted = await self._gate.admit(scope, receive, send)
                 if admitted is None:
                     return
