@@ -29,12 +29,10 @@ import orjson
 
 from nemo_gym_checkpoint_plugin._asgi import ASGIApp, Message, Receive, Scope, Send, buffer_body
 from nemo_gym_checkpoint_plugin._errors import AmbiguousEpisode
-from nemo_gym_checkpoint_plugin._gate import RUN_ATTEMPT, RUN_BODY, json_as_gym_reads
-from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, is_plain_episode, make_episode_id
+from nemo_gym_checkpoint_plugin._gate import RUN_ATTEMPT, RUN_BODY, json_as_gym_reads, plain_run_attempt
+from nemo_gym_checkpoint_plugin._identity import AmbiguousEpisodeId, episode_to_wire, make_episode_id
 
 __all__ = ["ExplicitAttemptIds", "decode_attributed", "decode_explicit", "decode_run_body"]
-
-_WIRE_KEYS = frozenset({"rollout_id", "attempt"})
 
 _SUFFIX_MARK = b"-a"
 # A UTF-8 body starts with one of these (JSON text after optional whitespace); anything else (a BOM,
@@ -108,19 +106,12 @@ async def decode_attributed(scope: Scope, receive: Receive, send: Send) -> tuple
     through ``decode_explicit`` and the gate's own parse, as before.
     """
     body, replay = await buffer_body(receive)
-    try:
-        data = orjson.loads(body)
-    except ValueError:
-        data = None
-    if type(data) is dict:
-        wire = data.get("episode_id")
-        if type(wire) is dict and wire.keys() <= _WIRE_KEYS:
-            rollout_id, attempt = wire.get("rollout_id"), wire.get("attempt", 0)
-            if is_plain_episode(rollout_id, attempt):
-                scope[RUN_BODY] = body
-                scope[RUN_ATTEMPT] = (rollout_id, attempt)
-                return scope, replay
-    return await _decode_buffered(scope, body, replay, receive, send)
+    plain = plain_run_attempt(body)
+    if plain is None:
+        return await _decode_buffered(scope, body, replay, receive, send)
+    scope[RUN_BODY] = body
+    scope[RUN_ATTEMPT] = plain
+    return scope, replay
 
 
 async def decode_explicit(scope: Scope, receive: Receive, send: Send) -> tuple[Scope, Receive] | None:

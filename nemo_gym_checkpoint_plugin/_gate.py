@@ -66,6 +66,7 @@ __all__ = [
     "is_exempt",
     "attempt_from_path",
     "attempt_from_run_body",
+    "plain_run_attempt",
     "run_body_attempt",
     "RUN_BODY",
     "episode_of_run_body",
@@ -162,21 +163,32 @@ def json_as_gym_reads(body: bytes) -> Any:
         return None
 
 
-def attempt_from_run_body(body: bytes) -> Attempt | None:
-    """``(rollout_id, attempt)`` of ``episode_of_run_body``; None for anything malformed or unnamed."""
+def plain_run_attempt(body: bytes) -> Attempt | None:
+    """The usual ``/run`` body's pair: an exact ``{"rollout_id": str, "attempt": int}`` ``EpisodeId`` takes as it is.
+
+    None for any other body (not JSON, another shape, an id ``EpisodeId`` would decode or refuse): ask
+    ``attempt_from_run_body``. The pair is had without building an ``EpisodeId``.
+    """
     try:
         data = orjson.loads(body)
     except ValueError:
-        data = None
+        return None
     if type(data) is dict:
-        # The usual body, an exact {"rollout_id": str, "attempt": int} that EpisodeId takes as it is: the
-        # pair without building an EpisodeId (every /run while marks are present or admission is closed).
         wire = data.get("episode_id")
         if type(wire) is dict and wire.keys() <= _WIRE_KEYS:
             rollout_id: Any = wire.get("rollout_id")
             attempt: Any = wire.get("attempt", 0)
             if is_plain_episode(rollout_id, attempt):
                 return rollout_id, attempt
+    return None
+
+
+def attempt_from_run_body(body: bytes) -> Attempt | None:
+    """``(rollout_id, attempt)`` of ``episode_of_run_body``; None for anything malformed or unnamed."""
+    # The usual body first (every /run while marks are present or admission is closed).
+    plain = plain_run_attempt(body)
+    if plain is not None:
+        return plain
     episode = episode_of_run_body(body)
     return None if episode is None else (episode.rollout_id, episode.attempt)
 
