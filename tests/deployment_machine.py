@@ -260,6 +260,9 @@ class DeploymentMachine(RuleBasedStateMachine):
         assert set(error.codes.values()) == {code}, f"{what}: expected {code}: {error}"
 
     async def post_run(self, rollout: Rollout, attempt: int) -> tuple[int | str, Any]:
+        # Any data request counts as served, a refused one too (docs/protocol.md): no restore after it
+        # (seed 859512253: a retired attempt's /run, refused stale_attempt, then a restore).
+        self.fresh = False
         try:
             async with self.http.post(
                 self.deployment.urls[ENVIRONMENT] + "/run",
@@ -275,7 +278,7 @@ class DeploymentMachine(RuleBasedStateMachine):
     def send(self, rollout: Rollout, attempt: int, continues: str | None) -> None:
         rollout.attempt, rollout.continues, rollout.restored = attempt, continues, None
         rollout.task = self.loop.create_task(self.post_run(rollout, attempt))
-        self.fresh = False
+        self.fresh = False  # already now: the task's request may not have started yet
 
     async def settle(self, rollout: Rollout, timeout: float = 30.0) -> None:
         """Await the current attempt's reply (it must come within ``timeout``); record it."""

@@ -29,11 +29,13 @@ COLLECT_STEPS = 4
 # marks nothing, while the machine expected every server to mark its scope. 309263278 and 309263298: a
 # rollout held at verify, retired, sent again unheld; the resources server's hold (per rollout) held it too.
 # 309263324: a late call naming such a refused restore's id, which no server saw, is not refused as stale.
+# 859512253: a retired attempt's /run, refused, still counts as served: no restore into those servers after it.
 FOUND = (
     (309263148, 18, "restore_after_the_crash(damage='partial')"),
     (309263278, 18, "send_next_attempt(hold='none')"),
     (309263298, 18, "send_next_attempt(hold='none')"),
     (309263324, 18, "a_stale_controllers_late_call(operation='commit')"),
+    (859512253, 18, "retire_rollout()"),
 )
 
 
